@@ -1,0 +1,53 @@
+"""Chooses between the Pallas kernels and the pure-JAX reference for the LeapQuant step and flush.
+
+``LeapQuantConfig.impl`` decides: ``"reference"`` always runs ``windowed``'s reference;
+``"pallas"`` runs the kernels and fails with the kernels' reason where they cannot run
+(never a silent fallback); ``"auto"`` runs the kernels on a GPU when they support the
+shapes and the reference everywhere else. Both paths have the same signatures.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from . import windowed
+from .recurrence import Token
+from .state import LeapQuantConfig, LeapQuantState
+
+
+def _kernels():
+    try:
+        from pallas_kernels import api
+    except ImportError as err:  # the kernels package is optional at run time
+        return None, f"pallas_kernels is not importable ({err})"
+    return api, None
+
+
+def resolve_impl(config: LeapQuantConfig, state: LeapQuantState) -> str:
+    """``"pallas"`` or ``"reference"`` for this config and state; raises if ``"pallas"`` cannot run."""
+    if config.impl == "reference":
+        return "reference"
+    api, why = _kernels()
+    if why is None:
+        why = api.unsupported_reason(config, state)
+    if config.impl == "pallas":
+        if why is not None:
+            raise ValueError(f"impl='pallas' cannot run here: {why}")
+        return "pallas"
+    return "pallas" if why is None and jax.default_backend() == "gpu" else "reference"
+
+
+def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token):
+    """One in-window step ``(o [B, H, dv], state)`` on the chosen implementation."""
+    if resolve_impl(config, state) == "pallas":
+        api, _ = _kernels()
+        return api.leapquant_step(config, state, token)
+    return windowed.step_reference(config, state, token)
+
+
+def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantState:
+    """Flush of every sequence in ``state`` on the chosen implementation."""
+    if resolve_impl(config, state) == "pallas":
+        api, _ = _kernels()
+        return api.leapquant_flush(config, state)
+    return windowed.flush_reference(config, state)

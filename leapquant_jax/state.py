@@ -1,0 +1,160 @@
+"""LeapQuant state types and configuration (DESIGN §4).
+
+The state is a pytree of separate arrays, batch and head axes leading:
+
+* ``Checkpoint``, the window-boundary state: the quantized residual (codes and one scale per
+  value column), the smoothing scales ``c [B, H, dk]`` (``None`` when smoothing is off) and
+  the Compensator Tokens ``comp_k [B, H, r, dk]``, ``comp_u [B, H, r, dv]`` in fp16.
+* ``WindowBuffer``, the live window: ``p`` records ``k [B, H, p, dk]``, ``u [B, H, p, dv]``
+  and log-decays ``g [B, H, p]`` (GDN) or ``[B, H, p, dk]`` (KDA), all in the record dtype.
+* ``pos [B]`` int32, records held per sequence (sequences may sit at different positions).
+
+A checkpoint is what prefix caching keeps; a live stream is all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from .quantizers import Format, QTensor, get_format
+
+Array = jax.Array
+
+RECORD_DTYPES = ("float16", "bfloat16", "float32")
+FITS = ("subspace", "svd")
+IMPLS = ("auto", "reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeapQuantConfig:
+    """Static configuration of the windowed recurrence (hashable: a static jit argument).
+
+    bits: 8, 6 or 4 (integer residual codes; 6 and 4 are packed).
+    window: records per window ``p`` before a flush.
+    rank: Compensator Tokens ``r``; ``None`` means 4 at 8 bits and 6 at 6 and 4 bits.
+    compensators, smoothing: switch the two error reducers (both off gives ``int8-w``).
+    record_dtype: dtype of buffered records (``float16``, ``bfloat16`` or ``float32``).
+    fit: ``"subspace"`` (iteration + CholeskyQR2) or ``"svd"`` (exact reference fit).
+    fit_iters: subspace iterations per flush.
+    warm_start: start the subspace iteration from the previous window's ``K`` instead of
+      the fixed seeded Gaussian.
+    seed: seed of the Gaussian start.
+    residual_format: overrides the residual's storage (``bf16``, ``fp16``, ``fp8``, ``fp32``
+      = identity); ``None`` means ``int{bits}``.
+    impl: ``"auto"`` (Pallas kernels on a GPU, the reference elsewhere), ``"reference"`` or
+      ``"pallas"`` (fails with a reason where the kernels cannot run).
+    """
+
+    bits: int = 8
+    window: int = 16
+    rank: Optional[int] = None
+    compensators: bool = True
+    smoothing: bool = True
+    record_dtype: str = "float16"
+    fit: str = "subspace"
+    fit_iters: int = 1
+    warm_start: bool = False
+    seed: int = 0
+    residual_format: Optional[str] = None
+    impl: str = "auto"
+
+    def __post_init__(self):
+        if self.residual_format is None and self.bits not in (8, 6, 4):
+            raise ValueError(f"bits must be 8, 6 or 4, got {self.bits}")
+        if self.residual_format is not None:
+            get_format(self.residual_format)
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be a positive integer, got {self.window!r}")
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+            raise ValueError(f"rank must be a non-negative integer, got {self.rank!r}")
+        if self.record_dtype not in RECORD_DTYPES:
+            raise ValueError(f"record_dtype must be one of {RECORD_DTYPES}, got {self.record_dtype!r}")
+        if self.fit not in FITS:
+            raise ValueError(f"fit must be one of {FITS}, got {self.fit!r}")
+        if self.fit_iters < 1:
+            raise ValueError(f"fit_iters must be >= 1, got {self.fit_iters}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+
+    @property
+    def effective_rank(self) -> int:
+        """Compensator Tokens actually kept (0 when they are switched off)."""
+        if not self.compensators:
+            return 0
+        if self.rank is not None:
+            return self.rank
+        return 4 if self.bits == 8 else 6
+
+    @property
+    def format_name(self) -> str:
+        return self.residual_format or f"int{self.bits}"
+
+    @property
+    def format(self) -> Format:
+        return get_format(self.format_name)
+
+
+@flax.struct.dataclass
+class Checkpoint:
+    """A window-boundary state. residual ``[B, H, ...]``; smooth ``[B, H, dk]`` or ``None``;
+    comp_k ``[B, H, r, dk]`` fp16; comp_u ``[B, H, r, dv]`` fp16."""
+
+    residual: QTensor
+    smooth: Optional[Array]
+    comp_k: Array
+    comp_u: Array
+
+
+@flax.struct.dataclass
+class WindowBuffer:
+    """The records of the live window: k ``[B, H, p, dk]``, u ``[B, H, p, dv]``,
+    g ``[B, H, p]`` or ``[B, H, p, dk]`` (log-decays), in the record dtype."""
+
+    k: Array
+    u: Array
+    g: Array
+
+
+@flax.struct.dataclass
+class LeapQuantState:
+    """A live LeapQuant stream: checkpoint, window buffer and ``pos [B]`` (records held)."""
+
+    checkpoint: Checkpoint
+    buffer: WindowBuffer
+    pos: Array
+
+    @property
+    def per_channel_decay(self) -> bool:
+        return self.buffer.g.ndim == 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, H, dk, dv)`` of the state it represents."""
+        b, h, _, dk = self.buffer.k.shape
+        return b, h, dk, self.buffer.u.shape[-1]
+
+
+def empty_buffer(config: LeapQuantConfig, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool) -> WindowBuffer:
+    """A zeroed window buffer for ``[batch, heads]`` streams."""
+    dt = jnp.dtype(config.record_dtype)
+    p = config.window
+    gshape = (batch, heads, p, dk) if per_channel_decay else (batch, heads, p)
+    return WindowBuffer(
+        k=jnp.zeros((batch, heads, p, dk), dt),
+        u=jnp.zeros((batch, heads, p, dv), dt),
+        g=jnp.zeros(gshape, dt),
+    )
+
+
+__all__ = [
+    "Checkpoint",
+    "LeapQuantConfig",
+    "LeapQuantState",
+    "WindowBuffer",
+    "empty_buffer",
+]

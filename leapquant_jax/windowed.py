@@ -1,0 +1,215 @@
+"""The windowed recurrence (paper §3.2-3.4): the pure-JAX reference of the LeapQuant step and flush.
+
+Within a window the quantized boundary state ``S0`` stays fixed and every token only appends
+its record ``(g_j, k_j, u_j)``. With ``G_l`` the running sum of log-decays over the first
+``l`` records, the read of the state after ``l`` records is (eq. 10)
+
+    S_l^T x = S0^T (e^{G_l} * x) + sum_{j<=l} u_j (k_j^T (e^{G_l - G_j} * x))
+
+and ``S0^T y = B (Z^T/qmax) (C y) + U (K y)`` (B.3): column scales ``B``, codes ``Z``,
+smoothing ``C``, Compensator Tokens ``K, U``. Decays stay in log space; no cumulative
+product is ever divided by, so a fully decayed head reads zeros, not NaN.
+
+After ``p`` records the window *flushes*: ``S_p`` is materialised in fp32, Compensator
+Tokens are fitted, the residual smoothed and quantized into the next checkpoint.
+
+The functions here are written for ``[B, H, ...]`` batches and are the oracle the Pallas
+kernels in ``pallas_kernels/`` are tested against (same signatures).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from .compensators import compensator_matrix, fit_subspace, fit_svd, smoothing_scales
+from .recurrence import Token
+from .state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer, empty_buffer
+
+Array = jax.Array
+HI = jax.lax.Precision.HIGHEST
+
+
+def select_batch(mask: Array, new, old):
+    """Per-sequence select over pytrees whose leaves lead with the batch axis ``[B, ...]``."""
+    def pick(a, b):
+        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree_util.tree_map(pick, new, old)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def encode_checkpoint(config: LeapQuantConfig, state: Array, previous_k: Optional[Array] = None) -> Checkpoint:
+    """Rounds a dense fp32 state ``[B, H, dk, dv]`` once into a checkpoint.
+
+    Fits ``r`` Compensator Tokens, smooths the residual's key rows and quantizes it with one
+    scale per value column. ``previous_k [B, H, r, dk]`` warm-starts the fit when the config
+    asks for it.
+    """
+    s = state.astype(jnp.float32)
+    r = config.effective_rank
+    if r:
+        if config.fit == "svd":
+            comp_k, comp_u = fit_svd(s, r)
+        else:
+            start = previous_k if config.warm_start else None
+            comp_k, comp_u = fit_subspace(s, r, iters=config.fit_iters, start=start, seed=config.seed)
+        residual = s - compensator_matrix(comp_k, comp_u)
+    else:
+        shape = s.shape[:-2]
+        comp_k = jnp.zeros(shape + (0, s.shape[-2]), jnp.float16)
+        comp_u = jnp.zeros(shape + (0, s.shape[-1]), jnp.float16)
+        residual = s
+    smooth = None
+    if config.smoothing:
+        smooth = smoothing_scales(residual)
+        residual = residual / smooth[..., :, None]
+    return Checkpoint(residual=config.format.quantize(residual), smooth=smooth, comp_k=comp_k, comp_u=comp_u)
+
+
+def decode_checkpoint(config: LeapQuantConfig, ckpt: Checkpoint) -> Array:
+    """The dense fp32 state ``[B, H, dk, dv]`` a checkpoint stands for: ``C deq(Z) + K^T U``."""
+    s = config.format.dequantize(ckpt.residual)
+    if ckpt.smooth is not None:
+        s = ckpt.smooth[..., :, None] * s
+    return s + compensator_matrix(ckpt.comp_k, ckpt.comp_u)
+
+
+def checkpoint_read(config: LeapQuantConfig, ckpt: Checkpoint, y: Array) -> Array:
+    """``S0^T y`` for ``y [B, H, dk]`` -> ``[B, H, dv]`` (reference: dequantize, then read)."""
+    return jnp.einsum("bhkv,bhk->bhv", decode_checkpoint(config, ckpt), y, precision=HI)
+
+
+# ----------------------------------------------------------------------------- window reads
+
+
+def cumulative_log_decay(buf: WindowBuffer, pos: Array) -> Array:
+    """``G_j`` for every slot: ``[B, H, p]`` or ``[B, H, p, dk]`` fp32, records past ``pos`` zeroed."""
+    p = buf.g.shape[2]
+    live = jnp.arange(p)[None, :] < pos[:, None]                      # [B, p]
+    live = live.reshape(live.shape[:1] + (1, p) + (1,) * (buf.g.ndim - 3))
+    return jnp.cumsum(jnp.where(live, buf.g.astype(jnp.float32), 0.0), axis=2)
+
+
+def window_decays(buf: WindowBuffer, pos: Array, dk: int) -> tuple[Array, Array]:
+    """Decays of a read after ``l = pos`` records, in log space.
+
+    Returns ``(G_l [B, H, dk], w [B, H, p, dk])``: ``G_l`` the summed log-decay of the
+    live records (0 for an empty window) and ``w_j = exp(G_l - G_j)`` for live slots, 0 for
+    the rest.
+    """
+    p = buf.k.shape[2]
+    G = cumulative_log_decay(buf, pos)
+    G_full = G if G.ndim == 4 else jnp.broadcast_to(G[..., None], G.shape + (dk,))   # [B, H, p, dk]
+    idx = jnp.clip(pos - 1, 0, p - 1)
+    G_l = jnp.take_along_axis(G_full, idx[:, None, None, None], axis=2)[:, :, 0]     # [B, H, dk]
+    G_l = jnp.where((pos > 0)[:, None, None], G_l, 0.0)
+    live = (jnp.arange(p)[None, :] < pos[:, None])[:, None, :, None]                 # [B, 1, p, 1]
+    # exp of a difference, masked before exp so that dead slots cannot overflow.
+    w = jnp.exp(jnp.where(live, G_l[:, :, None, :] - G_full, -jnp.inf))
+    return G_l, w
+
+
+def window_read(config: LeapQuantConfig, ckpt: Checkpoint, buf: WindowBuffer, pos: Array, x: Array) -> Array:
+    """``S_l^T x`` after ``l = pos`` records (eq. 10): ``x [B, H, dk]`` -> ``[B, H, dv]``."""
+    G_l, w = window_decays(buf, pos, x.shape[-1])
+    out = checkpoint_read(config, ckpt, jnp.exp(G_l) * x)
+    coef = jnp.einsum("bhpk,bhpk,bhk->bhp", buf.k.astype(jnp.float32), w, x, precision=HI)
+    return out + jnp.einsum("bhp,bhpv->bhv", coef, buf.u.astype(jnp.float32), precision=HI)
+
+
+def append_record(buf: WindowBuffer, pos: Array, *, k: Array, u: Array, g: Array) -> WindowBuffer:
+    """Writes one record per sequence at slot ``pos [B]``: k ``[B, H, dk]``, u ``[B, H, dv]``, g ``[B, H(, dk)]``."""
+    p = buf.k.shape[2]
+    hot = jnp.arange(p)[None, :] == pos[:, None]                       # [B, p]
+
+    def put(slots, x):
+        m = hot.reshape(hot.shape[:1] + (1, p) + (1,) * (slots.ndim - 3))
+        return jnp.where(m, x[:, :, None].astype(slots.dtype), slots)
+
+    return WindowBuffer(k=put(buf.k, k), u=put(buf.u, u), g=put(buf.g, g))
+
+
+# ----------------------------------------------------------------------------- step / flush
+
+
+def step_reference(config: LeapQuantConfig, state: LeapQuantState, token: Token) -> tuple[Array, LeapQuantState]:
+    """One decode step inside a window, no flush: computes ``u``, appends the record, reads ``o``.
+
+    state: ``LeapQuantState`` with ``pos < p`` for every sequence; token: general-form
+    ``Token`` (``[B, H, ...]``). Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
+    """
+    ckpt, buf, pos = state.checkpoint, state.buffer, state.pos
+    u = token.beta[..., None] * (token.v - window_read(config, ckpt, buf, pos, token.b))
+    buf = append_record(buf, pos, k=token.w, u=u, g=token.g)
+    pos = pos + 1
+    o = window_read(config, ckpt, buf, pos, token.q)
+    return o, LeapQuantState(checkpoint=ckpt, buffer=buf, pos=pos)
+
+
+def reconstruct_reference(config: LeapQuantConfig, state: LeapQuantState) -> Array:
+    """The dense fp32 state ``[B, H, dk, dv]`` after ``pos`` records (eq. 7 at ``l = pos``)."""
+    ckpt, buf = state.checkpoint, state.buffer
+    G_l, w = window_decays(buf, state.pos, buf.k.shape[-1])
+    records = jnp.einsum("bhpk,bhpv->bhkv", w * buf.k.astype(jnp.float32), buf.u.astype(jnp.float32), precision=HI)
+    return jnp.exp(G_l)[..., None] * decode_checkpoint(config, ckpt) + records
+
+
+def flush_reference(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantState:
+    """Flushes every sequence: reconstruct ``S_pos`` in fp32, refit, smooth, quantize, clear the buffer."""
+    dense = reconstruct_reference(config, state)
+    ckpt = encode_checkpoint(config, dense, state.checkpoint.comp_k)
+    b, h, dk, dv = state.shape
+    buf = empty_buffer(config, b, h, dk, dv, state.per_channel_decay)
+    return LeapQuantState(checkpoint=ckpt, buffer=buf, pos=jnp.zeros_like(state.pos))
+
+
+def maybe_flush(config: LeapQuantConfig, state: LeapQuantState, flush_fn=flush_reference) -> LeapQuantState:
+    """Flushes the sequences whose window is full (``pos == p``); the rest are untouched."""
+    full = state.pos >= config.window
+    return jax.lax.cond(
+        jnp.any(full),
+        lambda s: select_batch(full, flush_fn(config, s), s),
+        lambda s: s,
+        state,
+    )
+
+
+def init_state(config: LeapQuantConfig, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False) -> LeapQuantState:
+    """An all-zero live stream for ``[batch, heads]`` heads of ``dk x dv``."""
+    return from_dense(config, jnp.zeros((batch, heads, dk, dv), jnp.float32), per_channel_decay=per_channel_decay)
+
+
+def from_dense(config: LeapQuantConfig, state: Array, *, per_channel_decay: bool = False) -> LeapQuantState:
+    """Rounds a dense fp32 state ``[B, H, dk, dv]`` once into a live stream with an empty window."""
+    if state.ndim != 4:
+        raise ValueError(f"state must be [B, H, dk, dv], got shape {state.shape}")
+    b, h, dk, dv = state.shape
+    ckpt = encode_checkpoint(config, state)
+    return LeapQuantState(
+        checkpoint=ckpt,
+        buffer=empty_buffer(config, b, h, dk, dv, per_channel_decay),
+        pos=jnp.zeros((b,), jnp.int32),
+    )
+
+
+__all__ = [
+    "append_record",
+    "checkpoint_read",
+    "cumulative_log_decay",
+    "decode_checkpoint",
+    "encode_checkpoint",
+    "flush_reference",
+    "from_dense",
+    "init_state",
+    "maybe_flush",
+    "reconstruct_reference",
+    "select_batch",
+    "step_reference",
+    "window_decays",
+    "window_read",
+]
