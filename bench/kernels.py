@@ -1,0 +1,456 @@
+"""Kernel benchmark (DESIGN §6): correctness first, then µs per token-step on one layer.
+
+    python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--sweep]
+                            [--commit HASH] [--out bench/results]
+
+1. Correctness of the compiled kernels: the Pallas dense steps against the fp32 reference, and
+   ``make_method("leapquant", impl="pallas")`` against ``impl="reference"`` over 64 tokens at
+   ragged window positions (sequences start at different times, so flushes fall at different
+   steps), GDN and KDA, 8/6/4 bits; FLA's kernels against the fp32 reference on the same
+   tokens. Errors are ``||out - ref|| / ||ref||``.
+2. Timings, one layer of ``--heads`` heads, ``dk = dv = 128``, per batch size, GDN and KDA:
+   FLA's fp32 ``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda`` (CUDA events,
+   median), the Pallas fp32 and bf16 dense steps and the LeapQuant step amortised over a full
+   window including its flush (``p`` steps + 1 flush, divided by ``p``; host clock around many
+   calls of a jitted window after warm-up, median over repeats), and a device-to-device copy
+   (bytes read + written) for the bandwidth ceiling.
+
+Bytes per step are the kernels' docstring counts (``dense_step_bytes``, ``step_bytes``,
+``flush_bytes``); FLA's fp32 kernel moves what the Pallas fp32 step moves. Results go to
+``bench/results/kernels-<date>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with PyTorch
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from leapquant_jax import windowed
+from leapquant_jax.methods import make_method
+from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels import api
+from pallas_kernels.dense_step import dense_step, dense_step_bytes, dense_step_reference
+from pallas_kernels.leapquant_flush import flush_bytes, leapquant_flush
+from pallas_kernels.leapquant_step import leapquant_step, step_bytes
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def random_sequence(key, bsz, t, h, dk, dv, kda):
+    """Realistic decode inputs ``[B, T, H, ...]``: L2-normalised keys with a few outlier channels,
+    queries carrying ``1/sqrt(dk)``, decays near 1, ``beta`` in (0, 1)."""
+    ks = jax.random.split(key, 6)
+    chan = jnp.ones((dk,)).at[jnp.array([3, 17, dk - 5])].set(6.0)               # outlier channels
+    k = jax.random.normal(ks[0], (bsz, t, h, dk)) * chan
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    q = jax.random.normal(ks[1], (bsz, t, h, dk)) * chan
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(dk)
+    v = jax.random.normal(ks[2], (bsz, t, h, dv))
+    gshape = (bsz, t, h, dk) if kda else (bsz, t, h)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], gshape) - 4.0)                # about -0.02
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (bsz, t, h)))
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def random_state(key, bsz, h, dk, dv):
+    """A dense fp32 state with the scale of a decoded one and a few outlier value columns."""
+    s = jax.random.normal(key, (bsz, h, dk, dv)) * 0.3
+    return s.at[..., :3].multiply(5.0)
+
+
+def token_at(seq, t):
+    return delta_rule_token(**{n: x[:, t] for n, x in seq.items()})
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def ragged_decode(method, state, seq, offsets):
+    """Decode where sequence ``i`` starts at step ``offsets[i]`` (ragged window positions)."""
+    t = seq["q"].shape[1]
+
+    def body(s, i):
+        xs = {n: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False) for n, x in seq.items()}
+        o, s = method.step(s, **xs, active=i >= offsets)
+        return s, o
+
+    state, o = jax.lax.scan(body, state, jnp.arange(t))
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def check_correctness(log, kda_modes=(False, True), bits_list=(8, 6, 4)):
+    rows = []
+    bsz, h, dk, dv, t = 4, 4, 128, 128, 64
+    for kda in kda_modes:
+        mode = "KDA" if kda else "GDN"
+        seq = random_sequence(jax.random.PRNGKey(1 + kda), bsz, t, h, dk, dv, kda)
+        s0 = random_state(jax.random.PRNGKey(7), bsz, h, dk, dv)
+        o_exact, s_exact = recurrent_scan(s0, **seq)
+        # dense steps, 8 tokens
+        for dt in ("float32", "bfloat16"):
+            s_k = jnp.copy(s0).astype(dt)          # the kernel donates its state
+            s_r = jnp.copy(s0).astype(dt)
+            errs = []
+            for i in range(8):
+                tok = token_at(seq, i)
+                o_k, s_k = dense_step(s_k, tok)
+                o_r, s_r = dense_step_reference(s_r, tok)
+                errs.append(rel(o_k, o_r))
+            row = dict(check=f"pallas dense {dt} step vs reference", mode=mode, tokens=8,
+                       o_rel_err=max(errs), state_rel_err=rel(s_k.astype(jnp.float32), s_r.astype(jnp.float32)),
+                       finite=bool(jnp.all(jnp.isfinite(s_k.astype(jnp.float32)))))
+            rows.append(row)
+            log(row)
+        # LeapQuant through the method, ragged starts
+        offsets = jnp.array([0, 3, 9, 14], jnp.int32)
+        for bits in bits_list:
+            res = {}
+            for impl in ("pallas", "reference"):
+                m = make_method("leapquant", bits=bits, window=16, impl=impl)
+                st = m.from_dense(s0, per_channel_decay=kda)
+                o, st = jax.jit(lambda st, seq: ragged_decode(m, st, seq, offsets))(st, seq)
+                res[impl] = (o, m.to_dense(st))
+            o_ex_r, _ = jax.jit(lambda seq: ragged_decode(make_method("fp32"), make_method("fp32").from_dense(s0), seq, offsets))(seq)
+            row = dict(check=f"leapquant int{bits} impl=pallas vs impl=reference (64 tokens, window 16, ragged)",
+                       mode=mode, tokens=t, o_rel_err=rel(res["pallas"][0], res["reference"][0]),
+                       state_rel_err=rel(res["pallas"][1], res["reference"][1]),
+                       reference_o_err_vs_fp32=rel(res["reference"][0], o_ex_r),
+                       pallas_o_err_vs_fp32=rel(res["pallas"][0], o_ex_r),
+                       finite=bool(jnp.all(jnp.isfinite(res["pallas"][0]))))
+            rows.append(row)
+            log(row)
+        # FLA against the exact fp32 recurrence
+        fla = fla_fns()
+        if fla is not None:
+            import torch
+            tq = {n: torch.from_numpy(np.asarray(x)).cuda() for n, x in seq.items()}
+            h0 = torch.from_numpy(np.asarray(s0)).cuda()
+            o_f, s_f = fla[kda](tq, h0)
+            row = dict(check="FLA fp32 fused_recurrent vs reference", mode=mode, tokens=t,
+                       o_rel_err=rel(o_f.cpu().numpy(), o_exact), state_rel_err=rel(s_f.cpu().numpy(), s_exact))
+            rows.append(row)
+            log(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- FLA
+
+
+def fla_fns():
+    """``{False: gdn, True: kda}`` callables ``(tensors [B, T, H, ...], h0) -> (o, state)``, or None."""
+    try:
+        import torch  # noqa: F401
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        from fla.ops.kda import fused_recurrent_kda
+    except Exception as err:  # reported in the results
+        print(f"FLA unavailable: {err!r}", flush=True)
+        return None
+
+    def gdn(x, h0):
+        return fused_recurrent_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], scale=1.0,
+                                                initial_state=h0, output_final_state=True)
+
+    def kda(x, h0):
+        return fused_recurrent_kda(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], scale=1.0,
+                                   initial_state=h0, output_final_state=True)
+
+    return {False: gdn, True: kda}
+
+
+def time_fla(fn, bsz, h, dk, dv, kda):
+    import torch
+    from triton.testing import do_bench
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.nn.functional.normalize(torch.randn(bsz, 1, h, dk, device="cuda", generator=gen), dim=-1)
+    q = torch.nn.functional.normalize(torch.randn(bsz, 1, h, dk, device="cuda", generator=gen), dim=-1) / dk ** 0.5
+    v = torch.randn(bsz, 1, h, dv, device="cuda", generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(*((bsz, 1, h, dk) if kda else (bsz, 1, h)), device="cuda", generator=gen) - 4)
+    beta = torch.sigmoid(torch.randn(bsz, 1, h, device="cuda", generator=gen))
+    h0 = torch.randn(bsz, h, dk, dv, device="cuda", generator=gen) * 0.3
+    x = dict(q=q, k=k, v=v, g=g, beta=beta)
+    ms = do_bench(lambda: fn(x, h0), warmup=100, rep=500, return_mode="median")
+    del x, h0
+    torch.cuda.empty_cache()
+    return ms * 1e3
+
+
+def time_copy(nbytes=2 << 30):
+    import torch
+    from triton.testing import do_bench
+
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=100, rep=500, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+# ----------------------------------------------------------------------------- JAX timing
+
+
+def time_jax(fn, state, toks, steps, min_seconds=0.3, repeats=7):
+    """Median µs per token-step of ``state, o = fn(state, toks)`` (``steps`` token-steps per call;
+    host clock around ``calls`` back-to-back calls, after two warm-up calls)."""
+    for _ in range(2):
+        state, o = fn(state, toks)
+    jax.block_until_ready((state, o))
+    t0 = time.perf_counter()
+    state, o = fn(state, toks)
+    jax.block_until_ready((state, o))
+    once = max(time.perf_counter() - t0, 1e-6)
+    calls = max(3, int(min_seconds / once))
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            state, o = fn(state, toks)
+        jax.block_until_ready((state, o))
+        per.append((time.perf_counter() - t0) / (calls * steps))
+    del state, o
+    return statistics.median(per) * 1e6
+
+
+def window_tokens(bsz, h, dk, dv, kda, p, seed=0):
+    seq = random_sequence(jax.random.PRNGKey(seed), bsz, p, h, dk, dv, kda)
+    return [token_at(seq, i) for i in range(p)]
+
+
+def dense_timer(dtype, tokens, block_v, num_warps):
+    def run(state, toks):
+        o = None
+        for tok in toks:
+            o, state = dense_step(state, tok, block_v=block_v, num_warps=num_warps)
+        return state, o
+
+    return jax.jit(run, donate_argnums=(0,))
+
+
+def leapquant_window_timer(config, mode, block_v=None, num_warps=4, flush_warps=8):
+    """mode: 'window' (p steps + flush of full windows), 'steps' (p steps), 'flush' (flush only)."""
+    p = config.window
+
+    def run(state, toks):
+        o = jnp.zeros(())
+        if mode in ("window", "steps"):
+            state = state.replace(pos=jnp.zeros_like(state.pos))
+            for tok in toks:
+                o, state = leapquant_step(config, state, tok, block_v=block_v, num_warps=num_warps)
+        if mode in ("window", "flush"):
+            if mode == "flush":
+                state = state.replace(pos=jnp.full_like(state.pos, p))
+            state = leapquant_flush(config, state, only_full=True, num_warps=flush_warps)
+        return state, o
+
+    return jax.jit(run, donate_argnums=(0,))
+
+
+def leapquant_bytes_per_step(config, dk, dv, kda):
+    p = config.window
+    total = sum(step_bytes(config, dk, dv, pos, kda) for pos in range(p)) + flush_bytes(config, dk, dv, kda)
+    return total / p
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def environment(commit):
+    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                python=platform.python_version(), jax=jax.__version__,
+                devices=[str(d) for d in jax.devices()], commit=commit,
+                command=" ".join([os.path.basename(sys.executable), "-m", "bench.kernels"] + sys.argv[1:]))
+    try:
+        import torch
+        import triton
+        info.update(torch=torch.__version__, triton=triton.__version__,
+                    gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    except Exception as err:
+        info["torch"] = f"unavailable ({err!r})"
+    try:
+        from importlib.metadata import version
+        info["fla"] = version("fla-core")
+    except Exception:
+        info["fla"] = None
+    return info
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 128, 512])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--bits", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true", help="also time block_v / num_warps variants at the largest batch")
+    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+
+    def log(x):
+        print(json.dumps(x) if isinstance(x, dict) else x, flush=True)
+
+    env = environment(args.commit or git_commit())
+    log(env)
+    on_gpu = jax.default_backend() == "gpu"
+    results = dict(environment=env, correctness=[], timings=[], sweep=[], notes=[])
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"kernels-{stamp}")
+
+    def save():
+        with open(base + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+        with open(base + ".md", "w") as f:
+            f.write(markdown(results))
+
+    if not args.skip_correctness:
+        results["correctness"] = check_correctness(log)
+        save()
+    if not on_gpu:
+        log("no GPU: timings skipped")
+        save()
+        return results
+
+    fla = fla_fns()
+    copy_bw = time_copy()
+    results["copy_bandwidth_Bps"] = copy_bw
+    log(dict(copy_bandwidth_TBps=copy_bw / 1e12))
+    h, dk, dv = args.heads, args.dim, args.dim
+    config = LeapQuantConfig(bits=args.bits, window=args.window, impl="pallas")
+    p = config.window
+
+    for bsz in args.batches:
+        for kda in (False, True):
+            mode = "KDA" if kda else "GDN"
+            rows = []
+            dense_b = dense_step_bytes(dk, dv, 4, kda) * bsz * h
+            if fla is not None:
+                us = time_fla(fla[kda], bsz, h, dk, dv, kda)
+                rows.append(dict(impl="FLA fp32 fused_recurrent", us=us, bytes=dense_b))
+            toks = window_tokens(bsz, h, dk, dv, kda, p)
+            for dt, isz in (("float32", 4), ("bfloat16", 2)):
+                s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv).astype(dt)
+                us = time_jax(dense_timer(dt, toks, 64, 4), s, toks, p)
+                rows.append(dict(impl=f"Pallas {dt} dense step", us=us, bytes=dense_step_bytes(dk, dv, isz, kda) * bsz * h))
+            s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
+            for what in ("window", "steps", "flush"):
+                st = windowed.from_dense(config, s, per_channel_decay=kda)
+                steps = 1 if what == "flush" else p
+                us = time_jax(leapquant_window_timer(config, what), st, toks, steps)
+                if what == "window":
+                    nb = leapquant_bytes_per_step(config, dk, dv, kda) * bsz * h
+                    name = f"LeapQuant int{args.bits} p={p} (steps + flush, per step)"
+                elif what == "steps":
+                    nb = sum(step_bytes(config, dk, dv, i, kda) for i in range(p)) / p * bsz * h
+                    name = f"LeapQuant int{args.bits} step only (mean over window)"
+                else:
+                    nb = flush_bytes(config, dk, dv, kda) * bsz * h
+                    name = f"LeapQuant int{args.bits} flush (per flush)"
+                rows.append(dict(impl=name, us=us, bytes=nb))
+            del toks, s
+            fla_us = rows[0]["us"] if fla is not None else None
+            pallas_us = next(r["us"] for r in rows if r["impl"].startswith("Pallas float32"))
+            for r in rows:
+                r.update(batch=bsz, heads=h, dk=dk, dv=dv, mode=mode, GBps=r["bytes"] / (r["us"] * 1e-6) / 1e9)
+                r["frac_copy_bw"] = r["bytes"] / (r["us"] * 1e-6) / copy_bw
+                r["speedup_vs_fla_fp32"] = fla_us / r["us"] if fla_us else None
+                r["speedup_vs_pallas_fp32"] = pallas_us / r["us"]
+                log(r)
+            results["timings"] += rows
+            save()
+    if args.sweep:
+        bsz = max(args.batches)
+        for kda in (False, True):
+            toks = window_tokens(bsz, h, dk, dv, kda, p)
+            for bv in (32, 64, 128):
+                for nw in (2, 4, 8):
+                    s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
+                    us = time_jax(dense_timer("float32", toks, bv, nw), s, toks, p)
+                    row = dict(kernel="pallas fp32 dense step", mode="KDA" if kda else "GDN", batch=bsz, block_v=bv,
+                               num_warps=nw, us_per_step=us)
+                    results["sweep"].append(row); log(row)
+                    st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+                    us = time_jax(leapquant_window_timer(config, "steps", bv, nw), st, toks, p)
+                    row = dict(kernel=f"leapquant int{args.bits} step (no flush)", mode="KDA" if kda else "GDN",
+                               batch=bsz, block_v=bv, num_warps=nw, us_per_step=us)
+                    results["sweep"].append(row); log(row)
+            for nw in (4, 8, 16):
+                st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+                us = time_jax(leapquant_window_timer(config, "flush", flush_warps=nw), st, toks, 1)
+                row = dict(kernel=f"leapquant int{args.bits} flush", mode="KDA" if kda else "GDN", batch=bsz,
+                           num_warps=nw, us_per_flush=us)
+                results["sweep"].append(row); log(row)
+            del toks
+            save()
+
+    save()
+    log(markdown(results))
+    return results
+
+
+def markdown(results) -> str:
+    env = results["environment"]
+    out = [f"# Kernel benchmark ({env.get('gpu') or env['devices']})", "",
+           f"date {env['date']}; jax {env['jax']}; torch {env.get('torch')}; triton {env.get('triton')}; "
+           f"fla-core {env.get('fla')}; commit {env.get('commit')}; command `{env['command']}`", ""]
+    if "copy_bandwidth_Bps" in results:
+        out += [f"Device-to-device copy: {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write).", ""]
+    if results["correctness"]:
+        out += ["## Correctness (compiled kernels)", "", "| check | mode | o rel err | state rel err | other |", "| --- | --- | --- | --- | --- |"]
+        for r in results["correctness"]:
+            extra = {k: v for k, v in r.items() if k not in ("check", "mode", "o_rel_err", "state_rel_err", "tokens")}
+            ex = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+            out.append(f"| {r['check']} | {r['mode']} | {r['o_rel_err']:.2e} | {r['state_rel_err']:.2e} | {ex} |")
+        out.append("")
+    if results["timings"]:
+        out += ["## Timings (µs per token-step, medians)", "",
+                "| batch | mode | impl | µs/step | MB moved/step | GB/s | % copy BW | × vs FLA fp32 | × vs Pallas fp32 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in results["timings"]:
+            fla = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
+            out.append(f"| {r['batch']} | {r['mode']} | {r['impl']} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+                       f"{r['GBps']:.0f} | {100 * r['frac_copy_bw']:.0f} | {fla} | {r['speedup_vs_pallas_fp32']:.2f} |")
+        out.append("")
+    if results["sweep"]:
+        out += ["## Block sweep", "", "| kernel | mode | batch | block_v | num_warps | µs |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in results["sweep"]:
+            us = r.get("us_per_step", r.get("us_per_flush"))
+            out.append(f"| {r['kernel']} | {r['mode']} | {r['batch']} | {r.get('block_v', '-')} | {r['num_warps']} | {us:.1f} |")
+        out.append("")
+    for n in results.get("notes", []):
+        out.append(f"- {n}")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

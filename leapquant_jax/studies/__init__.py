@@ -1,0 +1,1 @@
+"""Studies: small, reproducible experiments behind the method's claims (``leapquant study ...``)."""

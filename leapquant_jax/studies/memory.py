@@ -1,0 +1,57 @@
+"""Bytes of a state, measured on the real pytrees (``jax.eval_shape``), never from a formula."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from ..methods import make_method
+from ..quantizers import tree_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryQuery:
+    """dk, dv: head size; bits, rank, window: LeapQuant settings (rank None = default);
+    layers, heads: model size for the totals."""
+
+    dk: int = 128
+    dv: int = 128
+    bits: int = 8
+    rank: int | None = None
+    window: int = 16
+    layers: int = 48
+    heads: int = 32
+
+
+def _state_shapes(method, heads: int, dk: int, dv: int, kda: bool):
+    return jax.eval_shape(lambda: method.init(1, heads, dk, dv, per_channel_decay=kda))
+
+
+def measure_memory(query: MemoryQuery) -> dict:
+    """Bytes per head and per element for fp32, bf16, a checkpoint and live GDN/KDA streams,
+    and totals for ``layers x heads`` heads. A live stream's per-sequence position is shared
+    by its heads, so per-head figures divide it among them."""
+    q = query
+    elems = q.dk * q.dv
+    lq = make_method("leapquant", bits=q.bits, rank=q.rank, window=q.window)
+    per_head = {
+        "fp32": tree_bytes(_state_shapes(make_method("fp32"), q.heads, q.dk, q.dv, False)) / q.heads,
+        "bf16": tree_bytes(_state_shapes(make_method("bf16"), q.heads, q.dk, q.dv, False)) / q.heads,
+        "checkpoint": tree_bytes(_state_shapes(lq, q.heads, q.dk, q.dv, False).checkpoint) / q.heads,
+        "live_gdn": tree_bytes(_state_shapes(lq, q.heads, q.dk, q.dv, False)) / q.heads,
+        "live_kda": tree_bytes(_state_shapes(lq, q.heads, q.dk, q.dv, True)) / q.heads,
+    }
+    heads_total = q.layers * q.heads
+    return {
+        "query": dataclasses.asdict(q) | {"rank": lq.config.effective_rank},
+        "bytes_per_head": per_head,
+        "bytes_per_element": {k: v / elems for k, v in per_head.items()},
+        "checkpoint_bytes_per_element": per_head["checkpoint"] / elems,
+        "live_gdn_bytes_per_element": per_head["live_gdn"] / elems,
+        "live_kda_bytes_per_element": per_head["live_kda"] / elems,
+        "model_bytes": {k: int(round(v * heads_total)) for k, v in per_head.items()},
+    }
+
+
+__all__ = ["MemoryQuery", "measure_memory"]

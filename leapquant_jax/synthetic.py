@@ -1,0 +1,91 @@
+"""Synthetic linear-attention inputs with the statistics that make state quantization hard.
+
+Long memory (decays close to 1), small writes, L2-normalised keys and queries, and a few
+outlier key and value channels, the structure the paper's Figure 6 shows in real heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSpec:
+    """Shape and statistics of a synthetic head batch.
+
+    tokens, heads, dk, dv: sizes; per_channel_decay: KDA-style ``g [.., dk]`` instead of GDN's
+    scalar; decay_range: per-token decays ``alpha`` drawn uniformly in this range;
+    beta_range: write strengths; outlier_keys / outlier_values: number of outlier channels;
+    key_outlier_bias: offset added to outlier key channels before normalising;
+    value_outlier_scale: factor on outlier value channels;
+    subspace: keys and values are drawn near a ``subspace``-dimensional subspace (real
+      heads write along few directions, so their states are close to low rank), with
+      isotropic ``noise`` on top; ``subspace=0`` draws them isotropically.
+    """
+
+    tokens: int = 4096
+    heads: int = 4
+    dk: int = 128
+    dv: int = 128
+    per_channel_decay: bool = False
+    decay_range: tuple[float, float] = (0.995, 0.9999)
+    beta_range: tuple[float, float] = (0.02, 0.2)
+    outlier_keys: int = 4
+    outlier_values: int = 4
+    key_outlier_bias: float = 2.0
+    value_outlier_scale: float = 8.0
+    subspace: int = 4
+    noise: float = 0.3
+
+
+def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (FLA's l2norm)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _near_subspace(key: Array, lead: tuple[int, ...], dim: int, rank: int, noise: float) -> Array:
+    """Gaussian vectors ``lead + [dim]`` concentrated near a random ``rank``-dim subspace (per head)."""
+    if rank == 0:
+        return jax.random.normal(key, lead + (dim,))
+    kb, kz, kn = jax.random.split(key, 3)
+    basis = jax.random.normal(kb, (lead[-1], rank, dim)) / jnp.sqrt(rank)      # one subspace per head
+    z = jax.random.normal(kz, lead + (rank,))
+    return jnp.einsum("...hr,hrd->...hd", z, basis) + noise * jax.random.normal(kn, lead + (dim,))
+
+
+def synthetic_sequence(key: Array, spec: SyntheticSpec) -> dict[str, Array]:
+    """One sequence: q, k ``[T, H, dk]``, v ``[T, H, dv]``, beta ``[T, H]``, g ``[T, H]`` or ``[T, H, dk]``."""
+    t, h, dk, dv = spec.tokens, spec.heads, spec.dk, spec.dv
+    kq, kk, kv, kb, kg = jax.random.split(key, 5)
+    # Channels are exchangeable, so evenly spaced outlier channels lose no generality.
+    out_k = jnp.arange(spec.outlier_keys) * (dk // max(spec.outlier_keys, 1)) + 1
+    out_v = jnp.arange(spec.outlier_values) * (dv // max(spec.outlier_values, 1)) + 2
+    bias = jnp.zeros((dk,)).at[out_k].set(spec.key_outlier_bias)
+    k = _near_subspace(kk, (t, h), dk, spec.subspace, spec.noise) + bias
+    k = l2_normalize(k)
+    q = l2_normalize(_near_subspace(kq, (t, h), dk, spec.subspace, spec.noise) + bias) * dk ** -0.5
+    vscale = jnp.ones((dv,)).at[out_v].set(spec.value_outlier_scale)
+    v = _near_subspace(kv, (t, h), dv, spec.subspace, spec.noise) * vscale
+    beta = jax.random.uniform(kb, (t, h), minval=spec.beta_range[0], maxval=spec.beta_range[1])
+    gshape = (t, h, dk) if spec.per_channel_decay else (t, h)
+    alpha = jax.random.uniform(kg, gshape, minval=spec.decay_range[0], maxval=spec.decay_range[1])
+    return dict(q=q, k=k, v=v, beta=beta, g=jnp.log(alpha))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _batch(key: Array, batch: int, spec: SyntheticSpec) -> dict[str, Array]:
+    return jax.vmap(lambda k: synthetic_sequence(k, spec))(jax.random.split(key, batch))
+
+
+def synthetic_batch(seed: int, batch: int, spec: SyntheticSpec) -> dict[str, Array]:
+    """``batch`` independent sequences (vmapped over keys): every tensor gains a leading ``[B]``."""
+    return _batch(jax.random.PRNGKey(seed), batch, spec)
+
+
+__all__ = ["SyntheticSpec", "l2_normalize", "synthetic_batch", "synthetic_sequence"]

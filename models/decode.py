@@ -1,0 +1,221 @@
+"""Prefill, the compiled decode loop, and teacher-forced scoring through the decode path.
+
+Prompts of different lengths share a batch **right-padded**: row ``b`` holds its prompt at
+positions ``0 .. len_b - 1``, prefill computes its state over exactly those tokens, and from
+then on each row decodes at its own position (``cache["pos"]``), so RoPE positions, KV-cache
+slots and the recurrent state never see padding.
+
+``generate`` is one ``jit``-compiled function: prefill, then a ``lax.while_loop`` over the new
+tokens (no Python per token) that stops when every row has produced a stop token or the token
+budget is spent. Finished rows are passed ``active=False`` and keep their cache.
+``score`` runs every token through the decode step (``lax.scan``), optionally after a
+prefill of a first segment, and returns the logits of every position.
+
+The state format is a parameter (``method``, from ``leapquant_jax.make_method``), not part
+of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import leapquant_jax
+from leapquant_jax.traces import Trace, save_trace
+from models.layers import Sampling, sample_next
+
+Array = jax.Array
+# Prompt lengths are rounded up to a multiple of this, so prompts of nearby lengths share one
+# compiled program.
+PROMPT_BUCKET = 16
+
+
+def make_state_method(name: str, **options):
+    """A state method by its DESIGN §5 name (``fp32``, ``bf16``, ..., ``leapquant``);
+    ``None``-valued options keep the method's defaults."""
+    return leapquant_jax.make_method(name, **{k: v for k, v in options.items() if v is not None})
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], *, bucket: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts into ``ids [B, T]`` int32 (``T`` a multiple of ``bucket``) and
+    ``lengths [B]`` int32. Every prompt needs at least one token."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1:
+        raise ValueError("every prompt needs at least one token")
+    t = int(-(-lengths.max() // bucket) * bucket)
+    ids = np.zeros((len(prompts), t), np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = np.asarray(p, np.int32)
+    return ids, lengths
+
+
+def _is_stop(tokens: Array, stop_ids: Array) -> Array:
+    return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+
+
+def _write_step(buffers: dict, step_traces: dict, i: Array) -> dict:
+    # step traces are [B, 1, ...]; buffers [B, N, ...]
+    return jax.tree.map(
+        lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), i, axis=1), buffers, step_traces
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("arch", "config", "method", "sampling", "max_new_tokens", "record")
+)
+def _generate(arch, params, config, ids, lengths, stop_ids, key, *, method, sampling, max_new_tokens, record):
+    bsz, t = ids.shape
+    cache = arch.init_cache(config, batch=bsz, max_len=t + max_new_tokens, method=method)
+    logits, cache, prefill_traces = arch.forward(params, config, ids, cache, method=method, mode="prefill",
+                                                 lengths=lengths, record=record)
+    last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    first = sample_next(last_logits, sub, sampling)
+    tokens = jnp.zeros((bsz, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    done = _is_stop(first, stop_ids)
+    count = jnp.ones((bsz,), jnp.int32)
+    buffers = jax.tree.map(
+        lambda x: jnp.zeros((bsz, max(max_new_tokens - 1, 1)) + x.shape[2:], jnp.float32), prefill_traces
+    )
+
+    def cond(carry):
+        i, _, done, *_ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, tokens, done, count, last, cache, key, buffers = carry
+        active = ~done
+        logits, cache, step_traces = arch.forward(params, config, last[:, None], cache, method=method,
+                                                  mode="decode", active=active, record=record)
+        key, sub = jax.random.split(key)
+        nxt = jnp.where(active, sample_next(logits[:, 0], sub, sampling), 0)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], i, axis=1)
+        count = count + active.astype(jnp.int32)
+        done = done | _is_stop(nxt, stop_ids)
+        buffers = _write_step(buffers, step_traces, i - 1) if record else buffers
+        return i + 1, tokens, done, count, jnp.where(active, nxt, last), cache, key, buffers
+
+    carry = (jnp.int32(1), tokens, done, count, first, cache, key, buffers)
+    _, tokens, _, count, _, _, _, buffers = jax.lax.while_loop(cond, body, carry)
+    return tokens, count, prefill_traces, buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """Result of ``generate``: ``tokens[b]`` the new ids of row ``b`` (including a final stop
+    token), and when recorded ``traces[layer][b]``, that layer's recurrence inputs for every
+    token that went through it (the prompt, then each fed-back generated token)."""
+
+    tokens: list
+    prompt_lengths: list
+    traces: Optional[dict] = None
+
+
+def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, max_new_tokens: int,
+             sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), seed: int = 0,
+             record: bool = False) -> Generation:
+    """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths)."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    ids, lengths = pad_prompts(prompts)
+    stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+    tokens, count, pre, dec = _generate(
+        arch, params, config, jnp.asarray(ids), jnp.asarray(lengths), stop, jax.random.PRNGKey(seed),
+        method=method, sampling=sampling, max_new_tokens=max_new_tokens, record=record,
+    )
+    tokens, count = np.asarray(tokens), np.asarray(count)
+    out = [tokens[b, : count[b]].tolist() for b in range(len(prompts))]
+    traces = None
+    if record:
+        traces = {}
+        for layer in pre:
+            rows = []
+            for b in range(len(prompts)):
+                n_fed = count[b] - 1  # the last generated token is never fed back
+                rows.append({name: np.concatenate([np.asarray(pre[layer][name][b, : lengths[b]]),
+                                                   np.asarray(dec[layer][name][b, :n_fed])])
+                             for name in pre[layer]})
+            traces[layer] = rows
+    return Generation(tokens=out, prompt_lengths=lengths.tolist(), traces=traces)
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "method", "prefill_len", "record"))
+def _score(arch, params, config, ids, *, method, prefill_len, record):
+    bsz, t = ids.shape
+    cache = arch.init_cache(config, batch=bsz, max_len=t, method=method)
+    head_logits, head_traces = [], []
+    if prefill_len:
+        logits, cache, traces = arch.forward(params, config, ids[:, :prefill_len], cache, method=method,
+                                             mode="prefill", record=record)
+        head_logits.append(logits)
+        head_traces.append(traces)
+
+    def body(cache, tok):
+        logits, cache, traces = arch.forward(params, config, tok[:, None], cache, method=method, mode="decode",
+                                             record=record)
+        return cache, (logits[:, 0], jax.tree.map(lambda x: x[:, 0], traces))
+
+    _, (logits, traces) = jax.lax.scan(body, cache, jnp.moveaxis(ids[:, prefill_len:], 1, 0))
+    logits = jnp.concatenate(head_logits + [jnp.moveaxis(logits, 0, 1)], axis=1)
+    traces = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), traces)
+    if head_traces:
+        traces = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), head_traces[0], traces)
+    return logits, traces
+
+
+def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bool = False):
+    """Teacher-forced logits ``[B, T, vocab]`` float32 through the decode path:
+    ``logits[b, t]`` predicts ``ids[b, t + 1]`` from ``ids[b, :t + 1]`` (like a transformers
+    forward). The first ``prefill_len`` tokens go through prefill, the rest one decode step
+    each. Returns ``(logits, traces)``; traces ``{layer: {name: [B, T, ...]}}`` when recorded."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
+    if not 0 <= prefill_len < ids.shape[1]:
+        raise ValueError(f"prefill_len must be in [0, T) = [0, {ids.shape[1]}), got {prefill_len}")
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise ValueError(f"ids must lie in [0, {config.vocab_size})")
+    logits, traces = _score(arch, params, config, jnp.asarray(ids, jnp.int32), method=method,
+                            prefill_len=prefill_len, record=record)
+    return np.asarray(logits), jax.tree.map(np.asarray, traces)
+
+
+def write_traces(out_dir, traces: dict) -> list[Path]:
+    """Writes ``traces[layer]`` (a list of per-row dicts, or a dict of ``[B, T, ...]`` arrays)
+    as DESIGN §5 trace files: ``layer{NN}.npz``, or ``layer{NN}_b{b}.npz`` for batches."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for layer, rows in sorted(traces.items()):
+        if isinstance(rows, dict):
+            rows = [{n: x[b] for n, x in rows.items()} for b in range(next(iter(rows.values())).shape[0])]
+        for b, row in enumerate(rows):
+            path = out_dir / (f"layer{layer:02d}.npz" if len(rows) == 1 else f"layer{layer:02d}_b{b}.npz")
+            save_trace(path, Trace(**{n: np.asarray(row[n], np.float32) for n in ("q", "k", "v", "beta", "g")}))
+            written.append(path)
+    return written
+
+
+def to_device(params) -> Any:
+    """Moves a numpy params pytree onto the default device (dtypes kept)."""
+    return jax.tree.map(jnp.asarray, params)
+
+
+__all__ = [
+    "Generation",
+    "PROMPT_BUCKET",
+    "generate",
+    "make_state_method",
+    "pad_prompts",
+    "score",
+    "to_device",
+    "write_traces",
+]

@@ -1,0 +1,606 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): hybrid Gated DeltaNet + gated attention decoders.
+
+Follows transformers' ``qwen3_next``, ``qwen3_5`` and ``qwen3_5_moe`` text models (MODELS.md
+has the weight names, shapes and maths). One code path serves all of them: the converter
+fixes Qwen3-Next's interleaved ``in_proj_qkvz``/``in_proj_ba`` into Qwen3.5's flat
+``qkv``/``z``/``b``/``a`` once, at load.
+
+A decoder layer is ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` with zero-centred
+``(1 + w)`` RMSNorms; the mixer is a GDN layer or a full-attention layer as ``layer_types``
+says, the MLP a SwiGLU or a routed mixture of SwiGLU experts with a gated shared expert.
+
+The forward pass computes in fp32 (weights may stay bf16). The recurrent state of the GDN
+layers lives in whatever format the state method of the decode loop uses; attention layers
+keep an fp32 KV cache. See ``models/base.py`` for the contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from leapquant_jax.recurrence import expand_heads
+from models import layers as L
+from models.base import FULL_ATTENTION, LINEAR_ATTENTION, MODES, ConversionError, check_shapes
+
+Array = jax.Array
+F32 = jnp.float32
+
+QWEN3_NEXT = "qwen3_next"
+# Checkpoint sections that are not part of the text decoder (vision tower, multi-token
+# prediction head): present in released Qwen3.5 files, never read.
+IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+
+
+# ============================================================================= config
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenHybridConfig:
+    """Qwen3-Next / Qwen3.5 text-decoder config (frozen: a static argument under ``jit``)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    mlp_types: tuple[str, ...]  # "dense" or "moe" per layer
+    rms_norm_eps: float
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float
+    rope_theta: float
+    attention_bias: bool
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MLPs
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    tie_word_embeddings: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def gva_ratio(self) -> int:
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+
+def _rope_settings(text: Mapping[str, Any]) -> tuple[float, float]:
+    """``(rope_theta, partial_rotary_factor)`` from a v5 ``rope_parameters`` dict or the older
+    top-level keys. Only plain RoPE is supported; Qwen3.5's interleaved MRoPE reduces to it for
+    text, where all three position components are equal."""
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
+    theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    return float(theta), float(factor)
+
+
+def _layer_types(text: Mapping[str, Any], n: int) -> tuple[str, ...]:
+    types = text.get("layer_types")
+    if types is None:
+        interval = int(text.get("full_attention_interval", 4))
+        types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n)]
+    types = tuple(types)[:n]
+    if len(types) != n or set(types) - {LINEAR_ATTENTION, FULL_ATTENTION}:
+        raise ValueError(f"layer_types must give {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r} for {n} layers, got {types}")
+    return types
+
+
+def _mlp_types(model_type: str, text: Mapping[str, Any], n: int) -> tuple[str, ...]:
+    experts = int(text.get("num_experts") or 0)
+    if model_type.startswith("qwen3_5_moe"):
+        return ("moe",) * n
+    if model_type.startswith("qwen3_5"):
+        return ("dense",) * n
+    # Qwen3-Next: HF Qwen3NextDecoderLayer's rule
+    only = set(text.get("mlp_only_layers") or ())
+    step = int(text.get("decoder_sparse_step", 1))
+    return tuple("moe" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
+
+
+def config_from_hf(config_json: Mapping[str, Any]) -> QwenHybridConfig:
+    """Parses a HF ``config.json``: ``qwen3_next``, ``qwen3_5``/``qwen3_5_moe`` (VLM: the
+    ``text_config`` part) or their ``*_text`` causal-LM variants."""
+    model_type = config_json["model_type"]
+    if model_type not in ARCH.model_types:
+        raise ValueError(f"not a Qwen3-Next/Qwen3.5 config: model_type {model_type!r}")
+    text = dict(config_json.get("text_config") or config_json)
+    act = text.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (Qwen3-Next/Qwen3.5 use silu)")
+    n = int(text["num_hidden_layers"])
+    theta, factor = _rope_settings(text)
+    hidden = int(text["hidden_size"])
+    heads = int(text["num_attention_heads"])
+    tie = config_json.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    cfg = QwenHybridConfig(
+        model_type=model_type,
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=hidden,
+        layer_types=_layer_types(text, n),
+        mlp_types=_mlp_types(model_type, text, n),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads", heads)),
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        partial_rotary_factor=factor,
+        rope_theta=theta,
+        attention_bias=bool(text.get("attention_bias", False)),
+        linear_num_key_heads=int(text["linear_num_key_heads"]),
+        linear_num_value_heads=int(text["linear_num_value_heads"]),
+        linear_key_head_dim=int(text["linear_key_head_dim"]),
+        linear_value_head_dim=int(text["linear_value_head_dim"]),
+        linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+        intermediate_size=int(text.get("intermediate_size") or 0),
+        num_experts=int(text.get("num_experts") or 0),
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
+        # Qwen3.5-MoE always renormalises its top-k weights (its router has no switch)
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        tie_word_embeddings=bool(tie),
+    )
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads (GVA)")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads (GQA)")
+    return cfg
+
+
+# ============================================================================= converter
+
+
+def _prefix(tensors: Mapping[str, Any]) -> str:
+    # Qwen3.5 VLM files keep the text decoder under model.language_model.; causal-LM saves
+    # (Qwen3-Next, Qwen3_5ForCausalLM) under model.
+    return "model.language_model." if any(n.startswith("model.language_model.") for n in tensors) else "model."
+
+
+def _gdn_specs(cfg: QwenHybridConfig, p: str, interleaved: bool) -> dict[str, tuple[int, ...]]:
+    d, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    specs = {}
+    if interleaved:
+        specs[p + "in_proj_qkvz.weight"] = (2 * cfg.key_dim + 2 * cfg.value_dim, d)
+        specs[p + "in_proj_ba.weight"] = (2 * hv, d)
+    else:
+        specs[p + "in_proj_qkv.weight"] = (cfg.conv_dim, d)
+        specs[p + "in_proj_z.weight"] = (cfg.value_dim, d)
+        specs[p + "in_proj_b.weight"] = (hv, d)
+        specs[p + "in_proj_a.weight"] = (hv, d)
+    specs[p + "conv1d.weight"] = (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)
+    specs[p + "A_log"] = (hv,)
+    specs[p + "dt_bias"] = (hv,)
+    specs[p + "norm.weight"] = (cfg.linear_value_head_dim,)
+    specs[p + "out_proj.weight"] = (d, cfg.value_dim)
+    return specs
+
+
+def _attention_specs(cfg: QwenHybridConfig, p: str) -> tuple[dict, dict]:
+    d, h, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    specs = {
+        p + "q_proj.weight": (2 * h * hd, d),
+        p + "k_proj.weight": (hkv * hd, d),
+        p + "v_proj.weight": (hkv * hd, d),
+        p + "o_proj.weight": (d, h * hd),
+        p + "q_norm.weight": (hd,),
+        p + "k_norm.weight": (hd,),
+    }
+    biases = {
+        p + "q_proj.bias": (2 * h * hd,),
+        p + "k_proj.bias": (hkv * hd,),
+        p + "v_proj.bias": (hkv * hd,),
+        p + "o_proj.bias": (d,),
+    }
+    return (dict(specs, **biases), {}) if cfg.attention_bias else (specs, {})
+
+
+def _mlp_specs(cfg: QwenHybridConfig, p: str, kind: str, fused_experts: bool) -> dict[str, tuple[int, ...]]:
+    d = cfg.hidden_size
+    if kind == "dense":
+        i = cfg.intermediate_size
+        return {p + "gate_proj.weight": (i, d), p + "up_proj.weight": (i, d), p + "down_proj.weight": (d, i)}
+    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    specs = {p + "gate.weight": (e, d)}
+    if fused_experts:
+        # the transformers v5 in-memory layout, accepted when a file was saved that way
+        specs[p + "experts.gate_up_proj"] = (e, 2 * i, d)
+        specs[p + "experts.down_proj"] = (e, d, i)
+    else:
+        for j in range(e):
+            specs[f"{p}experts.{j}.gate_proj.weight"] = (i, d)
+            specs[f"{p}experts.{j}.up_proj.weight"] = (i, d)
+            specs[f"{p}experts.{j}.down_proj.weight"] = (d, i)
+    if s:
+        specs[p + "shared_expert.gate_proj.weight"] = (s, d)
+        specs[p + "shared_expert.up_proj.weight"] = (s, d)
+        specs[p + "shared_expert.down_proj.weight"] = (d, s)
+        specs[p + "shared_expert_gate.weight"] = (1, d)
+    return specs
+
+
+def _layout(cfg: QwenHybridConfig, tensors: Mapping[str, Any]) -> dict:
+    """Which of the accepted layouts the file uses, per layer (decided by the names present)."""
+    pre = _prefix(tensors)
+    interleaved, fused = [], []
+    for i in range(cfg.num_layers):
+        la = f"{pre}layers.{i}.linear_attn."
+        if tensors:
+            interleaved.append(la + "in_proj_qkvz.weight" in tensors or (
+                la + "in_proj_qkv.weight" not in tensors and cfg.model_type == QWEN3_NEXT))
+        else:
+            interleaved.append(cfg.model_type == QWEN3_NEXT)
+        fused.append(f"{pre}layers.{i}.mlp.experts.gate_up_proj" in tensors)
+    return dict(prefix=pre, interleaved=tuple(interleaved), fused=tuple(fused))
+
+
+def _specs_for(cfg: QwenHybridConfig, layout: dict) -> tuple[dict, dict]:
+    pre = layout["prefix"]
+    d = cfg.hidden_size
+    specs = {pre + "embed_tokens.weight": (cfg.vocab_size, d), pre + "norm.weight": (d,)}
+    optional = {}
+    if cfg.tie_word_embeddings:
+        optional["lm_head.weight"] = (cfg.vocab_size, d)
+    else:
+        specs["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        p = f"{pre}layers.{i}."
+        specs[p + "input_layernorm.weight"] = (d,)
+        specs[p + "post_attention_layernorm.weight"] = (d,)
+        if cfg.layer_types[i] == LINEAR_ATTENTION:
+            specs.update(_gdn_specs(cfg, p + "linear_attn.", layout["interleaved"][i]))
+        else:
+            req, opt = _attention_specs(cfg, p + "self_attn.")
+            specs.update(req)
+            optional.update(opt)
+        specs.update(_mlp_specs(cfg, p + "mlp.", cfg.mlp_types[i], layout["fused"][i]))
+    return specs, optional
+
+
+def param_specs(config: QwenHybridConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical HF name -> shape of every tensor the converter reads (the on-disk layout of
+    the config's own model type: Qwen3-Next interleaved, Qwen3.5 flat, per-expert MoE weights)."""
+    prefix = "model.language_model." if config.model_type in ("qwen3_5", "qwen3_5_moe") else "model."
+    layout = dict(prefix=prefix, interleaved=(config.model_type == QWEN3_NEXT,) * config.num_layers,
+                  fused=(False,) * config.num_layers)
+    return _specs_for(config, layout)[0]
+
+
+def split_interleaved_qkvz(qkvz: np.ndarray, ba: np.ndarray, cfg: QwenHybridConfig) -> dict[str, np.ndarray]:
+    """Qwen3-Next's per-key-head-group ``in_proj_qkvz`` ``[Hk*(2dk + 2r*dv), D]`` and
+    ``in_proj_ba`` ``[Hk*2r, D]`` -> Qwen3.5's flat ``qkv [2Hk*dk + Hv*dv, D]``, ``z [Hv*dv, D]``,
+    ``b``, ``a`` ``[Hv, D]`` (HF ``fix_query_key_value_ordering``). The value-head order this
+    gives (key group major, then ``r``) is the order the conv weight and ``A_log`` already use."""
+    hk, dk, dv, r = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gva_ratio
+    d = qkvz.shape[-1]
+    g = qkvz.reshape(hk, 2 * dk + 2 * r * dv, d)
+    q, k = g[:, :dk], g[:, dk : 2 * dk]
+    v, z = g[:, 2 * dk : 2 * dk + r * dv], g[:, 2 * dk + r * dv :]
+    flat = lambda x: x.reshape(-1, d)  # noqa: E731
+    gba = ba.reshape(hk, 2 * r, d)
+    return {
+        "qkv": np.concatenate([flat(q), flat(k), flat(v)], axis=0),
+        "z": flat(z),
+        "b": flat(gba[:, :r]),
+        "a": flat(gba[:, r:]),
+    }
+
+
+def convert(tensors: Mapping[str, np.ndarray], config: QwenHybridConfig) -> dict:
+    """HF tensors -> params pytree (see ``_layer_params`` for the per-layer keys).
+
+    Accepts the Qwen3-Next interleaved or Qwen3.5 flat GDN projections, the ``model.`` or
+    ``model.language_model.`` prefix, per-expert or fused expert weights, and ignores vision and
+    MTP tensors. Raises ``ConversionError`` naming every missing/unexpected/mis-shaped tensor.
+    """
+    layout = _layout(config, tensors)
+    specs, optional = _specs_for(config, layout)
+    check_shapes(tensors, specs, optional=optional, ignored=IGNORED_PREFIXES, context=config.model_type)
+    pre = layout["prefix"]
+    t = lambda name: np.asarray(tensors[name])  # noqa: E731
+    layer_params = tuple(_layer_params(config, t, f"{pre}layers.{i}.", i, layout) for i in range(config.num_layers))
+    head = t("lm_head.weight") if "lm_head.weight" in tensors else t(pre + "embed_tokens.weight")
+    return {
+        "embed": t(pre + "embed_tokens.weight"),
+        "final_norm": t(pre + "norm.weight"),
+        "lm_head": head,
+        "layers": layer_params,
+    }
+
+
+def _layer_params(cfg: QwenHybridConfig, t, p: str, i: int, layout: dict) -> dict:
+    out = {"input_norm": t(p + "input_layernorm.weight"), "post_norm": t(p + "post_attention_layernorm.weight")}
+    if cfg.layer_types[i] == LINEAR_ATTENTION:
+        la = p + "linear_attn."
+        if layout["interleaved"][i]:
+            proj = split_interleaved_qkvz(t(la + "in_proj_qkvz.weight"), t(la + "in_proj_ba.weight"), cfg)
+        else:
+            proj = {n: t(la + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")}
+        out["gdn"] = dict(
+            proj,
+            conv=t(la + "conv1d.weight")[:, 0, :],
+            a_log=t(la + "A_log"),
+            dt_bias=t(la + "dt_bias"),
+            norm=t(la + "norm.weight"),
+            out=t(la + "out_proj.weight"),
+        )
+    else:
+        sa = p + "self_attn."
+        attn = {n: t(sa + f"{n}_proj.weight") for n in ("q", "k", "v", "o")}
+        attn.update(q_norm=t(sa + "q_norm.weight"), k_norm=t(sa + "k_norm.weight"))
+        if cfg.attention_bias:
+            attn.update({f"{n}_bias": t(sa + f"{n}_proj.bias") for n in ("q", "k", "v", "o")})
+        out["attn"] = attn
+    m = p + "mlp."
+    if cfg.mlp_types[i] == "dense":
+        out["mlp"] = {n: t(m + f"{n}_proj.weight") for n in ("gate", "up", "down")}
+    else:
+        if layout["fused"][i]:
+            gate_up = t(m + "experts.gate_up_proj")
+            gate, up = np.split(gate_up, 2, axis=1)
+            down = t(m + "experts.down_proj")
+        else:
+            stack = lambda n: np.stack([t(f"{m}experts.{j}.{n}_proj.weight") for j in range(cfg.num_experts)])  # noqa: E731
+            gate, up, down = stack("gate"), stack("up"), stack("down")
+        moe = {"router": t(m + "gate.weight"), "gate": gate, "up": up, "down": down}
+        if cfg.shared_expert_intermediate_size:
+            moe["shared"] = {n: t(m + f"shared_expert.{n}_proj.weight") for n in ("gate", "up", "down")}
+            moe["shared_gate"] = t(m + "shared_expert_gate.weight")
+        out["moe"] = moe
+    return out
+
+
+# ============================================================================= layers
+
+
+def gdn_projections(p: dict, x: Array, cfg: QwenHybridConfig, *, tail: Array, lengths: Optional[Array]):
+    """Input side of a GDN layer: projections, short conv + SiLU, gates, l2norm.
+
+    x ``[B, T, D]``. Returns ``(q, k [B, T, Hk, dk], v [B, T, Hv, dv], z [B, T, Hv, dv],
+    g, beta [B, T, Hv], new_tail)`` with ``q`` L2-normalised and scaled by ``dk**-0.5``, ``k``
+    L2-normalised: the inputs the state method takes.
+    """
+    bsz, t, _ = x.shape
+    hk, dk, hv, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    mixed, new_tail = L.causal_conv1d(L.linear(x, p["qkv"]), p["conv"], tail=tail, lengths=lengths)
+    mixed = jax.nn.silu(mixed)
+    q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    q = L.l2norm(q.reshape(bsz, t, hk, dk)) * dk**-0.5
+    k = L.l2norm(k.reshape(bsz, t, hk, dk))
+    v = v.reshape(bsz, t, hv, dv)
+    z = L.linear(x, p["z"]).reshape(bsz, t, hv, dv)
+    beta = L.write_strength(L.linear(x, p["b"]))
+    g = L.gdn_log_decay(L.linear(x, p["a"]), a_log=p["a_log"], dt_bias=p["dt_bias"])
+    return q, k, v, z, g, beta, new_tail
+
+
+def gdn_output(p: dict, o: Array, z: Array, cfg: QwenHybridConfig) -> Array:
+    """Gated RMSNorm per head, then ``out_proj``: ``o``, ``z`` ``[B, T, Hv, dv] -> [B, T, D]``."""
+    y = L.gated_rms_norm_silu(o, z, p["norm"], eps=cfg.rms_norm_eps)
+    return L.linear(y.reshape(*y.shape[:2], -1), p["out"])
+
+
+def gdn_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, method, mode: str,
+              lengths: Optional[Array], active: Optional[Array]) -> tuple[Array, dict, dict]:
+    """Gated DeltaNet mixer. x ``[B, T, D]``; cache ``{"conv": [B, Kc-1, conv_dim], "state": ...}``.
+
+    Returns ``(out [B, T, D], new_cache, trace)``; trace holds the recurrence inputs with key
+    heads expanded to the value heads (``[B, T, Hv, ...]``).
+    """
+    q, k, v, z, g, beta, tail = gdn_projections(p, x, cfg, tail=cache["conv"], lengths=lengths)
+    if mode == "prefill":
+        o, state = method.prefill(q=q, k=k, v=v, g=g, beta=beta, lengths=lengths)
+    else:
+        o, state = method.step(cache["state"], q=q[:, 0], k=k[:, 0], v=v[:, 0], g=g[:, 0], beta=beta[:, 0],
+                               active=active)
+        o = o[:, None]
+        if active is not None:
+            tail = jnp.where(active[:, None, None], tail, cache["conv"])
+    hv = cfg.linear_num_value_heads
+    trace = dict(q=expand_heads(q, hv, axis=2), k=expand_heads(k, hv, axis=2), v=v, g=g, beta=beta)
+    return gdn_output(p, o, z, cfg), {"conv": tail, "state": state}, trace
+
+
+def attention_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, positions: Array, mode: str,
+                    active: Optional[Array]) -> tuple[Array, dict]:
+    """Gated full attention (HF ``Qwen3NextAttention``): per-head ``q_norm``/``k_norm``
+    (zero-centred), partial RoPE, GQA, output times ``sigmoid(gate)``.
+
+    x ``[B, T, D]``; positions ``[B, T]``; cache ``{"k", "v": [B, L, Hkv, hd]}``. Prefill
+    writes positions ``0..T-1``; decode writes each row at its own position.
+    """
+    bsz, t, _ = x.shape
+    h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qg = L.linear(x, p["q"], p.get("q_bias")).reshape(bsz, t, h, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, t, h * hd)
+    q = L.rms_norm_zero_centred(q, p["q_norm"], eps=cfg.rms_norm_eps)
+    k = L.rms_norm_zero_centred(L.linear(x, p["k"], p.get("k_bias")).reshape(bsz, t, hkv, hd), p["k_norm"],
+                                eps=cfg.rms_norm_eps)
+    v = L.linear(x, p["v"], p.get("v_bias")).reshape(bsz, t, hkv, hd)
+    inv_freq = L.rope_inv_freq(head_dim=hd, partial_rotary_factor=cfg.partial_rotary_factor, theta=cfg.rope_theta)
+    q = L.apply_partial_rope(q, positions, inv_freq)
+    k = L.apply_partial_rope(k, positions, inv_freq)
+    if mode == "prefill":
+        kc = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, 0, 0))
+        vc = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, 0, 0))
+        # right padding: a valid query only sees earlier tokens of its own row, all valid
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (bsz, t, t))
+        out = L.grouped_attention(q, k, v, mask=mask, scale=hd**-0.5)
+    else:
+        rows, pos = jnp.arange(bsz), positions[:, 0]
+        kc = cache["k"].at[rows, pos].set(k[:, 0].astype(cache["k"].dtype))
+        vc = cache["v"].at[rows, pos].set(v[:, 0].astype(cache["v"].dtype))
+        if active is not None:
+            keep = active[:, None, None, None]
+            kc, vc = jnp.where(keep, kc, cache["k"]), jnp.where(keep, vc, cache["v"])
+        mask = (jnp.arange(kc.shape[1])[None, :] <= pos[:, None])[:, None, :]  # [B, 1, L]
+        out = L.grouped_attention(q, kc, vc, mask=mask, scale=hd**-0.5)
+    out = out.reshape(bsz, t, h * hd) * jax.nn.sigmoid(gate)
+    return L.linear(out, p["o"], p.get("o_bias")), {"k": kc, "v": vc}
+
+
+def route_top_k(router_logits: Array, *, top_k: int, normalize: bool) -> tuple[Array, Array]:
+    """Softmax router (HF ``Qwen3NextTopKRouter``): fp32 softmax over experts, top-k, optional
+    renormalisation. ``[N, E] -> (weights [N, k], indices [N, k])``."""
+    probs = jax.nn.softmax(router_logits.astype(F32), axis=-1)
+    weights, idx = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, idx
+
+
+def moe_mlp(p: dict, x: Array, cfg: QwenHybridConfig) -> Array:
+    """Routed SwiGLU experts plus a sigmoid-gated shared expert. ``[B, T, D] -> [B, T, D]``.
+
+    Few tokens (decode) gather only their chosen experts' weights; many tokens (prefill) run
+    every expert once and mask by the routing weights, which touches each weight once.
+    """
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1]).astype(F32)  # [N, D]
+    n, e, k = xf.shape[0], cfg.num_experts, cfg.num_experts_per_tok
+    weights, idx = route_top_k(L.linear(xf, p["router"]), top_k=k, normalize=cfg.norm_topk_prob)
+    if n * k < e:
+        wg, wu, wd = (p[name][idx].astype(F32) for name in ("gate", "up", "down"))  # [N, k, ...]
+        hid = jax.nn.silu(jnp.einsum("nd,nkid->nki", xf, wg, precision=L.PRECISION)) * jnp.einsum(
+            "nd,nkid->nki", xf, wu, precision=L.PRECISION)
+        out = jnp.einsum("nki,nkdi,nk->nd", hid, wd, weights, precision=L.PRECISION)
+    else:
+        dense_w = jnp.zeros((n, e), F32).at[jnp.arange(n)[:, None], idx].set(weights)  # [N, E]
+        hid = jax.nn.silu(jnp.einsum("nd,eid->nei", xf, p["gate"].astype(F32), precision=L.PRECISION)) * jnp.einsum(
+            "nd,eid->nei", xf, p["up"].astype(F32), precision=L.PRECISION)
+        out = jnp.einsum("nei,edi,ne->nd", hid, p["down"].astype(F32), dense_w, precision=L.PRECISION)
+    if "shared" in p:
+        shared = L.swiglu_mlp(xf, **p["shared"])
+        out = out + jax.nn.sigmoid(L.linear(xf, p["shared_gate"])) * shared
+    return out.reshape(shape)
+
+
+def decoder_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, i: int, *, method, mode: str,
+                  positions: Array, lengths: Optional[Array], active: Optional[Array]) -> tuple[Array, dict, dict]:
+    """One pre-norm residual block. Returns ``(x [B, T, D], new_cache, trace or {})``."""
+    h = L.rms_norm_zero_centred(x, p["input_norm"], eps=cfg.rms_norm_eps)
+    trace = {}
+    if cfg.layer_types[i] == LINEAR_ATTENTION:
+        h, cache, trace = gdn_layer(p["gdn"], h, cache, cfg, method=method, mode=mode, lengths=lengths, active=active)
+    else:
+        h, cache = attention_layer(p["attn"], h, cache, cfg, positions=positions, mode=mode, active=active)
+    x = x + h
+    h = L.rms_norm_zero_centred(x, p["post_norm"], eps=cfg.rms_norm_eps)
+    h = L.swiglu_mlp(h, **p["mlp"]) if cfg.mlp_types[i] == "dense" else moe_mlp(p["moe"], h, cfg)
+    return x + h, cache, trace
+
+
+# ============================================================================= model
+
+
+def init_cache(config: QwenHybridConfig, *, batch: int, max_len: int, method) -> dict:
+    """Empty cache: ``pos [B]`` int32, and per layer either ``{"conv": [B, Kc-1, conv_dim],
+    "state": method.init(...)}`` (GDN) or ``{"k", "v": [B, max_len, Hkv, hd]}`` (attention)."""
+    layer_caches = []
+    for kind in config.layer_types:
+        if kind == LINEAR_ATTENTION:
+            layer_caches.append({
+                "conv": jnp.zeros((batch, config.linear_conv_kernel_dim - 1, config.conv_dim), F32),
+                "state": method.init(batch, config.linear_num_value_heads, config.linear_key_head_dim,
+                                     config.linear_value_head_dim),
+            })
+        else:
+            kv = jnp.zeros((batch, max_len, config.num_key_value_heads, config.head_dim), F32)
+            layer_caches.append({"k": kv, "v": kv})
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": tuple(layer_caches)}
+
+
+def forward(params: dict, config: QwenHybridConfig, ids: Array, cache: dict, *, method, mode: str,
+            lengths: Optional[Array] = None, active: Optional[Array] = None,
+            record: bool = False) -> tuple[Array, dict, dict]:
+    """The whole model (contract in ``models/base.py``). ids ``[B, T]`` int32 ->
+    ``(logits [B, T, vocab] f32, cache, traces)``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    bsz, t = ids.shape
+    if mode == "prefill":
+        lengths = jnp.full((bsz,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bsz, t))
+        new_pos = lengths
+        active = None
+    else:
+        if t != 1:
+            raise ValueError(f"decode takes one token per sequence, got ids of shape {ids.shape}")
+        positions = cache["pos"][:, None]
+        lengths = None
+        new_pos = cache["pos"] + (1 if active is None else active.astype(jnp.int32))
+    x = jnp.take(params["embed"], ids, axis=0).astype(F32)
+    new_layers, traces = [], {}
+    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
+        x, c, trace = decoder_layer(p, x, c, config, i, method=method, mode=mode, positions=positions,
+                                    lengths=lengths, active=active)
+        new_layers.append(c)
+        if record and trace:
+            traces[i] = trace
+    x = L.rms_norm_zero_centred(x, params["final_norm"], eps=config.rms_norm_eps)
+    logits = L.linear(x, params["lm_head"])
+    return logits, {"pos": new_pos, "layers": tuple(new_layers)}, traces
+
+
+@dataclasses.dataclass(frozen=True)
+class _QwenHybrid:
+    """``models.base.Architecture`` for Qwen3-Next and Qwen3.5 (dense and MoE)."""
+
+    model_types: tuple[str, ...] = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+    config_from_hf = staticmethod(config_from_hf)
+    param_specs = staticmethod(param_specs)
+    convert = staticmethod(convert)
+    init_cache = staticmethod(init_cache)
+    forward = staticmethod(forward)
+
+
+ARCH = _QwenHybrid()
+
+__all__ = [
+    "ARCH",
+    "ConversionError",
+    "QwenHybridConfig",
+    "attention_layer",
+    "config_from_hf",
+    "convert",
+    "decoder_layer",
+    "forward",
+    "gdn_layer",
+    "gdn_output",
+    "gdn_projections",
+    "init_cache",
+    "moe_mlp",
+    "param_specs",
+    "route_top_k",
+    "split_interleaved_qkvz",
+]

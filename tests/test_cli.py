@@ -1,0 +1,121 @@
+"""The leapquant command line: replay, studies and memory, on small inputs."""
+
+import json
+
+import numpy as np
+import pytest
+
+from leapquant_jax.cli import main
+from leapquant_jax.recurrence import recurrent_scan
+from leapquant_jax.traces import TraceError, load_trace
+from helpers import random_inputs, rel
+
+
+def _write_trace(path, kda=False, s0=True, **drop):
+    x = {k: np.asarray(v[0]) for k, v in random_inputs(3, batch=1, tokens=40, heads=2, dk=8, dv=8, kda=kda).items()}
+    if s0:
+        x["s0"] = np.random.default_rng(0).normal(size=(2, 8, 8)).astype(np.float32)
+    for k in drop:
+        x.pop(k)
+    np.savez(path, **x)
+    return x
+
+
+def _json(capsys):
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_replay_fp32_matches_the_dense_recurrence(tmp_path, capsys, kda):
+    x = _write_trace(tmp_path / "t.npz", kda=kda)
+    out = tmp_path / "o.npz"
+    assert main(["replay", str(tmp_path / "t.npz"), "--method", "fp32", "--out", str(out), "--json", "--chunk", "16"]) == 0
+    assert _json(capsys)["tokens"] == 40
+    res = np.load(out)
+    o_ref, s_ref = recurrent_scan(np.asarray(x["s0"])[None], **{k: v[None] for k, v in x.items() if k != "s0"})
+    assert res["o"].shape == (40, 2, 8) and res["state"].shape == (2, 8, 8)
+    assert rel(res["o"], o_ref[0]) < 1e-5 and rel(res["state"], s_ref[0]) < 1e-5
+
+
+def test_replay_leapquant_options(tmp_path, capsys):
+    _write_trace(tmp_path / "t.npz")
+    out = tmp_path / "sub" / "o.npz"
+    args = ["replay", str(tmp_path / "t.npz"), "--method", "leapquant", "--bits", "4", "--window", "8", "--rank", "2",
+            "--no-smoothing", "--out", str(out), "--json"]
+    assert main(args) == 0
+    assert np.all(np.isfinite(np.load(out)["o"]))
+
+
+def test_replay_reports_a_missing_key_and_writes_nothing(tmp_path, capsys):
+    _write_trace(tmp_path / "t.npz", beta=True)
+    out = tmp_path / "o.npz"
+    assert main(["replay", str(tmp_path / "t.npz"), "--method", "fp32", "--out", str(out)]) == 2
+    assert "missing key(s) ['beta']" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_trace_validation_names_the_problem(tmp_path):
+    x = _write_trace(tmp_path / "t.npz")
+    x["beta"] = x["beta"].astype(np.int32)
+    np.savez(tmp_path / "bad.npz", **x)
+    with pytest.raises(TraceError, match="'beta' must be floating point"):
+        load_trace(tmp_path / "bad.npz")
+    x["beta"] = np.ones((40, 3), np.float32)
+    np.savez(tmp_path / "bad.npz", **x)
+    with pytest.raises(TraceError, match="'beta' must be"):
+        load_trace(tmp_path / "bad.npz")
+
+
+def test_unknown_method_and_per_step_options_are_errors(tmp_path, capsys):
+    _write_trace(tmp_path / "t.npz")
+    with pytest.raises(SystemExit):
+        main(["replay", str(tmp_path / "t.npz"), "--method", "int7", "--out", str(tmp_path / "o.npz")])
+    assert main(["replay", str(tmp_path / "t.npz"), "--method", "int8", "--window", "8", "--out", str(tmp_path / "o.npz")]) == 2
+    assert "per-step" in capsys.readouterr().err
+
+
+def test_study_errors_json_and_plot(tmp_path, capsys):
+    plot = tmp_path / "e.png"
+    args = ["study", "errors", "--tokens", "128", "--every", "64", "--heads", "2", "--seeds", "1", "--dk", "16", "--dv", "16",
+            "--methods", "fp32,int8,int8-w,int8-w+ct,leapquant-b4", "--plot", str(plot), "--json"]
+    assert main(args) == 0
+    r = _json(capsys)
+    assert set(r["methods"]) == {"fp32", "int8", "int8-w", "int8-w+ct", "leapquant-b4"}
+    for v in r["methods"].values():
+        assert set(v) >= {"final_rel_state_error", "rel_output_error"}
+    assert r["methods"]["fp32"]["final_rel_state_error"] == 0.0
+    assert r["methods"]["int8"]["final_rel_state_error"] > 0
+    assert plot.stat().st_size > 0
+
+
+def test_study_freeze_fractions(capsys):
+    assert main(["study", "freeze", "--json"]) == 0
+    r = _json(capsys)
+    assert set(r) == {"bf16", "fp16"} and set(r["bf16"]) == {"0.997", "0.998", "0.999", "0.9995", "0.9999"}
+    # bf16 keeps 8 significant bits: alpha = 0.9999 is below half an ulp for every value.
+    assert r["bf16"]["0.9999"] == 1.0
+    assert r["fp16"]["0.997"] < r["fp16"]["0.9999"] <= 1.0
+    assert r["bf16"]["0.997"] > r["fp16"]["0.997"]
+
+
+def test_study_outliers_on_a_trace(tmp_path, capsys):
+    _write_trace(tmp_path / "t.npz")
+    plot = tmp_path / "o.png"
+    assert main(["study", "outliers", "--trace", str(tmp_path / "t.npz"), "--rank", "2", "--plot", str(plot), "--json"]) == 0
+    r = _json(capsys)
+    assert set(r["peak_over_median"]) == {"state", "residual", "smoothed"}
+    assert plot.stat().st_size > 0
+
+
+def test_memory_matches_the_design_table(capsys):
+    assert main(["memory", "--json", "--layers", "2", "--heads", "4"]) == 0
+    r = _json(capsys)
+    assert r["checkpoint_bytes_per_element"] == pytest.approx(19456 / 16384)
+    assert r["bytes_per_element"]["fp32"] == 4.0 and r["bytes_per_element"]["bf16"] == 2.0
+    # The live GDN stream adds 16 fp16 records of k and u and a log-decay each, and its position.
+    assert r["bytes_per_head"]["live_gdn"] == pytest.approx(19456 + 16 * (128 + 128 + 1) * 2 + 4 / 4)
+    assert r["live_kda_bytes_per_element"] > r["live_gdn_bytes_per_element"]
+    assert r["model_bytes"]["fp32"] == 2 * 4 * 4 * 128 * 128
+    assert main(["memory", "--json", "--bits", "4"]) == 0
+    # 4-bit codes, fp32 column and smoothing scales, six fp16 Compensator Tokens.
+    assert _json(capsys)["checkpoint_bytes_per_element"] == pytest.approx(0.5 + 2 * 512 / 16384 + 6 * 256 * 2 / 16384)

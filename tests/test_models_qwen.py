@@ -1,0 +1,239 @@
+"""Qwen3-Next and Qwen3.5 (dense, MoE) against tiny random transformers models.
+
+Each architecture is built once per module at tiny size (3 layers, the middle one full
+attention; GVA with Hv = 2 Hk; dk != dv so a transposed state cannot pass; MoE with 4
+experts where the architecture has them), saved as safetensors and converted by our
+converter. Shapes are shared between tests so each jit program compiles once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import model_helpers as mh  # noqa: E402
+
+from models import decode  # noqa: E402
+from models.base import ConversionError  # noqa: E402
+from models.checkpoint import convert_checkpoint, load_model  # noqa: E402
+
+torch, transformers = mh.require_reference()
+
+PROMPT_LEN = 12
+DECODE_STEPS = 32
+GREEDY_TOKENS = 24
+PROMPTS = ([5, 17, 3, 88, 41], [9, 2, 64, 33, 70, 21, 8, 99, 14, 56, 27, 3, 40, 61, 12, 7, 93, 30])
+
+COMMON = dict(
+    vocab_size=100,
+    hidden_size=64,
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    initializer_range=0.08,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40)
+
+ARCHS = {
+    # layer 0 is dense (mlp_only_layers), the others MoE: both Qwen3-Next MLP kinds
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(MOE, intermediate_size=48, mlp_only_layers=[0])),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(intermediate_size=48)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", MOE),
+}
+
+
+class Tiny:
+    """A tiny reference model, its HF directory and our converted checkpoint, loaded."""
+
+    def __init__(self, name: str, root: Path):
+        config_cls, model_cls, extra = ARCHS[name]
+        self.name = name
+        self.hf = mh.build_tiny(getattr(transformers, config_cls), getattr(transformers, model_cls),
+                                seed=len(name), **COMMON, **extra)
+        self.hf_dir = mh.save_tiny(self.hf, root / "hf")
+        self.ckpt = convert_checkpoint(self.hf_dir, root / "ckpt")
+        self.arch, self.config, params, _ = load_model(self.ckpt)
+        self.params = decode.to_device(params)
+        rng = np.random.RandomState(1)
+        self.ids = rng.randint(0, COMMON["vocab_size"], (2, PROMPT_LEN + DECODE_STEPS)).astype(np.int32)
+        self.ref_logits = mh.reference_logits(self.hf, self.ids)
+
+    def score(self, method_name: str, **options):
+        method = decode.make_state_method(method_name, **options)
+        return decode.score(self.arch, self.params, self.config, self.ids, method=method, prefill_len=PROMPT_LEN)[0]
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def tiny(request, tmp_path_factory):
+    return Tiny(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_prefill_and_decode_logits_match_transformers(tiny):
+    ours = tiny.score("fp32")
+    assert ours.shape == tiny.ref_logits.shape
+    assert ours.dtype == np.float32
+    # measured ~3e-7 on all three architectures (fp32 both sides, different summation orders)
+    assert mh.relative_logit_error(ours, tiny.ref_logits) <= 1e-4
+
+
+def test_greedy_batch_of_uneven_prompts_matches_transformers(tiny):
+    gen = decode.generate(tiny.arch, tiny.params, tiny.config, PROMPTS, method=decode.make_state_method("fp32"),
+                          max_new_tokens=GREEDY_TOKENS)
+    for prompt, tokens in zip(PROMPTS, gen.tokens):
+        assert tokens == mh.reference_greedy(tiny.hf, prompt, GREEDY_TOKENS)
+
+
+def test_leapquant_8bit_state_stays_close_to_fp32(tiny):
+    fp32 = tiny.score("fp32")
+    err = mh.relative_logit_error(tiny.score("leapquant", bits=8), fp32)
+    print(f"{tiny.name}: leapquant 8-bit max relative logit error {err:.2e}")
+    # measured 2.1e-3 (qwen3_next), 2.8e-3 (qwen3_5), 1.1e-3 (qwen3_5_moe) over 12 prefill + 32
+    # decode tokens (two window flushes); bound with a >3x margin. Most of it comes from the fp16
+    # window records (with fp32 records: 1.4e-6 on qwen3_next, 1.7e-3 on qwen3_5, where the
+    # 8-bit residual shows after the first flush).
+    assert err <= 1e-2, err
+
+
+def test_stop_token_ends_a_row_and_inactive_rows_keep_their_state(tiny):
+    method = decode.make_state_method("fp32")
+    free = decode.generate(tiny.arch, tiny.params, tiny.config, PROMPTS, method=method, max_new_tokens=GREEDY_TOKENS)
+    stop = free.tokens[0][3]
+    gen = decode.generate(tiny.arch, tiny.params, tiny.config, PROMPTS, method=method, max_new_tokens=GREEDY_TOKENS,
+                          stop_ids=[stop])
+    first = free.tokens[0].index(stop)
+    assert gen.tokens[0] == free.tokens[0][: first + 1]
+    # the other row is unaffected by its neighbour finishing (up to its own stop token)
+    other = free.tokens[1]
+    cut = other.index(stop) + 1 if stop in other else len(other)
+    assert gen.tokens[1] == other[:cut]
+
+
+# ----------------------------------------------------------------------------- converter
+
+
+@pytest.fixture(scope="module")
+def next_tiny(tmp_path_factory):
+    return Tiny("qwen3_next", tmp_path_factory.mktemp("next_conv"))
+
+
+def _damaged(next_tiny, tmp_path, edit):
+    src = mh.rewrite_checkpoint(next_tiny.hf_dir, tmp_path / "hf", edit=edit)
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError) as info:
+        convert_checkpoint(src, out)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    return str(info.value)
+
+
+def test_converter_names_a_missing_tensor_and_writes_nothing(next_tiny, tmp_path):
+    name = "model.layers.2.linear_attn.A_log"
+    msg = _damaged(next_tiny, tmp_path, lambda t: t.pop(name))
+    assert "missing" in msg and name in msg
+
+
+def test_converter_names_an_unexpected_tensor_and_writes_nothing(next_tiny, tmp_path):
+    name = "model.layers.0.linear_attn.surprise.weight"
+    msg = _damaged(next_tiny, tmp_path, lambda t: t.__setitem__(name, np.zeros((3,), np.float32)))
+    assert "unexpected" in msg and name in msg
+
+
+def test_converter_names_every_mis_shaped_tensor(next_tiny, tmp_path):
+    a = "model.layers.1.self_attn.q_proj.weight"
+    b = "model.layers.2.mlp.experts.1.down_proj.weight"
+
+    def edit(t):
+        t[a] = t[a][:-1]
+        t[b] = t[b].T.copy()
+
+    msg = _damaged(next_tiny, tmp_path, edit)
+    assert a in msg and b in msg and "(255, 64)" in msg
+
+
+def test_converter_refuses_to_overwrite(next_tiny, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        convert_checkpoint(next_tiny.hf_dir, tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+def test_bf16_sharded_checkpoint_converts_and_stays_bf16(next_tiny, tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    hf_dir = mh.save_tiny(copy.deepcopy(next_tiny.hf).to(torch.bfloat16), tmp_path / "hf", max_shard_size="40KB")
+    assert (hf_dir / "model.safetensors.index.json").exists()
+    arch, config, params, _ = load_model(convert_checkpoint(hf_dir, tmp_path / "ckpt"))
+    assert params["layers"][0]["gdn"]["qkv"].dtype == ml_dtypes.bfloat16
+    # reference: the same bf16-rounded weights run in fp32 by transformers
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ref = mh.reference_logits(ref_model, next_tiny.ids)
+    ours = decode.score(arch, decode.to_device(params), config, next_tiny.ids,
+                        method=decode.make_state_method("fp32"), prefill_len=PROMPT_LEN)[0]
+    assert mh.relative_logit_error(ours, ref) <= 1e-4
+
+
+def test_qwen3_5_vlm_layout_converts_like_the_text_model(tmp_path):
+    """Released Qwen3.5 files nest the decoder under model.language_model. and carry a vision
+    tower and MTP head; the converter reads the text part and ignores the rest."""
+    text = Tiny("qwen3_5", tmp_path / "text")
+
+    def to_vlm(t):
+        for name in [n for n in t if n.startswith("model.")]:
+            t["model.language_model." + name[len("model."):]] = t.pop(name)
+        t["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((6, 2), np.float32)
+        t["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+
+    def vlm_config(c):
+        text_cfg = dict(c, model_type="qwen3_5_text")
+        c.clear()
+        c.update(model_type="qwen3_5", text_config=text_cfg, tie_word_embeddings=False)
+
+    vlm_dir = mh.rewrite_checkpoint(text.hf_dir, tmp_path / "vlm", edit=to_vlm, config_edit=vlm_config)
+    arch, config, params, _ = load_model(vlm_dir)
+    assert config.model_type == "qwen3_5"
+    ours = decode.score(arch, decode.to_device(params), config, text.ids, method=decode.make_state_method("fp32"),
+                        prefill_len=PROMPT_LEN)[0]
+    assert mh.relative_logit_error(ours, text.ref_logits) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_generate_and_score_with_traces(next_tiny, tmp_path, capsys):
+    from leapquant_jax.traces import load_trace
+    from models.cli import main
+
+    prompt = ",".join(map(str, PROMPTS[1]))
+    assert main(["generate", str(next_tiny.ckpt), "--prompt-ids", prompt, "--max-new-tokens", str(GREEDY_TOKENS),
+                 "--state", "fp32", "--json", "--record-traces", str(tmp_path / "gen")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["generated_ids"] == [mh.reference_greedy(next_tiny.hf, PROMPTS[1], GREEDY_TOKENS)]
+    trace = load_trace(tmp_path / "gen" / "layer00.npz")
+    cfg = next_tiny.config
+    assert trace.q.shape == (len(PROMPTS[1]) + GREEDY_TOKENS - 1, cfg.linear_num_value_heads, cfg.linear_key_head_dim)
+    assert trace.v.shape[-1] == cfg.linear_value_head_dim and trace.g.ndim == 2
+    np.testing.assert_allclose(np.linalg.norm(trace.k, axis=-1), 1.0, atol=1e-4)
+    assert sorted(p.name for p in (tmp_path / "gen").iterdir()) == ["layer00.npz", "layer02.npz"]
+
+    np.save(tmp_path / "ids.npy", next_tiny.ids)
+    assert main(["score", str(next_tiny.hf_dir), "--ids-file", str(tmp_path / "ids.npy"), "--state", "fp32",
+                 "--out", str(tmp_path / "logits.npy"), "--json", "--record-traces", str(tmp_path / "score")]) == 0
+    capsys.readouterr()
+    logits = np.load(tmp_path / "logits.npy")
+    assert logits.dtype == np.float32 and logits.shape == next_tiny.ref_logits.shape
+    assert mh.relative_logit_error(logits, next_tiny.ref_logits) <= 1e-4
+    assert (tmp_path / "score" / "layer02_b1.npz").exists()
+    assert load_trace(tmp_path / "score" / "layer02_b1.npz").num_tokens == next_tiny.ids.shape[1]

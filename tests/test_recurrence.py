@@ -1,0 +1,76 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from leapquant_jax.recurrence import delta_rule_token, linear_attention_token, recurrent_scan, recurrent_step, recurrent_step_general
+from helpers import numpy_reference, random_inputs, rel
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("key_heads", [None, 1])
+def test_fp32_scan_matches_numpy_reference(kda, key_heads):
+    x = random_inputs(1, batch=2, tokens=37, heads=2, dk=12, dv=10, kda=kda, key_heads=key_heads)
+    s0 = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (2, 2, 12, 10)))
+    o, s = recurrent_scan(jnp.asarray(s0), **x)
+    o_ref, s_ref = numpy_reference(**x, s0=s0)
+    assert rel(o, o_ref) < 1e-5
+    assert rel(s, s_ref) < 1e-5
+
+
+def test_step_equals_scan():
+    x = random_inputs(2, tokens=5)
+    o, s = recurrent_scan(None, **x)
+    state = jnp.zeros_like(s)
+    for t in range(5):
+        ot, state = recurrent_step(state, **{n: v[:, t] for n, v in x.items()})
+        np.testing.assert_allclose(ot, o[:, t], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(state, s, rtol=1e-6, atol=1e-6)
+
+
+def test_general_form_linear_attention_is_plain_accumulation():
+    key = jax.random.PRNGKey(0)
+    q, k = jax.random.normal(key, (2, 1, 2, 4))
+    v = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 3))
+    tok = linear_attention_token(q=q, k=k, v=v)
+    s0 = jnp.ones((1, 2, 4, 3))
+    o, s = recurrent_step_general(s0, tok)
+    np.testing.assert_allclose(s, s0 + k[..., :, None] * v[..., None, :], rtol=1e-6)
+    np.testing.assert_allclose(o, jnp.einsum("bhkv,bhk->bhv", s, q), rtol=1e-5)
+
+
+def test_gva_maps_value_head_to_key_head_by_integer_division():
+    x = random_inputs(4, tokens=9, heads=4, key_heads=2)
+    o, s = recurrent_scan(None, **x)
+    expanded = dict(x, q=jnp.repeat(x["q"], 2, axis=2), k=jnp.repeat(x["k"], 2, axis=2))
+    o2, s2 = recurrent_scan(None, **expanded)
+    np.testing.assert_allclose(o, o2, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda x: dict(x, v=x["v"][..., 0]), "v must be"),
+        (lambda x: dict(x, k=x["k"][:, :, :, :-1]), "q and k"),
+        (lambda x: dict(x, beta=x["beta"][:, :, :1]), "beta must be"),
+        (lambda x: dict(x, g=x["g"][..., None, None]), "g must be"),
+        (lambda x: dict(x, q=x["q"][:, :, :0], k=x["k"][:, :, :0]), "heads"),
+    ],
+)
+def test_bad_shapes_name_the_tensor(change, match):
+    x = random_inputs(0, tokens=3, heads=2)
+    with pytest.raises(ValueError, match=match):
+        recurrent_scan(None, **change(x))
+
+
+def test_mismatched_heads_are_rejected():
+    x = random_inputs(0, tokens=3, heads=3)
+    x = dict(x, q=x["q"][:, :, :2], k=x["k"][:, :, :2])
+    with pytest.raises(ValueError, match="does not divide"):
+        recurrent_scan(None, **x)
+
+
+def test_integer_inputs_are_rejected():
+    x = random_inputs(0, tokens=3)
+    with pytest.raises(TypeError, match="beta must be a floating-point"):
+        delta_rule_token(**{n: v[:, 0] for n, v in dict(x, beta=jnp.ones(x["beta"].shape, jnp.int32)).items()})

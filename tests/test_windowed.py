@@ -1,0 +1,149 @@
+"""The windowed recurrence against the dense fp32 recurrence (two oracles, tested against each other)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from leapquant_jax import make_method
+from leapquant_jax.compensators import compensator_matrix, fit_subspace, fit_svd
+from leapquant_jax.recurrence import recurrent_scan
+from leapquant_jax.state import LeapQuantConfig
+from leapquant_jax import windowed
+from helpers import random_inputs, rel
+
+IDENTITY = dict(residual_format="fp32", record_dtype="float32", impl="reference")
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_identity_format_matches_dense_over_1000_tokens_with_ragged_boundaries(kda):
+    """Quantization off: window boundaries (anywhere, per sequence) change nothing but round-off."""
+    x = random_inputs(7, batch=3, tokens=1000, heads=2, dk=16, dv=8, kda=kda)
+    method = make_method("leapquant", window=7, fit="svd", **IDENTITY)
+    # Offset each sequence's window phase with a prefill of a different length.
+    lengths = jnp.array([0, 3, 11])
+    pre = {n: v[:, :11] for n, v in x.items()}
+    o_pre, state = jax.jit(lambda a: method.prefill(**a, lengths=lengths))(pre)
+    assert list(np.asarray(state.pos)) == [0, 3, 4]
+    rest = {n: v[:, 11:] for n, v in x.items()}
+    o, state = jax.jit(lambda s, a: method.decode(s, **a))(state, rest)
+    for b, n in enumerate([0, 3, 11]):
+        seq = {k: jnp.concatenate([v[b:b + 1, :n], v[b:b + 1, 11:]], axis=1) for k, v in x.items()}
+        o_ref, s_ref = recurrent_scan(None, **seq)
+        assert rel(o[b], o_ref[0, n:]) < 1e-5
+        assert rel(method.to_dense(state)[b], s_ref[0]) < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 4, 16])
+def test_identity_windows_with_compensators_and_smoothing(window):
+    x = random_inputs(8, tokens=70, heads=2, dk=16, dv=16, key_heads=1)
+    o_ref, s_ref = recurrent_scan(None, **x)
+    method = make_method("leapquant", window=window, rank=3, fit="subspace", **IDENTITY)
+    o, state = jax.jit(lambda a: method.decode(method.init(2, 2, 16, 16), **a))(x)
+    assert rel(o, o_ref) < 1e-5
+    assert rel(method.to_dense(state), s_ref) < 1e-5
+
+
+def test_step_reads_match_the_state_it_represents():
+    """u and o from eq. 10 equal reads of the reconstructed dense state, mid-window."""
+    x = random_inputs(3, tokens=5, heads=2, dk=16, dv=8, kda=True)
+    cfg = LeapQuantConfig(bits=6, window=8, impl="reference")
+    method = make_method("leapquant", bits=6, window=8, impl="reference")
+    dense0 = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 16, 8))
+    state = method.from_dense(dense0, per_channel_decay=True)
+    step = jax.jit(lambda s, tok: method.step(s, **tok))
+    reconstruct = jax.jit(lambda s: windowed.reconstruct_reference(cfg, s))
+    for t in range(5):
+        tok = {n: v[:, t] for n, v in x.items()}
+        before = reconstruct(state)
+        o, state = step(state, tok)
+        after = reconstruct(state)
+        alpha = jnp.exp(tok["g"])
+        u = tok["beta"][..., None] * (tok["v"] - jnp.einsum("bhkv,bhk->bhv", before, alpha * tok["k"]))
+        expect = alpha[..., None] * before + tok["k"][..., :, None] * u[..., None, :]
+        assert rel(after, expect) < 2e-3   # records are fp16
+        assert rel(o, jnp.einsum("bhkv,bhk->bhv", after, tok["q"])) < 1e-5
+
+
+def test_quantized_windowed_beats_per_step_on_long_memory():
+    x = random_inputs(5, batch=2, tokens=512, heads=2, dk=32, dv=32, decay=(0.995, 0.9999))
+    o_ref, s_ref = recurrent_scan(None, **x)
+    errs = {}
+    for name in ["int8", "int8-w", "leapquant"]:
+        m = make_method(name) if name == "int8" else make_method(name, impl="reference")
+        o, s = jax.jit(lambda a: m.decode(m.init(2, 2, 32, 32), **a))(x)
+        errs[name] = rel(m.to_dense(s), s_ref)
+    assert errs["leapquant"] < errs["int8-w"] < errs["int8"]
+
+
+def test_fully_decayed_zero_and_zero_column_states_flush_finite():
+    cfg = LeapQuantConfig(bits=4, window=4, impl="reference")
+    dense = jnp.zeros((3, 2, 16, 8)).at[2, :, :, :4].set(jax.random.normal(jax.random.PRNGKey(0), (2, 16, 4)))
+    method = make_method("leapquant", bits=4, window=4, impl="reference")
+    state = method.from_dense(dense)
+    x = random_inputs(2, batch=3, tokens=9, heads=2, dk=16, dv=8)
+    x["g"] = x["g"].at[0].set(-1e4)             # sequence 0: fully decayed every token
+    x["v"] = x["v"].at[1].set(0.0)              # sequence 1: stays exactly zero
+    o, state = jax.jit(lambda s, a: method.decode(s, **a))(state, x)
+    dense_after = method.to_dense(state)
+    for leaf in jax.tree_util.tree_leaves(state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float32)))
+    assert np.all(np.isfinite(np.asarray(o)))
+    np.testing.assert_array_equal(np.asarray(dense_after[1]), 0.0)
+    # Fully decayed: only the last window's records survive, and they are finite.
+    assert np.all(np.isfinite(np.asarray(windowed.reconstruct_reference(cfg, state))))
+
+
+def test_long_decay_over_20000_tokens_stays_finite():
+    spec_x = random_inputs(11, batch=1, tokens=20000, heads=1, dk=8, dv=8, decay=(0.9999, 0.9999))
+    method = make_method("leapquant", impl="reference", rank=2)
+    o, state = jax.jit(lambda a: method.decode(method.init(1, 1, 8, 8), **a))(spec_x)
+    assert np.all(np.isfinite(np.asarray(o)))
+    _, s_ref = recurrent_scan(None, **spec_x)
+    assert rel(method.to_dense(state), s_ref) < 0.05
+
+
+def test_subspace_fit_recovers_a_low_rank_state():
+    key = jax.random.PRNGKey(0)
+    a, b = jax.random.normal(key, (2, 3, 32, 4))
+    low = jnp.einsum("hkr,hvr->hkv", a, b[..., :4][:, :32])
+    k_svd, u_svd = fit_svd(low, 4)
+    k_sub, u_sub = fit_subspace(low, 4, iters=2)
+    for k, u in [(k_svd, u_svd), (k_sub, u_sub)]:
+        assert rel(compensator_matrix(k, u), low) < 2e-3     # fp16 factors
+    warm_k, _ = fit_subspace(low, 4, iters=1, start=k_sub)
+    assert rel(compensator_matrix(warm_k, jnp.einsum("hkv,hrk->hrv", low, warm_k.astype(jnp.float32))), low) < 2e-3
+
+
+def test_zero_state_fit_is_finite():
+    k, u = fit_subspace(jnp.zeros((2, 16, 8)), 4)
+    assert np.all(np.isfinite(np.asarray(k, np.float32))) and np.all(np.asarray(u) == 0)
+
+
+def test_checkpoint_layout_and_bytes():
+    method = make_method("leapquant")
+    state = jax.eval_shape(lambda: method.init(2, 3, 128, 128))
+    ck = state.checkpoint
+    assert ck.residual.codes.shape == (2, 3, 128, 128) and ck.residual.codes.dtype == jnp.int8
+    assert ck.residual.scale.shape == (2, 3, 128) and ck.smooth.shape == (2, 3, 128)
+    assert ck.comp_k.shape == (2, 3, 4, 128) and ck.comp_k.dtype == jnp.float16
+    from leapquant_jax.quantizers import tree_bytes
+    assert tree_bytes(ck) == 2 * 3 * 19456           # DESIGN §4: 19,456 bytes per head
+    assert state.buffer.k.shape == (2, 3, 16, 128) and state.pos.shape == (2,)
+
+
+def test_config_and_method_errors():
+    with pytest.raises(ValueError, match="unknown method"):
+        make_method("int7")
+    with pytest.raises(ValueError, match="per-step"):
+        make_method("int8", window=8)
+    with pytest.raises(ValueError, match="bits must be"):
+        make_method("leapquant", bits=5)
+    with pytest.raises(ValueError, match="window"):
+        make_method("leapquant", window=0)
+    with pytest.raises(ValueError, match="unknown option"):
+        make_method("leapquant", colour="red")
+    with pytest.raises(ValueError, match="neither compensators"):
+        make_method("int8-w", rank=4)
+    with pytest.raises(ValueError, match="state must be"):
+        make_method("leapquant").from_dense(jnp.zeros((4, 4)))
