@@ -232,8 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     try:
         from models.cli import add_subcommands
-    except ImportError:
-        pass
+    except ModuleNotFoundError as err:
+        # The model commands ship with the source tree; a broken import inside them must surface.
+        if err.name not in ("models", "models.cli"):
+            raise
     else:
         add_subcommands(sub)
     return parser

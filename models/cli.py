@@ -69,7 +69,11 @@ def run_convert(args) -> int:
     from models.checkpoint import convert_checkpoint
 
     t0 = time.time()
-    out = convert_checkpoint(args.hf_dir, args.out_dir)
+    try:
+        out = convert_checkpoint(args.hf_dir, args.out_dir)
+    except FileExistsError as err:
+        print(f"leapquant convert: error: {err}", file=sys.stderr)
+        return 2
     result = {"command": "convert", "hf_dir": str(args.hf_dir), "out_dir": str(out), "seconds": round(time.time() - t0, 3)}
     print(json.dumps(result) if args.json else f"wrote {out}")
     return 0

@@ -254,11 +254,10 @@ def _layout(cfg: QwenHybridConfig, tensors: Mapping[str, Any]) -> dict:
     interleaved, fused = [], []
     for i in range(cfg.num_layers):
         la = f"{pre}layers.{i}.linear_attn."
-        if tensors:
-            interleaved.append(la + "in_proj_qkvz.weight" in tensors or (
-                la + "in_proj_qkv.weight" not in tensors and cfg.model_type == QWEN3_NEXT))
-        else:
-            interleaved.append(cfg.model_type == QWEN3_NEXT)
+        # with neither projection present, expect the model type's own layout, so the error
+        # names the tensors its files carry
+        interleaved.append(la + "in_proj_qkvz.weight" in tensors
+                           or (la + "in_proj_qkv.weight" not in tensors and cfg.model_type == QWEN3_NEXT))
         fused.append(f"{pre}layers.{i}.mlp.experts.gate_up_proj" in tensors)
     return dict(prefix=pre, interleaved=tuple(interleaved), fused=tuple(fused))
 
@@ -481,8 +480,9 @@ def route_top_k(router_logits: Array, *, top_k: int, normalize: bool) -> tuple[A
 def moe_mlp(p: dict, x: Array, cfg: QwenHybridConfig) -> Array:
     """Routed SwiGLU experts plus a sigmoid-gated shared expert. ``[B, T, D] -> [B, T, D]``.
 
-    Few tokens (decode) gather only their chosen experts' weights; many tokens (prefill) run
-    every expert once and mask by the routing weights, which touches each weight once.
+    Few tokens (decode) gather only their chosen experts' weights; many tokens (prefill) visit
+    the experts one at a time in a ``lax.scan`` and mask by the routing weights, which reads
+    each weight once and keeps the working set at one expert's activations ``[N, I]``.
     """
     shape = x.shape
     xf = x.reshape(-1, shape[-1]).astype(F32)  # [N, D]
@@ -495,9 +495,13 @@ def moe_mlp(p: dict, x: Array, cfg: QwenHybridConfig) -> Array:
         out = jnp.einsum("nki,nkdi,nk->nd", hid, wd, weights, precision=L.PRECISION)
     else:
         dense_w = jnp.zeros((n, e), F32).at[jnp.arange(n)[:, None], idx].set(weights)  # [N, E]
-        hid = jax.nn.silu(jnp.einsum("nd,eid->nei", xf, p["gate"].astype(F32), precision=L.PRECISION)) * jnp.einsum(
-            "nd,eid->nei", xf, p["up"].astype(F32), precision=L.PRECISION)
-        out = jnp.einsum("nei,edi,ne->nd", hid, p["down"].astype(F32), dense_w, precision=L.PRECISION)
+
+        def one_expert(acc, xs):
+            gate, up, down, w = xs
+            y = L.swiglu_mlp(xf, gate=gate, up=up, down=down)
+            return acc + w[:, None] * y, None
+
+        out, _ = jax.lax.scan(one_expert, jnp.zeros_like(xf), (p["gate"], p["up"], p["down"], dense_w.T))
     if "shared" in p:
         shared = L.swiglu_mlp(xf, **p["shared"])
         out = out + jax.nn.sigmoid(L.linear(xf, p["shared_gate"])) * shared

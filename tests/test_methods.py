@@ -1,0 +1,58 @@
+"""Every method behind one interface: jit, vmap, prefill and masking."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from leapquant_jax import METHOD_NAMES, make_method
+from leapquant_jax.recurrence import recurrent_scan
+from helpers import random_inputs, rel
+
+
+def _method(name):
+    return make_method(name, impl="reference") if name.endswith("-w") or name == "leapquant" else make_method(name)
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_every_method_decodes_close_to_fp32_under_jit_and_vmap(name):
+    x = random_inputs(1, batch=2, tokens=40, heads=2, dk=16, dv=16)
+    m = _method(name)
+
+    def run(inputs):          # one sequence [T, H, ...] -> o [T, H, dv]
+        batched = {k: v[None] for k, v in inputs.items()}
+        o, _ = m.decode(m.init(1, 2, 16, 16), **batched)
+        return o[0]
+
+    o = jax.jit(jax.vmap(run))(x)
+    o_ref, _ = recurrent_scan(None, **x)
+    bound = {"fp8": 0.3, "int8": 0.05}.get(name, 0.02)
+    assert rel(o, o_ref) < bound
+    if name == "fp32":
+        assert rel(o, o_ref) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["int8", "leapquant"])
+def test_prefill_of_ragged_prompts_continues_like_decode(name):
+    x = random_inputs(2, batch=2, tokens=24, heads=2, dk=16, dv=16, kda=True)
+    m = _method(name)
+    lengths = jnp.array([24, 19])
+    o, state = jax.jit(lambda a: m.prefill(**a, lengths=lengths))(x)
+    o_ref, s_ref = recurrent_scan(None, **{k: v[1:] for k, v in x.items()})
+    _, s_short = recurrent_scan(None, **{k: v[1:, :19] for k, v in x.items()})
+    dense = m.to_dense(state)
+    # Exact up to the last boundary, then one rounding: close to fp32 for both lengths.
+    assert rel(dense[1], s_short[0]) < 0.02
+    if name == "leapquant":
+        assert list(np.asarray(state.pos)) == [24 % 16, 19 % 16]
+        assert rel(o[1, :16], o_ref[0, :16]) < 1e-5       # before the boundary: exact fp32
+
+
+def test_inactive_sequences_keep_their_state():
+    x = random_inputs(3, batch=2, tokens=1, heads=1, dk=8, dv=8)
+    m = _method("leapquant")
+    state = m.from_dense(jax.random.normal(jax.random.PRNGKey(0), (2, 1, 8, 8)))
+    _, new = m.step(state, **{k: v[:, 0] for k, v in x.items()}, active=jnp.array([True, False]))
+    assert list(np.asarray(new.pos)) == [1, 0]
+    for a, b in zip(jax.tree_util.tree_leaves(new.buffer), jax.tree_util.tree_leaves(state.buffer)):
+        np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
