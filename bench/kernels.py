@@ -1,23 +1,32 @@
-"""Kernel benchmark (DESIGN §6): correctness first, then µs per token-step on one layer.
+"""Kernel benchmark (DESIGN §6): correctness, variant sweep, then µs per token-step on one layer.
 
-    python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--sweep]
-                            [--commit HASH] [--out bench/results]
+    python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
+                            [--correctness full|ops|none] [--check-bits 8 6 4] [--commit HASH]
+                            [--out bench/results]
 
-1. Correctness of the compiled kernels: the Pallas dense steps against the fp32 reference, and
-   ``make_method("leapquant", impl="pallas")`` against ``impl="reference"`` over 64 tokens at
-   ragged window positions (sequences start at different times, so flushes fall at different
-   steps), GDN and KDA, 8/6/4 bits; FLA's kernels against the fp32 reference on the same
-   tokens. Errors are ``||out - ref|| / ||ref||``.
-2. Timings, one layer of ``--heads`` heads, ``dk = dv = 128``, per batch size, GDN and KDA:
-   FLA's fp32 ``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda`` (CUDA events,
-   median), the Pallas fp32 and bf16 dense steps and the LeapQuant step amortised over a full
-   window including its flush (``p`` steps + 1 flush, divided by ``p``; host clock around many
-   calls of a jitted window after warm-up, median over repeats), and a device-to-device copy
-   (bytes read + written) for the bandwidth ceiling.
+In this order:
 
-Bytes per step are the kernels' docstring counts (``dense_step_bytes``, ``step_bytes``,
-``flush_bytes``); FLA's fp32 kernel moves what the Pallas fp32 step moves. Results go to
-``bench/results/kernels-<date>.json`` and ``.md``.
+1. Correctness of the compiled kernels on one step and one flush from the same state (ragged
+   positions), against ``windowed``'s reference.
+2. ``--sweep``: at the largest batch, block/warp/chunk variants of the Pallas fp32 dense step,
+   the LeapQuant step and the flush; the timings below use the fastest of each.
+3. Timings, one layer of ``--heads`` heads, ``dk = dv = 128``, per batch size, GDN and KDA:
+   FLA's fp32 ``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda`` (CUDA events via
+   ``triton.testing.do_bench``, median), the Pallas fp32 and bf16 dense steps and the LeapQuant
+   step amortised over a full window including its flush (``p`` steps + 1 flush, divided by
+   ``p``), the step alone and the flush alone (host clock around many back-to-back calls of a
+   jitted window after warm-up, median over repeats), and a device-to-device copy (bytes read +
+   written) for the bandwidth ceiling.
+4. ``--correctness full``: ``make_method("leapquant", impl="pallas")`` against
+   ``impl="reference"`` over 64 tokens at ragged window positions (sequences start at
+   different steps, so flushes fall at different steps), both against the exact fp32
+   recurrence; the Pallas dense steps over 8 tokens; FLA against the exact recurrence. (Last,
+   because its compile time is the longest; nothing here depends on its outcome.)
+
+Errors are ``||out - ref|| / ||ref||``. Bytes per step are the kernels' docstring counts
+(``dense_step_bytes``, ``step_bytes``, ``flush_bytes``); FLA's fp32 kernel moves what the Pallas
+fp32 step moves. Results go to ``<out>/kernels-<date>.json`` and ``.md``, with the targets of
+issue 3 evaluated at the largest batch.
 """
 
 from __future__ import annotations
@@ -97,6 +106,38 @@ def ragged_decode(method, state, seq, offsets):
 
     state, o = jax.lax.scan(body, state, jnp.arange(t))
     return jnp.moveaxis(o, 0, 1), state
+
+
+def check_single_ops(log, bits_list=(8,), kda_modes=(False, True)):
+    """One step and one flush of the compiled kernels against the reference from the same state
+    (ragged positions 0, 5, 11, 16 of a 16-slot window; the flush covers every sequence)."""
+    rows = []
+    bsz, h, dk, dv = 4, 4, 128, 128
+    for kda in kda_modes:
+        seq = random_sequence(jax.random.PRNGKey(11 + kda), bsz, 16, h, dk, dv, kda)
+        s0 = random_state(jax.random.PRNGKey(5), bsz, h, dk, dv)
+        for bits in bits_list:
+            config = LeapQuantConfig(bits=bits, window=16, impl="pallas")
+            st = windowed.from_dense(config, s0, per_channel_decay=kda)
+            for i in range(15):
+                _, st = windowed.step_reference(config, st, token_at(seq, i))
+            st = st.replace(pos=jnp.array([0, 5, 11, 15], jnp.int32))
+            tok = token_at(seq, 15)
+            o_r, n_r = windowed.step_reference(config, st, tok)
+            o_k, n_k = leapquant_step(config, jax.tree_util.tree_map(jnp.copy, st), tok)
+            buf_err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(n_r.buffer)))
+            f_r = windowed.flush_reference(config, n_r)
+            f_k = leapquant_flush(config, jax.tree_util.tree_map(jnp.copy, n_r))
+            dense = windowed.reconstruct_reference(config, n_r)
+            d_r = windowed.decode_checkpoint(config, f_r.checkpoint)
+            d_k = windowed.decode_checkpoint(config, f_k.checkpoint)
+            row = dict(check=f"int{bits} one step + one flush vs reference (same state)", mode="KDA" if kda else "GDN",
+                       o_rel_err=rel(o_k, o_r), state_rel_err=rel(d_k, d_r), buffer_rel_err=buf_err,
+                       reference_flush_err=rel(d_r, dense), pallas_flush_err=rel(d_k, dense),
+                       finite=bool(jnp.all(jnp.isfinite(o_k)) and jnp.all(jnp.isfinite(d_k))))
+            rows.append(row)
+            log(row)
+    return rows
 
 
 def check_correctness(log, kda_modes=(False, True), bits_list=(8, 6, 4)):
@@ -211,7 +252,7 @@ def time_copy(nbytes=2 << 30):
 # ----------------------------------------------------------------------------- JAX timing
 
 
-def time_jax(fn, state, toks, steps, min_seconds=0.3, repeats=7):
+def time_jax(fn, state, toks, steps, min_seconds=0.25, repeats=5):
     """Median µs per token-step of ``state, o = fn(state, toks)`` (``steps`` token-steps per call;
     host clock around ``calls`` back-to-back calls, after two warm-up calls)."""
     for _ in range(2):
@@ -238,7 +279,7 @@ def window_tokens(bsz, h, dk, dv, kda, p, seed=0):
     return [token_at(seq, i) for i in range(p)]
 
 
-def dense_timer(dtype, tokens, block_v, num_warps):
+def dense_timer(dtype, tokens, block_v=64, num_warps=4):
     def run(state, toks):
         o = None
         for tok in toks:
@@ -248,7 +289,7 @@ def dense_timer(dtype, tokens, block_v, num_warps):
     return jax.jit(run, donate_argnums=(0,))
 
 
-def leapquant_window_timer(config, mode, block_v=None, num_warps=4, flush_warps=8):
+def leapquant_window_timer(config, mode, step_opts=None, flush_warps=None):
     """mode: 'window' (p steps + flush of full windows), 'steps' (p steps), 'flush' (flush only)."""
     p = config.window
 
@@ -257,7 +298,7 @@ def leapquant_window_timer(config, mode, block_v=None, num_warps=4, flush_warps=
         if mode in ("window", "steps"):
             state = state.replace(pos=jnp.zeros_like(state.pos))
             for tok in toks:
-                o, state = leapquant_step(config, state, tok, block_v=block_v, num_warps=num_warps)
+                o, state = leapquant_step(config, state, tok, **(step_opts or {}))
         if mode in ("window", "flush"):
             if mode == "flush":
                 state = state.replace(pos=jnp.full_like(state.pos, p))
@@ -296,6 +337,10 @@ def environment(commit):
     return info
 
 
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
 def git_commit():
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -311,7 +356,9 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--bits", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="also time block_v / num_warps variants at the largest batch")
-    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--correctness", choices=("full", "ops", "none"), default="full",
+                    help="full: single ops and 64-token decodes; ops: one step + one flush; none")
+    ap.add_argument("--check-bits", type=int, nargs="+", default=[8, 6, 4])
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -321,7 +368,7 @@ def main(argv=None):
 
     env = environment(args.commit or git_commit())
     log(env)
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = _on_gpu()
     results = dict(environment=env, correctness=[], timings=[], sweep=[], notes=[])
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     os.makedirs(args.out, exist_ok=True)
@@ -333,10 +380,12 @@ def main(argv=None):
         with open(base + ".md", "w") as f:
             f.write(markdown(results))
 
-    if not args.skip_correctness:
-        results["correctness"] = check_correctness(log)
+    if args.correctness != "none":
+        results["correctness"] = check_single_ops(log, tuple(args.check_bits))
         save()
     if not on_gpu:
+        if args.correctness == "full":
+            results["correctness"] += check_correctness(log, bits_list=tuple(args.check_bits))
         log("no GPU: timings skipped")
         save()
         return results
@@ -349,6 +398,46 @@ def main(argv=None):
     config = LeapQuantConfig(bits=args.bits, window=args.window, impl="pallas")
     p = config.window
 
+    # Sweep first (largest batch): the main timings use the fastest variant of each kernel.
+    best = {False: {}, True: {}}
+    for kda in (False, True):
+        best[kda] = dict(dense=dict(block_v=64, num_warps=4), step={}, flush=None)
+    if args.sweep:
+        bsz = max(args.batches)
+        for kda in (False, True):
+            mode = "KDA" if kda else "GDN"
+            toks = window_tokens(bsz, h, dk, dv, kda, p)
+            timed = []
+            for bv, nw in ((64, 4), (64, 2), (32, 2), (128, 4)):
+                s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
+                us = time_jax(dense_timer("float32", toks, bv, nw), s, toks, p)
+                row = dict(kernel="pallas fp32 dense step", mode=mode, batch=bsz, options=dict(block_v=bv, num_warps=nw),
+                           us=us)
+                results["sweep"].append(row); log(row); timed.append(row)
+            best[kda]["dense"] = min(timed, key=lambda r: r["us"])["options"]
+            timed = []
+            variants = [dict(chunk=32, block_v=bv, num_warps=nw, num_stages=ns)
+                        for bv in (64, 128) for nw in (4, 8) for ns in (1, 3)]
+            variants += [dict(chunk=dk, block_v=bv, num_warps=4) for bv in (64, 128)]
+            for opts in variants:
+                st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+                us = time_jax(leapquant_window_timer(config, "steps", opts), st, toks, p)
+                row = dict(kernel=f"leapquant int{args.bits} step (no flush)", mode=mode, batch=bsz, options=opts, us=us)
+                results["sweep"].append(row); log(row); timed.append(row)
+            best[kda]["step"] = min(timed, key=lambda r: r["us"])["options"]
+            timed = []
+            for nw in (4, 8, 16):
+                st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+                us = time_jax(leapquant_window_timer(config, "flush", flush_warps=nw), st, toks, 1)
+                row = dict(kernel=f"leapquant int{args.bits} flush (per flush)", mode=mode, batch=bsz,
+                           options=dict(num_warps=nw), us=us)
+                results["sweep"].append(row); log(row); timed.append(row)
+            best[kda]["flush"] = min(timed, key=lambda r: r["us"])["options"]["num_warps"]
+            del toks
+            save()
+    results["chosen_variants"] = {("KDA" if k else "GDN"): v for k, v in best.items()}
+    log(results["chosen_variants"])
+
     for bsz in args.batches:
         for kda in (False, True):
             mode = "KDA" if kda else "GDN"
@@ -360,13 +449,13 @@ def main(argv=None):
             toks = window_tokens(bsz, h, dk, dv, kda, p)
             for dt, isz in (("float32", 4), ("bfloat16", 2)):
                 s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv).astype(dt)
-                us = time_jax(dense_timer(dt, toks, 64, 4), s, toks, p)
+                us = time_jax(dense_timer(dt, toks, **best[kda]["dense"]), s, toks, p)
                 rows.append(dict(impl=f"Pallas {dt} dense step", us=us, bytes=dense_step_bytes(dk, dv, isz, kda) * bsz * h))
             s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
             for what in ("window", "steps", "flush"):
                 st = windowed.from_dense(config, s, per_channel_decay=kda)
                 steps = 1 if what == "flush" else p
-                us = time_jax(leapquant_window_timer(config, what), st, toks, steps)
+                us = time_jax(leapquant_window_timer(config, what, best[kda]["step"], best[kda]["flush"]), st, toks, steps)
                 if what == "window":
                     nb = leapquant_bytes_per_step(config, dk, dv, kda) * bsz * h
                     name = f"LeapQuant int{args.bits} p={p} (steps + flush, per step)"
@@ -388,34 +477,41 @@ def main(argv=None):
                 log(r)
             results["timings"] += rows
             save()
-    if args.sweep:
-        bsz = max(args.batches)
-        for kda in (False, True):
-            toks = window_tokens(bsz, h, dk, dv, kda, p)
-            for bv in (32, 64, 128):
-                for nw in (2, 4, 8):
-                    s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
-                    us = time_jax(dense_timer("float32", toks, bv, nw), s, toks, p)
-                    row = dict(kernel="pallas fp32 dense step", mode="KDA" if kda else "GDN", batch=bsz, block_v=bv,
-                               num_warps=nw, us_per_step=us)
-                    results["sweep"].append(row); log(row)
-                    st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
-                    us = time_jax(leapquant_window_timer(config, "steps", bv, nw), st, toks, p)
-                    row = dict(kernel=f"leapquant int{args.bits} step (no flush)", mode="KDA" if kda else "GDN",
-                               batch=bsz, block_v=bv, num_warps=nw, us_per_step=us)
-                    results["sweep"].append(row); log(row)
-            for nw in (4, 8, 16):
-                st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
-                us = time_jax(leapquant_window_timer(config, "flush", flush_warps=nw), st, toks, 1)
-                row = dict(kernel=f"leapquant int{args.bits} flush", mode="KDA" if kda else "GDN", batch=bsz,
-                           num_warps=nw, us_per_flush=us)
-                results["sweep"].append(row); log(row)
-            del toks
-            save()
-
+    if args.correctness == "full" and on_gpu:
+        results["correctness"] += check_correctness(log, bits_list=tuple(args.check_bits))
+        save()
+    results["targets"] = targets(results)
     save()
     log(markdown(results))
     return results
+
+
+TARGETS = (  # (what, mode, impl row, measure, target) at the largest batch
+    ("LeapQuant GDN per token-step vs FLA fp32 GDN", "GDN", "LeapQuant", "speedup_vs_fla_fp32", 4.0),
+    ("LeapQuant KDA per token-step vs FLA fp32 KDA", "KDA", "LeapQuant", "speedup_vs_fla_fp32", 3.5),
+    ("Pallas fp32 GDN step vs FLA fp32 GDN", "GDN", "Pallas float32", "speedup_vs_fla_fp32", 0.95),
+    ("Pallas fp32 KDA step vs FLA fp32 KDA", "KDA", "Pallas float32", "speedup_vs_fla_fp32", 0.95),
+    ("LeapQuant GDN bandwidth on its bytes / copy bandwidth", "GDN", "LeapQuant", "frac_copy_bw", 0.60),
+    ("LeapQuant KDA bandwidth on its bytes / copy bandwidth", "KDA", "LeapQuant", "frac_copy_bw", 0.60),
+)
+
+
+def targets(results):
+    """Each target at the largest batch: measured value, target, met, and the factor missing."""
+    rows = [r for r in results["timings"] if r.get("speedup_vs_fla_fp32") is not None or r["impl"].startswith("Pallas")]
+    if not rows:
+        return []
+    bsz = max(r["batch"] for r in rows)
+    out = []
+    for what, mode, prefix, key, target in TARGETS:
+        hit = [r for r in rows if r["batch"] == bsz and r["mode"] == mode and r["impl"].startswith(prefix)
+               and (prefix != "LeapQuant" or "steps + flush" in r["impl"])]
+        if not hit or hit[0].get(key) is None:
+            continue
+        value = hit[0][key]
+        out.append(dict(target=what, batch=bsz, measured=value, wanted=target, met=value >= target,
+                        missing_factor=None if value >= target else target / value))
+    return out
 
 
 def markdown(results) -> str:
@@ -442,10 +538,18 @@ def markdown(results) -> str:
                        f"{r['GBps']:.0f} | {100 * r['frac_copy_bw']:.0f} | {fla} | {r['speedup_vs_pallas_fp32']:.2f} |")
         out.append("")
     if results["sweep"]:
-        out += ["## Block sweep", "", "| kernel | mode | batch | block_v | num_warps | µs |", "| --- | --- | --- | --- | --- | --- |"]
+        out += [f"## Variant sweep (batch {results['sweep'][0]['batch']}; the timings above use the fastest)", "",
+                "| kernel | mode | options | µs |", "| --- | --- | --- | --- |"]
         for r in results["sweep"]:
-            us = r.get("us_per_step", r.get("us_per_flush"))
-            out.append(f"| {r['kernel']} | {r['mode']} | {r['batch']} | {r.get('block_v', '-')} | {r['num_warps']} | {us:.1f} |")
+            out.append(f"| {r['kernel']} | {r['mode']} | {r['options']} | {r['us']:.1f} |")
+        out.append("")
+    tg = targets(results)
+    if tg:
+        out += [f"## Targets (batch {tg[0]['batch']})", "", "| target | measured | wanted | met | short by |",
+                "| --- | --- | --- | --- | --- |"]
+        for t in tg:
+            short = "-" if t["met"] else f"{t['missing_factor']:.2f}×"
+            out.append(f"| {t['target']} | {t['measured']:.2f} | {t['wanted']:.2f} | {'yes' if t['met'] else 'no'} | {short} |")
         out.append("")
     for n in results.get("notes", []):
         out.append(f"- {n}")

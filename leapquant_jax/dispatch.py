@@ -9,6 +9,7 @@ shapes and the reference everywhere else. Both paths have the same signatures.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from . import windowed
 from .recurrence import Token
@@ -51,3 +52,16 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuant
         api, _ = _kernels()
         return api.leapquant_flush(config, state)
     return windowed.flush_reference(config, state)
+
+
+def leapquant_maybe_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantState:
+    """Flushes the sequences whose window is full (``pos == p``) on the chosen implementation.
+
+    The kernel skips the other sequences itself (reading and writing nothing for them); the
+    reference flushes every sequence and keeps the full ones (``windowed.maybe_flush``).
+    """
+    if resolve_impl(config, state) == "pallas":
+        api, _ = _kernels()
+        full = state.pos >= config.window
+        return jax.lax.cond(jnp.any(full), lambda s: api.leapquant_flush_full(config, s), lambda s: s, state)
+    return windowed.maybe_flush(config, state)

@@ -178,13 +178,12 @@ class WindowedMethod(_Runner):
 
     def step_token(self, state: LeapQuantState, token: Token, *, active: Optional[Array] = None):
         """Read, append the record, output; flush the sequences whose window filled."""
-        from .dispatch import leapquant_flush, leapquant_step
+        from .dispatch import leapquant_maybe_flush, leapquant_step
 
         o, new = leapquant_step(self.config, state, token)
         if active is not None:
             new = windowed.select_batch(active, new, state)
-        new = windowed.maybe_flush(self.config, new, leapquant_flush)
-        return o, new
+        return o, leapquant_maybe_flush(self.config, new)
 
 
 def make_method(

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from .compensators import compensator_matrix, fit_subspace, fit_svd, smoothing_scales
-from .recurrence import Token
+from .recurrence import Token, decay_rows
 from .state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer, empty_buffer
 
 Array = jax.Array
@@ -138,17 +138,22 @@ def append_record(buf: WindowBuffer, pos: Array, *, k: Array, u: Array, g: Array
 
 
 def step_reference(config: LeapQuantConfig, state: LeapQuantState, token: Token) -> tuple[Array, LeapQuantState]:
-    """One decode step inside a window, no flush: computes ``u``, appends the record, reads ``o``.
+    """One decode step inside a window, no flush: computes ``u``, reads ``o``, appends the record.
+
+    Both reads are at ``l = pos`` records: ``u = beta (v - S_l^T b)`` and, since
+    ``S_{l+1} = Diag(alpha) S_l + k u^T``, ``o = S_l^T (alpha q) + u (k . q)``. The token's own
+    term is exact fp32; its record is rounded to the record dtype only for later tokens.
 
     state: ``LeapQuantState`` with ``pos < p`` for every sequence; token: general-form
     ``Token`` (``[B, H, ...]``). Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
     """
     ckpt, buf, pos = state.checkpoint, state.buffer, state.pos
+    alpha = decay_rows(token.g, token.w.shape[-1])
     u = token.beta[..., None] * (token.v - window_read(config, ckpt, buf, pos, token.b))
+    own = jnp.sum(token.w * token.q, axis=-1, keepdims=True)
+    o = window_read(config, ckpt, buf, pos, alpha * token.q) + u * own
     buf = append_record(buf, pos, k=token.w, u=u, g=token.g)
-    pos = pos + 1
-    o = window_read(config, ckpt, buf, pos, token.q)
-    return o, LeapQuantState(checkpoint=ckpt, buffer=buf, pos=pos)
+    return o, LeapQuantState(checkpoint=ckpt, buffer=buf, pos=pos + 1)
 
 
 def reconstruct_reference(config: LeapQuantConfig, state: LeapQuantState) -> Array:
@@ -168,12 +173,12 @@ def flush_reference(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuant
     return LeapQuantState(checkpoint=ckpt, buffer=buf, pos=jnp.zeros_like(state.pos))
 
 
-def maybe_flush(config: LeapQuantConfig, state: LeapQuantState, flush_fn=flush_reference) -> LeapQuantState:
+def maybe_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantState:
     """Flushes the sequences whose window is full (``pos == p``); the rest are untouched."""
     full = state.pos >= config.window
     return jax.lax.cond(
         jnp.any(full),
-        lambda s: select_batch(full, flush_fn(config, s), s),
+        lambda s: select_batch(full, flush_reference(config, s), s),
         lambda s: s,
         state,
     )

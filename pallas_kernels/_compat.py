@@ -9,6 +9,7 @@ an H200); older releases named it ``TritonCompilerParams``. The backend is depre
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the kernels)
 from jax.experimental.pallas import triton as plgpu
 
@@ -35,8 +36,6 @@ def round_half_even(x: jax.Array) -> jax.Array:
     The Pallas Triton lowering has no ``round``; this is exact for ``|x| < 2**22``, the range
     of quantization codes.
     """
-    import jax.numpy as jnp
-
     f = jnp.floor(x)
     d = x - f
     odd = (f - 2.0 * jnp.floor(0.5 * f)) == 1.0

@@ -18,8 +18,6 @@ What the kernels take: integer residuals at 8, 6 or 4 bits (no ``residual_format
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from leapquant_jax.quantizers import IntTensor
 from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState

@@ -8,9 +8,9 @@ One program per (sequence, head, value block ``BV``). It loads the state tile
 
     u = beta (v - S^T b),  S' = Diag(exp(g)) S + w u^T,  o = S'^T q
 
-and stores ``S'`` in place (the state input is aliased to the state output; donate it under
-``jit`` to avoid a copy). Rounding: only the store of ``S'`` rounds, to bf16 by round-to-
-nearest-even for a bf16 state (the per-step ``bf16`` method, eq. 2); ``o`` is read from the
+and stores ``S'`` in place (the state input is aliased to the state output: in place when the
+caller's ``jit`` donates the state, otherwise XLA copies it first). Rounding: only the store of
+``S'`` rounds, to bf16 by round-to-nearest-even for a bf16 state (the per-step ``bf16`` method, eq. 2); ``o`` is read from the
 unrounded fp32 ``S'``, as in ``PerStepMethod``.
 
 Bytes moved per step and head (the count ``bench/kernels.py`` uses):
@@ -70,9 +70,9 @@ def check_dense_inputs(state: jax.Array, token: Token, block_v: int) -> None:
         raise ValueError(f"block_v={block_v} must be a power of two dividing dv={dv}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
 def dense_step(state: jax.Array, token: Token, *, block_v: int = 64, num_warps: int = 4, interpret: bool | None = None):
-    """One dense step on a ``[B, H, dk, dv]`` fp32 or bf16 state (donated, updated in place).
+    """One dense step on a ``[B, H, dk, dv]`` fp32 or bf16 state.
 
     token: general-form ``Token`` with ``H`` value heads. Returns ``(o [B, H, dv] fp32, state)``.
     """

@@ -19,16 +19,22 @@ Compensator Tokens ``(K, U)`` are ``r`` records with decay 1 placed before the r
 Codes at 6 and 4 bits are unpacked in registers from the planar layout of
 ``leapquant_jax.quantizers`` (each byte plane pairs with a contiguous slice of the vector).
 
-Grid: one program per (sequence, head, value block ``BV``). Each program reads the key-side
-data (records' ``k`` and ``g``, ``K``, the vectors) whole and the value-side data (codes,
-scales, ``u``, ``U``) for its block. Only live records (slot < pos) are loaded: masked
-loads fetch nothing for dead slots. The buffer is updated in place (``k``, ``u``, ``g`` are
-aliased inputs/outputs; donate the state under ``jit``), by the value block 0 program for
-``k`` and ``g``. A sequence with ``pos >= p`` appends nothing (as ``append_record``).
+Grid: one program per (sequence, head, value block ``BV``). Each program walks the key rows in
+chunks (a rolled loop; ``chunk`` rows of every code part per iteration), reading each chunk of
+codes, record keys, ``K`` and the vectors once; products are accumulated elementwise and
+reduced across threads once after the loop. The value-side data (scales, ``u``, ``U``) is read
+for the program's block. Only live records (slot < pos) are loaded: masked loads fetch nothing
+for dead slots. The new record is stored into the buffer (``k``, ``u``, ``g`` are aliased
+inputs/outputs, so in place when the caller's ``jit`` donates the state), ``k`` and ``g`` by the
+value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference``); a sequence at
+``pos >= p`` writes nothing (no out-of-bounds store) and its output is unspecified.
+
+Fastest on the H200 at batch 512 (``bench/results``): ``BV = dv``, 4 warps, ``chunk`` 32 for GDN
+and the whole part for KDA (its per-chunk decay sums cost more than the loop saves).
 
 Rounding: all arithmetic is fp32 (elementwise products and reductions, no tensor-core dots).
-The record is rounded to the record dtype when stored; the output read uses the rounded
-record (``k``, ``u``, ``g`` of the new slot), exactly as the reference reads its buffer.
+The record is rounded to the record dtype when stored, for later tokens; the token's own
+output uses its fp32 ``k``, ``u`` and ``g``, exactly as the reference does.
 
 Bytes moved per step and head (counted by ``step_bytes``, used by ``bench/kernels.py``),
 ``l = pos`` live records, record itemsize ``e``, ``r`` Compensator Tokens:
@@ -48,9 +54,9 @@ import jax
 import jax.numpy as jnp
 
 from leapquant_jax import windowed
-from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
+from leapquant_jax.quantizers import packed_rows
 from leapquant_jax.recurrence import Token
-from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
+from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, load, pl
 
@@ -62,18 +68,20 @@ def num_parts(bits: int) -> int:
     return {8: 1, 4: 2, 6: 4}[bits]
 
 
-def load_code_parts(codes_ref, bits: int, dk: int):
-    """Signed codes of a packed tile as ``num_parts(bits)`` fp32 arrays ``[dk / parts, BV]``.
+def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None):
+    """Signed codes of a packed tile as ``num_parts(bits)`` fp32 arrays ``[rows, BV]``.
 
-    Part ``i`` holds key rows ``[i * dk / parts, (i + 1) * dk / parts)``.
+    Part ``i`` holds key rows ``i * dk / parts + start + [0, rows)``; ``rows`` defaults to the
+    whole part. Every part of a chunk comes from the same packed byte rows (planar layout).
     """
+    n = dk // num_parts(bits)
+    rows = n if rows is None else rows
     if bits == 8:
-        return [codes_ref[...].astype(f32)]
+        return [codes_ref[pl.ds(start, rows), :].astype(f32)]
     if bits == 4:
-        p = codes_ref[...].astype(jnp.int32)
+        p = codes_ref[pl.ds(start, rows), :].astype(jnp.int32)
         return [((p & 15) - 8).astype(f32), ((p >> 4) - 8).astype(f32)]
-    m = dk // 4
-    planes = [codes_ref[pl.ds(i * m, m), :].astype(jnp.int32) for i in range(3)]
+    planes = [codes_ref[pl.ds(i * n + start, rows), :].astype(jnp.int32) for i in range(3)]
     top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
     return [((q & 63) - 32).astype(f32) for q in planes] + [(top - 32).astype(f32)]
 
@@ -99,7 +107,7 @@ def window_decay_part(g_ref, live, part, per_channel: bool):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype):
+def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk):
     it = iter(refs)
     pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(7))
     codes_ref, scale_ref = next(it), next(it)
@@ -109,69 +117,84 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
     o_ref, bk_out, bu_out, bg_out = next(it), next(it), next(it), next(it)
 
     parts = num_parts(bits)
-    n = dk // parts
+    n = dk // parts                                   # key rows per code part
+    ch = chunk                                        # key rows per part per loop iteration
+    bv = o_ref.shape[-1]
     pos = pos_ref[...]
-    live = jnp.arange(window) < pos                                               # [p]
+    live = jnp.arange(window) < pos                   # [p]
     rec = jnp.dtype(rec_dtype)
-
+    comp_tile = rank > 0 and (rank & (rank - 1)) == 0
     if not per_channel:
         D0, d = window_decay_part(bg_ref, live, None, False)                     # [], [p]
-        a_new = jnp.exp(g_ref[...].astype(rec).astype(f32))
+        a_new = jnp.exp(g_ref[...])
 
-    codes = load_code_parts(codes_ref, bits, dk)
-    a1 = a2 = None                                   # Z^T (c D0 x): [BV]
-    kx1 = kx2 = None                                 # records: k_j . (d_j x), [p]
-    cc1 = [0.0] * rank                               # compensators: K_c . (D0 x)
-    cc2 = [0.0] * rank
-    kq_new = 0.0                                     # k_new . q (rounded record)
-    for i in range(parts):
-        sl = pl.ds(i * n, n)
-        if per_channel:
-            D0, d = window_decay_part(bg_ref, live, sl, True)                     # [n], [p, n]
-        x1 = b_ref[sl]
-        q = q_ref[sl]
-        w_r = w_ref[sl].astype(rec).astype(f32)
-        kq_new = kq_new + jnp.sum(w_r * q)
-        if per_channel:
-            x2 = jnp.exp(g_ref[sl].astype(rec).astype(f32)) * q
-        else:
-            x2 = a_new * q
-        y1, y2 = D0 * x1, D0 * x2
-        kb = load(bk_ref.at[:, sl], mask=live[:, None], other=0.0).astype(f32)   # [p, n]
-        if per_channel:
-            t1 = jnp.sum(kb * (d * x1[None, :]), axis=1)
-            t2 = jnp.sum(kb * (d * x2[None, :]), axis=1)
-        else:
-            t1 = jnp.sum(kb * x1[None, :], axis=1)
-            t2 = jnp.sum(kb * x2[None, :], axis=1)
-        kx1 = t1 if kx1 is None else kx1 + t1
-        kx2 = t2 if kx2 is None else kx2 + t2
-        for c in range(rank):
-            kc = ck_ref[c, sl].astype(f32)
-            cc1[c] = cc1[c] + jnp.sum(kc * y1)
-            cc2[c] = cc2[c] + jnp.sum(kc * y2)
-        if smoothing:
-            sm = smooth_ref[sl]
-            y1, y2 = sm * y1, sm * y2
-        z = codes[i]
-        s1 = jnp.sum(z * y1[:, None], axis=0)
-        s2 = jnp.sum(z * y2[:, None], axis=0)
-        a1 = s1 if a1 is None else a1 + s1
-        a2 = s2 if a2 is None else a2 + s2
+    # Products are accumulated elementwise over the key chunks and reduced once at the end:
+    # acc [ch, BV] (codes), kacc [p, ch] (records), cacc [r, ch] (compensators), kq [ch].
+    def chunk_body(j, carry):
+        acc1, acc2, k1, k2, c1, c2, kq = carry
+        start = j * ch if isinstance(j, int) else pl.multiple_of(j * ch, ch)
+        codes = load_code_parts(codes_ref, bits, dk, start, ch)
+        for i in range(parts):
+            sl = pl.ds(i * n + start, ch)
+            if per_channel:
+                D0_, dd = window_decay_part(bg_ref, live, sl, True)                # [ch], [p, ch]
+            else:
+                D0_ = D0
+            x1 = b_ref[sl]
+            q = q_ref[sl]
+            kq = kq + w_ref[sl] * q
+            x2 = (jnp.exp(g_ref[sl]) if per_channel else a_new) * q
+            y1, y2 = D0_ * x1, D0_ * x2
+            kb = load(bk_ref.at[:, sl], mask=live[:, None], other=0.0).astype(f32)   # [p, ch]
+            if per_channel:
+                kb = kb * dd
+            k1 = k1 + kb * x1[None, :]
+            k2 = k2 + kb * x2[None, :]
+            if comp_tile:
+                kc = ck_ref[:, sl].astype(f32)                                        # [r, ch]
+                c1 = c1 + kc * y1[None, :]
+                c2 = c2 + kc * y2[None, :]
+            elif rank:
+                kcs = [ck_ref[c, sl].astype(f32) for c in range(rank)]
+                c1 = tuple(a + kc * y1 for a, kc in zip(c1, kcs))
+                c2 = tuple(a + kc * y2 for a, kc in zip(c2, kcs))
+            if smoothing:
+                sm = smooth_ref[sl]
+                y1, y2 = sm * y1, sm * y2
+            acc1 = acc1 + codes[i] * y1[:, None]
+            acc2 = acc2 + codes[i] * y2[:, None]
+        return acc1, acc2, k1, k2, c1, c2, kq
+
+    if comp_tile:
+        c0 = jnp.zeros((rank, ch), f32)
+    else:
+        c0 = tuple(jnp.zeros((ch,), f32) for _ in range(rank))
+    init = (jnp.zeros((ch, bv), f32), jnp.zeros((ch, bv), f32), jnp.zeros((window, ch), f32),
+            jnp.zeros((window, ch), f32), c0, c0, jnp.zeros((ch,), f32))
+    nch = n // ch
+    carry = chunk_body(0, init) if nch == 1 else jax.lax.fori_loop(0, nch, chunk_body, init)
+    acc1, acc2, k1, k2, c1, c2, kq = carry
+
+    kx1 = jnp.sum(k1, axis=1)                                                     # [p]
+    kx2 = jnp.sum(k2, axis=1)
     if not per_channel:
         kx1, kx2 = d * kx1, d * kx2
-
     scale = scale_ref[...]
     ub = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                 # [p, BV]
-    r1 = scale * a1 + jnp.sum(kx1[:, None] * ub, axis=0)
-    r2 = scale * a2 + jnp.sum(kx2[:, None] * ub, axis=0)
-    for c in range(rank):
-        uc = cu_ref[c, :].astype(f32)
-        r1 = r1 + cc1[c] * uc
-        r2 = r2 + cc2[c] * uc
+    r1 = scale * jnp.sum(acc1, axis=0) + jnp.sum(kx1[:, None] * ub, axis=0)
+    r2 = scale * jnp.sum(acc2, axis=0) + jnp.sum(kx2[:, None] * ub, axis=0)
+    if comp_tile:
+        cu = cu_ref[...].astype(f32)                                               # [r, BV]
+        r1 = r1 + jnp.sum(jnp.sum(c1, axis=1)[:, None] * cu, axis=0)
+        r2 = r2 + jnp.sum(jnp.sum(c2, axis=1)[:, None] * cu, axis=0)
+    else:
+        for c in range(rank):
+            uc = cu_ref[c, :].astype(f32)
+            r1 = r1 + jnp.sum(c1[c]) * uc
+            r2 = r2 + jnp.sum(c2[c]) * uc
     u = beta_ref[...] * (v_ref[...] - r1)
     u_r = u.astype(rec)
-    o_ref[...] = r2 + u_r.astype(f32) * kq_new
+    o_ref[...] = r2 + u * jnp.sum(kq)
 
     first_block = pl.program_id(2) == 0       # outside pl.when: interpret mode needs it there
 
@@ -191,13 +214,6 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
 # ----------------------------------------------------------------------------- wrapper
 
 
-def step_unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
-    """Why the step kernel cannot take ``config``/``state`` (``None`` if it can)."""
-    from .api import unsupported_reason
-
-    return unsupported_reason(config, state)
-
-
 def check_token(state: LeapQuantState, token: Token) -> None:
     """Raises ``ValueError`` when the token does not match the state."""
     bsz, h, dk, dv = state.shape
@@ -212,17 +228,26 @@ def check_token(state: LeapQuantState, token: Token) -> None:
 
 
 def default_block_v(dv: int) -> int:
-    """Value columns per program."""
-    return min(dv, 64)
+    """Value columns per program (whole rows were fastest on the H200, see ``bench/results``)."""
+    return dv
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_v", "num_warps", "interpret"), donate_argnums=(1,))
+def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
+    """Key rows per code part per loop iteration: 32 for GDN, the whole part for KDA (whose
+    per-chunk decay sums cost more than the loop saves); the fastest on the H200 at batch 512
+    (``bench/results``)."""
+    n = dk // num_parts(bits)
+    return n if per_channel else min(32, n)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_v", "chunk", "num_warps", "num_stages", "interpret"))
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, block_v: int | None = None,
-                   num_warps: int = 4, interpret: bool | None = None):
+                   chunk: int | None = None, num_warps: int = 4, num_stages: int = 1, interpret: bool | None = None):
     """One in-window decode step. Same contract as ``windowed.step_reference``.
 
-    state: ``LeapQuantState`` (donated: its buffer is updated in place); token: ``Token`` with
-    ``[B, H, ...]`` fields. Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
+    state: ``LeapQuantState``; token: ``Token`` with ``[B, H, ...]`` fields. The buffer is
+    updated in place when the caller's ``jit`` donates the state (or it is dead after the call
+    inside one); otherwise XLA copies it first. Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
     """
     from .api import unsupported_reason
 
@@ -233,8 +258,11 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
     bv = default_block_v(dv) if block_v is None else block_v
-    if dv % bv or bv & (bv - 1):
-        raise ValueError(f"block_v={bv} must be a power of two dividing dv={dv}")
+    if dv % bv or bv & (bv - 1) or bv < 16:
+        raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dv}")
+    ch = default_chunk(dk, config.bits, state.per_channel_decay) if chunk is None else chunk
+    if (dk // num_parts(config.bits)) % ch or ch & (ch - 1) or ch < 16:
+        raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {dk // num_parts(config.bits)} rows of a code part")
     ckpt, buf = state.checkpoint, state.buffer
     per_channel = state.per_channel_decay
     p, r = config.window, config.effective_rank
@@ -264,7 +292,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
 
     kernel = functools.partial(
         _step_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=per_channel,
-        smoothing=config.smoothing, rec_dtype=config.record_dtype)
+        smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch)
     o, bk, bu, bg = pl.pallas_call(
         kernel,
         grid=(bsz, h, dv // bv),
@@ -273,7 +301,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
         out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), f32), jax.ShapeDtypeStruct(buf.k.shape, buf.k.dtype),
                    jax.ShapeDtypeStruct(buf.u.shape, buf.u.dtype), jax.ShapeDtypeStruct(buf.g.shape, buf.g.dtype)],
         input_output_aliases={first_buf: 1, first_buf + 1: 2, first_buf + 2: 3},
-        compiler_params=compiler_params(num_warps=num_warps),
+        compiler_params=compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"leapquant_step_{'kda' if per_channel else 'gdn'}_int{config.bits}",
     )(*args)

@@ -169,7 +169,8 @@ def test_leapquant_8bit_state_stays_close_to_fp32(tiny):
     fp32, traces = tiny.score("fp32", record=True)
     lq8, _ = tiny.score("leapquant", bits=8)
     err = mh.relative_logit_error(lq8, fp32)
-    # measured 1.05e-2 (12 prefill + 32 decode tokens, window 16, two flushes). Already ~1e-3
+    print(f"kimi_linear: leapquant 8-bit max relative logit error {err:.2e}")
+    # measured 9.7e-3 (12 prefill + 32 decode tokens, window 16, two flushes). Already ~1e-3
     # inside the first window, where only the 2-byte records round; this random model amplifies
     # state error more than the Qwen tiny models do (per-step bf16 gives 1.5e-2, int8 4.8e-2 here)
     assert err <= 3e-2, err

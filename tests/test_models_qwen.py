@@ -100,11 +100,11 @@ def test_leapquant_8bit_state_stays_close_to_fp32(tiny):
     fp32 = tiny.score("fp32")
     err = mh.relative_logit_error(tiny.score("leapquant", bits=8), fp32)
     print(f"{tiny.name}: leapquant 8-bit max relative logit error {err:.2e}")
-    # measured 2.1e-3 (qwen3_next), 2.8e-3 (qwen3_5), 1.1e-3 (qwen3_5_moe) over 12 prefill + 32
-    # decode tokens (two window flushes); bound with a >3x margin. Most of it comes from the fp16
-    # window records (with fp32 records: 1.4e-6 on qwen3_next, 1.7e-3 on qwen3_5, where the
-    # 8-bit residual shows after the first flush).
-    assert err <= 1e-2, err
+    # measured 1.1e-4 (qwen3_next), 2.0e-3 (qwen3_5), 1.1e-4 (qwen3_5_moe) over 12 prefill + 32
+    # decode tokens (two window flushes); bound with a 3x margin over the worst. On qwen3_5 the
+    # 8-bit residual shows after the first flush; elsewhere the fp16 records of earlier tokens
+    # dominate (each token's own output term is exact).
+    assert err <= 6e-3, err
 
 
 def test_stop_token_ends_a_row_and_inactive_rows_keep_their_state(tiny):

@@ -1,0 +1,329 @@
+"""The Pallas kernels against their references, in interpret mode on the CPU.
+
+Every check draws fresh random inputs with realistic statistics (L2-normalised keys with a
+few outlier channels, decays near 1, queries carrying 1/sqrt(dk)); states come from a few
+reference steps on top of a random dense state, at ragged window positions. The kernels
+compute in fp32 (no tensor-core dots), so single-op outputs match to ~1e-6 relative; values
+rounded to fp16 records or integer codes may differ by one rounding step where the fp32
+inputs differ in the last bit, and the tests bound those by one step.
+
+``test_kernels_lower_to_triton`` lowers every kernel to Triton IR (no GPU needed), which
+catches primitives the Pallas Triton backend cannot lower; compiled runs are in ``bench/``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from leapquant_jax import windowed
+from leapquant_jax.methods import make_method
+from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels import api
+from pallas_kernels.dense_step import dense_step, dense_step_reference
+from pallas_kernels.leapquant_flush import leapquant_flush, leapquant_flush_reference
+from pallas_kernels.leapquant_step import leapquant_step, leapquant_step_reference
+
+INTERPRET = True
+FP16_ULP = 2.0 ** -10
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def sequence(key, bsz, t, h, dk, dv, kda, *, log_decay=None):
+    """Inputs ``[B, T, H, ...]`` with realistic statistics."""
+    ks = jax.random.split(key, 5)
+    chan = jnp.ones((dk,)).at[jnp.array([1, 7, dk - 3])].set(6.0)
+    k = jax.random.normal(ks[0], (bsz, t, h, dk)) * chan
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    q = jax.random.normal(ks[1], (bsz, t, h, dk)) * chan
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(dk)
+    v = jax.random.normal(ks[2], (bsz, t, h, dv))
+    gshape = (bsz, t, h, dk) if kda else (bsz, t, h)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], gshape) - 4.0) if log_decay is None else jnp.full(gshape, log_decay)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (bsz, t, h)))
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def token(seq, i):
+    return delta_rule_token(**{n: x[:, i] for n, x in seq.items()})
+
+
+def dense_state(key, bsz, h, dk, dv):
+    s = jax.random.normal(key, (bsz, h, dk, dv)) * 0.3
+    return s.at[..., :2].multiply(5.0)
+
+
+def copy(tree):
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+def live_state(config, key, bsz, h, dk, dv, kda, pos, *, log_decay=None, zero=False):
+    """A stream after a few reference steps, then set to the ragged positions ``pos``."""
+    k1, k2 = jax.random.split(key)
+    s0 = jnp.zeros((bsz, h, dk, dv)) if zero else dense_state(k1, bsz, h, dk, dv)
+    st = windowed.from_dense(config, s0, per_channel_decay=kda)
+    seq = sequence(k2, bsz, config.window, h, dk, dv, kda, log_decay=log_decay)
+    for i in range(config.window - 1):
+        _, st = windowed.step_reference(config, st, token(seq, i))
+    return st.replace(pos=jnp.asarray(pos, jnp.int32)), token(seq, config.window - 1)
+
+
+# ----------------------------------------------------------------------------- dense step
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_step_kernel_matches_reference(kda, dtype):
+    key = jax.random.PRNGKey(hash((kda, dtype)) % 1000)
+    seq = sequence(key, 2, 3, 2, 64, 64, kda)
+    s = dense_state(jax.random.fold_in(key, 1), 2, 2, 64, 64).astype(dtype)
+    for i in range(3):
+        o_r, s_r = dense_step_reference(s, token(seq, i))
+        _, s32 = dense_step_reference(s.astype(jnp.float32), token(seq, i))  # unrounded update
+        o_k, s = dense_step(jnp.copy(s), token(seq, i), block_v=32, interpret=INTERPRET)
+        assert rel(o_k, o_r) < 1e-5
+        a, b, exact = (np.asarray(x, np.float64) for x in (s, s_r, s32))
+        if dtype == "float32":
+            assert rel(a, b) < 1e-6
+        else:  # both round the same fp32 update (equal to ~1e-7) to bf16: each within half an ulp
+            for x in (a, b):
+                assert np.all(np.abs(x - exact) <= 2.0 ** -8 * np.abs(exact) + 1e-6 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_dense_step_kernel_zero_state_and_full_decay(kda):
+    seq = sequence(jax.random.PRNGKey(3), 2, 1, 2, 64, 64, kda, log_decay=-1e3)
+    s = jnp.zeros((2, 2, 64, 64))
+    o_k, s_k = dense_step(jnp.copy(s), token(seq, 0), interpret=INTERPRET)
+    o_r, s_r = dense_step_reference(s, token(seq, 0))
+    assert np.all(np.isfinite(o_k)) and np.all(np.isfinite(s_k))
+    assert rel(o_k, o_r) < 1e-6 and rel(s_k, s_r) < 1e-6
+
+
+def test_dense_step_rejects_bad_inputs():
+    seq = sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, False)
+    with pytest.raises(ValueError, match="token.v"):
+        dense_step(jnp.zeros((2, 2, 64, 32)), token(seq, 0), interpret=INTERPRET)
+    with pytest.raises(TypeError, match="states"):
+        dense_step(jnp.zeros((2, 2, 64, 64), jnp.float16), token(seq, 0), interpret=INTERPRET)
+
+
+# ----------------------------------------------------------------------------- LeapQuant step
+
+
+def check_step(config, st, tok):
+    o_r, n_r = leapquant_step_reference(config, st, tok)
+    o_k, n_k = leapquant_step(config, copy(st), tok, interpret=INTERPRET)
+    assert np.all(np.isfinite(o_k))
+    assert rel(o_k, o_r) < 1e-5, rel(o_k, o_r)
+    np.testing.assert_array_equal(n_k.pos, n_r.pos)
+    np.testing.assert_array_equal(n_k.buffer.k, n_r.buffer.k)
+    np.testing.assert_array_equal(n_k.buffer.g, n_r.buffer.g)
+    # u is computed in fp32 (agreeing to ~1e-7) and rounded to the record dtype: one ulp at most
+    u_k, u_r = np.asarray(n_k.buffer.u, np.float64), np.asarray(n_r.buffer.u, np.float64)
+    assert np.all(np.abs(u_k - u_r) <= FP16_ULP * np.abs(u_r) + 1e-7)
+    for a, b in zip(jax.tree_util.tree_leaves(n_k.checkpoint), jax.tree_util.tree_leaves(n_r.checkpoint)):
+        np.testing.assert_array_equal(a, b)                                   # the step writes no state
+    return o_k, n_k
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_step_kernel_matches_reference(bits, kda):
+    config = LeapQuantConfig(bits=bits, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(10 * bits + kda), 3, 2, 64, 64, kda, pos=[0, 4, 7])
+    check_step(config, st, tok)
+
+
+def test_step_kernel_head_size_128_value_blocks():
+    config = LeapQuantConfig(bits=8, window=4, record_dtype="bfloat16")
+    st, tok = live_state(config, jax.random.PRNGKey(4), 2, 1, 128, 128, True, pos=[1, 3])
+    o_r, n_r = leapquant_step_reference(config, st, tok)
+    for bv in (32, 128):
+        o_k, n_k = leapquant_step(config, copy(st), tok, block_v=bv, interpret=INTERPRET)
+        assert rel(o_k, o_r) < 1e-5
+        np.testing.assert_array_equal(n_k.buffer.k, n_r.buffer.k)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_step_kernel_fully_decayed_heads_and_zero_state(kda):
+    config = LeapQuantConfig(bits=8, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(2), 2, 2, 64, 64, kda, pos=[3, 6], log_decay=-1e3, zero=True)
+    o_k, _ = check_step(config, st, tok)
+    assert np.all(np.isfinite(o_k))
+
+
+def test_step_kernel_never_writes_past_the_window():
+    # pos == p breaks the step's precondition (pos < p); the kernel must still write nothing
+    # out of bounds, and the other sequences are unaffected.
+    config = LeapQuantConfig(bits=8, window=4)
+    st, tok = live_state(config, jax.random.PRNGKey(6), 2, 1, 64, 64, False, pos=[4, 2])
+    o_r, n_r = leapquant_step_reference(config, st, tok)
+    o_k, n_k = leapquant_step(config, copy(st), tok, interpret=INTERPRET)
+    assert rel(o_k[1], o_r[1]) < 1e-5
+    for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(st.buffer)):
+        np.testing.assert_array_equal(a[0], b[0])
+
+
+def test_step_kernel_rejects_mismatched_token():
+    config = LeapQuantConfig(bits=8, window=4)
+    st, tok = live_state(config, jax.random.PRNGKey(6), 2, 1, 64, 64, False, pos=[0, 2])
+    kda_tok = tok.replace(g=jnp.zeros((2, 1, 64)))
+    with pytest.raises(ValueError, match="GDN"):
+        leapquant_step(config, st, kda_tok, interpret=INTERPRET)
+
+
+# ----------------------------------------------------------------------------- LeapQuant flush
+
+
+def check_flush(config, st, *, only_full=False, codes_agree=True):
+    ref = leapquant_flush_reference(config, st, only_full=only_full)
+    ker = leapquant_flush(config, copy(st), only_full=only_full, interpret=INTERPRET)
+    np.testing.assert_array_equal(ker.pos, ref.pos)
+    for a, b in zip(jax.tree_util.tree_leaves(ker.buffer), jax.tree_util.tree_leaves(ref.buffer)):
+        np.testing.assert_array_equal(a, b)
+    dense = windowed.reconstruct_reference(config, st)
+    d_k = windowed.decode_checkpoint(config, ker.checkpoint)
+    d_r = windowed.decode_checkpoint(config, ref.checkpoint)
+    assert np.all(np.isfinite(d_k))
+    # Same fit and quantizer in fp32: codes agree except where a value sits on a rounding
+    # boundary, where they differ by one step; the error against the exact state is the same.
+    fmt = config.format
+    z_k, z_r = (np.asarray(fmt.integer_values(c.checkpoint.residual)) for c in (ker, ref))
+    if codes_agree:
+        assert np.abs(z_k - z_r).max() <= 1
+        assert np.mean(z_k != z_r) < 0.01
+    step = 2 * np.abs(np.asarray(d_r - dense)).max() + 1e-6 * np.abs(np.asarray(dense)).max() + 1e-30
+    assert np.abs(np.asarray(d_k - d_r)).max() <= step
+    assert rel(d_k, dense) <= 1.05 * rel(d_r, dense) + 1e-6
+    return ker, ref
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_flush_kernel_matches_reference(bits, kda):
+    config = LeapQuantConfig(bits=bits, window=8)
+    st, _ = live_state(config, jax.random.PRNGKey(100 + 10 * bits + kda), 2, 2, 64, 64, kda, pos=[8, 5])
+    check_flush(config, st)
+
+
+def test_flush_kernel_only_full_windows():
+    config = LeapQuantConfig(bits=8, window=4, warm_start=True)
+    st, _ = live_state(config, jax.random.PRNGKey(7), 3, 2, 64, 64, False, pos=[4, 1, 4])
+    ker, ref = check_flush(config, st, only_full=True)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], ker)),
+                    jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], st))):
+        np.testing.assert_array_equal(a, b)                                   # a partial window is untouched
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_flush_kernel_fully_decayed_heads_and_zero_state(kda):
+    config = LeapQuantConfig(bits=8, window=4)
+    st, _ = live_state(config, jax.random.PRNGKey(8), 2, 1, 64, 64, kda, pos=[4, 2], log_decay=-1e3, zero=True)
+    # Only the newest record survives: a rank-1 state that the Compensator Tokens take whole,
+    # leaving a residual of rounding noise (~1e-13) whose codes are arbitrary in both.
+    check_flush(config, st, codes_agree=False)
+    st = windowed.init_state(config, 2, 1, 64, 64, kda)                        # all zero: zero codes, no NaN
+    ker = leapquant_flush(config, copy(st), interpret=INTERPRET)
+    assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
+
+
+def test_flush_kernel_head_size_128_options():
+    config = LeapQuantConfig(bits=8, window=4, rank=2, fit_iters=2, smoothing=False)
+    st, _ = live_state(config, jax.random.PRNGKey(9), 1, 1, 128, 128, False, pos=[4])
+    check_flush(config, st)
+
+
+# ----------------------------------------------------------------------------- through the method
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_method_pallas_matches_reference_through_flushes(kda):
+    # window 4, 10 tokens: two flushes in the middle of the run
+    seq = sequence(jax.random.PRNGKey(20 + kda), 2, 10, 2, 64, 64, kda)
+    s0 = dense_state(jax.random.PRNGKey(21), 2, 2, 64, 64)
+    outs = {}
+    for impl in ("pallas", "reference"):
+        m = make_method("leapquant", bits=8, window=4, impl=impl)
+        o, st = m.decode(m.from_dense(s0, per_channel_decay=kda), **seq)
+        outs[impl] = (o, m.to_dense(st))
+    o_exact, s_exact = recurrent_scan(s0, **seq)
+    o_k, o_r = outs["pallas"][0], outs["reference"][0]
+    assert np.all(np.isfinite(o_k))
+    assert rel(o_k, o_r) < 1e-3
+    assert rel(o_k, o_exact) <= 1.5 * rel(o_r, o_exact)
+    assert rel(outs["pallas"][1], s_exact) <= 1.5 * rel(outs["reference"][1], s_exact)
+
+
+# ----------------------------------------------------------------------------- support and lowering
+
+
+@pytest.mark.parametrize(
+    "options, dk, words",
+    [
+        (dict(fit="svd"), 64, "subspace"),
+        (dict(residual_format="bf16", compensators=False, smoothing=False), 64, "integer"),
+        (dict(window=12), 64, "power of two"),
+        (dict(rank=9), 64, "at most"),
+        (dict(), 96, "head sizes"),
+    ],
+)
+def test_unsupported_reason_names_the_limit(options, dk, words):
+    config = LeapQuantConfig(**options)
+    st = windowed.init_state(config, 1, 1, dk, 64)
+    why = api.unsupported_reason(config, st)
+    assert why is not None and words in why
+    m = make_method("leapquant", impl="pallas", **options)
+    seq = sequence(jax.random.PRNGKey(0), 1, 1, 1, dk, 64, False)
+    with pytest.raises(ValueError, match="cannot run"):
+        m.step(m.init(1, 1, dk, 64), **{n: x[:, 0] for n, x in seq.items()})
+
+
+def test_supported_configs_have_no_reason():
+    for bits in (8, 6, 4):
+        for kda in (False, True):
+            config = LeapQuantConfig(bits=bits)
+            assert api.unsupported_reason(config, windowed.init_state(config, 2, 2, 64, 128, kda)) is None
+
+
+@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
+def test_kernels_lower_to_triton(bits, kda):
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    config = LeapQuantConfig(bits=bits, window=8)
+    st = windowed.init_state(config, 2, 2, 64, 64, kda)
+    tok = token(sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
+
+    def lower(f, *args):
+        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
+
+    lower(functools.partial(leapquant_step, config, interpret=False), st, tok)
+    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)
+    lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
+
+
+def test_method_pallas_eager_step_with_active_mask():
+    # Outside jit: the kernels must not consume the caller's state (the method reads it again
+    # to keep inactive sequences).
+    seq = sequence(jax.random.PRNGKey(30), 2, 1, 1, 64, 64, False)
+    xs = {n: x[:, 0] for n, x in seq.items()}
+    s0 = dense_state(jax.random.PRNGKey(31), 2, 1, 64, 64)
+    active = jnp.array([True, False])
+    out = {}
+    for impl in ("pallas", "reference"):
+        m = make_method("leapquant", bits=8, window=4, impl=impl)
+        st = m.from_dense(s0)
+        o, new = m.step(st, **xs, active=active)
+        out[impl] = (o, new, st)
+    assert rel(out["pallas"][0], out["reference"][0]) < 1e-5
+    np.testing.assert_array_equal(out["pallas"][1].pos, [1, 0])
+    np.testing.assert_array_equal(out["pallas"][2].pos, [0, 0])             # the input is still usable
