@@ -51,7 +51,6 @@ from leapquant_jax import windowed
 from leapquant_jax.methods import make_method
 from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels import api
 from pallas_kernels.dense_step import dense_step, dense_step_bytes, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_bytes, leapquant_flush
 from pallas_kernels.leapquant_step import leapquant_step, step_bytes

@@ -52,7 +52,7 @@ the decode loop can ``jit`` it and run it inside ``lax.while_loop``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -161,6 +161,47 @@ def check_shapes(
     if missing or unexpected or mis_shaped:
         raise ConversionError(missing=missing, unexpected=unexpected, mis_shaped=mis_shaped, context=context)
 
+
+
+def run_decoder_stack(params: dict, config: Any, ids: Array, cache: dict, *, decoder_layer: Callable,
+                      final_norm: Callable, method: Any, mode: str, lengths: Optional[Array] = None,
+                      active: Optional[Array] = None, record: bool = False) -> tuple[Array, dict, dict]:
+    """The ``forward`` of the contract for a stack of decoder layers (shared by every architecture).
+
+    ``decoder_layer(p, x, cache, config, i, *, method, mode, positions, lengths, active) ->
+    (x, cache, trace)`` is the architecture's layer; ``final_norm(x, w, eps)`` its output norm
+    (the norm conventions differ: Qwen's ``(1 + w)``, Kimi's plain ``w``). ids ``[B, T]`` int32
+    -> ``(logits [B, T, vocab] f32, cache, traces)``.
+    """
+    import jax.numpy as jnp
+
+    from models import layers as L
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    bsz, t = ids.shape
+    if mode == "prefill":
+        lengths = jnp.full((bsz,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bsz, t))
+        new_pos = lengths
+        active = None
+    else:
+        if t != 1:
+            raise ValueError(f"decode takes one token per sequence, got ids of shape {ids.shape}")
+        positions = cache["pos"][:, None]
+        lengths = None
+        new_pos = cache["pos"] + (1 if active is None else active.astype(jnp.int32))
+    x = jnp.take(params["embed"], ids, axis=0).astype(jnp.float32)
+    new_layers, traces = [], {}
+    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
+        x, c, trace = decoder_layer(p, x, c, config, i, method=method, mode=mode, positions=positions,
+                                    lengths=lengths, active=active)
+        new_layers.append(c)
+        if record and trace:
+            traces[i] = trace
+    x = final_norm(x, params["final_norm"], eps=config.rms_norm_eps)
+    logits = L.linear(x, params["lm_head"])
+    return logits, {"pos": new_pos, "layers": tuple(new_layers)}, traces
 
 __all__ = [
     "Architecture",

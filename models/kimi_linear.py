@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers as L
-from models.base import FULL_ATTENTION, LINEAR_ATTENTION, MODES, ConversionError, check_shapes
+from models.base import FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, check_shapes, run_decoder_stack
 from models.kimi_layers import kda_log_decay, kda_lower_bound_log_decay, route_sigmoid_grouped
 
 Array = jax.Array
@@ -678,36 +678,13 @@ def init_cache(config: KimiLinearConfig, *, batch: int, max_len: int, method) ->
     return {"pos": jnp.zeros((batch,), jnp.int32), "layers": tuple(layer_caches)}
 
 
-def forward(params: dict, config: KimiLinearConfig, ids: Array, cache: dict, *, method, mode: str,
+def forward(params: dict, config, ids: Array, cache: dict, *, method, mode: str,
             lengths: Optional[Array] = None, active: Optional[Array] = None,
             record: bool = False) -> tuple[Array, dict, dict]:
     """The whole model (contract in ``models/base.py``). ids ``[B, T]`` int32 ->
     ``(logits [B, T, vocab] f32, cache, traces)``."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    bsz, t = ids.shape
-    if mode == "prefill":
-        lengths = jnp.full((bsz,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bsz, t))
-        new_pos = lengths
-        active = None
-    else:
-        if t != 1:
-            raise ValueError(f"decode takes one token per sequence, got ids of shape {ids.shape}")
-        positions = cache["pos"][:, None]
-        lengths = None
-        new_pos = cache["pos"] + (1 if active is None else active.astype(jnp.int32))
-    x = jnp.take(params["embed"], ids, axis=0).astype(F32)
-    new_layers, traces = [], {}
-    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
-        x, c, trace = decoder_layer(p, x, c, config, i, method=method, mode=mode, positions=positions,
-                                    lengths=lengths, active=active)
-        new_layers.append(c)
-        if record and trace:
-            traces[i] = trace
-    x = L.rms_norm(x, params["final_norm"], eps=config.rms_norm_eps)
-    logits = L.linear(x, params["lm_head"])
-    return logits, {"pos": new_pos, "layers": tuple(new_layers)}, traces
+    return run_decoder_stack(params, config, ids, cache, decoder_layer=decoder_layer, final_norm=L.rms_norm,
+                             method=method, mode=mode, lengths=lengths, active=active, record=record)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,3 +88,18 @@ def rewrite_checkpoint(src: Path, dst: Path, *, edit=None, config_edit=None) -> 
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+def convert_damaged(hf_dir: Path, tmp_path: Path, edit) -> str:
+    """Converts a copy of ``hf_dir`` damaged by ``edit(tensors)``; requires a ``ConversionError``
+    and that nothing (not even a temporary directory) was written. Returns the error text."""
+    from models.base import ConversionError
+    from models.checkpoint import convert_checkpoint
+
+    src = rewrite_checkpoint(hf_dir, tmp_path / "hf", edit=edit)
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError) as info:
+        convert_checkpoint(src, out)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    return str(info.value)
