@@ -80,34 +80,52 @@ def param_shapes(arch, config, dtype=jnp.float32) -> Any:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), _converted_shapes(arch, config))
 
 
-def _leaf_initializer(name: str, *, zero_centred: tuple[str, ...], std: float):
-    """``init(key, shape, dtype)`` for the leaf with dotted name ``name`` (see the module docstring)."""
+def _leaf_kind(name: str, *, zero_centred: tuple[str, ...]) -> str:
+    """How the leaf with dotted name ``name`` starts: ``"normal"``, ``"a_log"``, ``"ones"`` or
+    ``"zeros"`` (see the module docstring)."""
     key = name.rsplit(".", 1)[-1]
     if key == "a_log":
-        return lambda rng, shape, dtype: jnp.log(jax.random.uniform(rng, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+        return "a_log"
     if key == "dt_bias":
-        return nn.initializers.ones
+        return "ones"
     if key.endswith("bias"):
-        return nn.initializers.zeros
+        return "zeros"
     if key.endswith("norm"):
-        return nn.initializers.zeros if key in zero_centred else nn.initializers.ones
-    return nn.initializers.normal(stddev=std)
+        return "zeros" if key in zero_centred else "ones"
+    return "normal"
 
 
 def _init_subtree(prefix: str, shapes, *, zero_centred: tuple[str, ...], std: float):
-    """An init function ``rng -> subtree`` for one top-level entry: one key per leaf (split from
-    ``rng`` in the tree's leaf order), each leaf by its own initialiser."""
+    """An init function ``rng -> subtree`` for one top-level entry, each leaf by its kind.
+
+    All normal leaves are cut from one draw, and all ``A_log`` leaves from another: one random
+    program per entry rather than one per leaf shape, which keeps eager ``init`` fast.
+    """
 
     def init(rng):
         paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-        keys = jax.random.split(rng, max(len(paths), 1))
+        kinds = [_leaf_kind(_dotted(prefix, path), zero_centred=zero_centred) for path, _ in paths]
+        normal_rng, a_log_rng = jax.random.split(rng)
+        draws = {}
+        for kind, sample in (("normal", lambda n: std * jax.random.normal(normal_rng, (n,), jnp.float32)),
+                             ("a_log", lambda n: jnp.log(jax.random.uniform(a_log_rng, (n,), jnp.float32, 1.0, 16.0)))):
+            sizes = [int(np.prod(s.shape)) for (_, s), k in zip(paths, kinds) if k == kind]
+            if sizes:
+                draws[kind] = iter(jnp.split(sample(sum(sizes)), np.cumsum(sizes)[:-1].tolist()))
         leaves = []
-        for k, (path, s) in zip(keys, paths):
-            name = ".".join([prefix] + [str(getattr(p, "key", getattr(p, "idx", p))) for p in path])
-            leaves.append(_leaf_initializer(name, zero_centred=zero_centred, std=std)(k, s.shape, s.dtype))
+        for (_, s), kind in zip(paths, kinds):
+            if kind in draws:
+                leaves.append(next(draws[kind]).reshape(s.shape).astype(s.dtype))
+            else:
+                leaves.append((jnp.ones if kind == "ones" else jnp.zeros)(s.shape, s.dtype))
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     return init
+
+
+def _dotted(prefix: str, path) -> str:
+    # ``flatten_params`` naming from a key path: dict keys and tuple indices joined by dots
+    return ".".join(([prefix] if prefix else []) + [str(getattr(p, "key", getattr(p, "idx", p))) for p in path])
 
 
 def _shape_mismatches(params, shapes) -> list[str]:
@@ -123,8 +141,7 @@ def _shape_mismatches(params, shapes) -> list[str]:
 
 def _flat_shapes(tree) -> dict:
     # flatten_params' naming without touching the values (they may be tracers or shape structs)
-    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path): x for path, x in paths}
+    return {_dotted("", path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 # ============================================================================= module
@@ -136,8 +153,8 @@ class HybridLM(nn.Module):
     Fields
         arch: the architecture's ``ARCH`` object (``models.registry.get_architecture(...)``).
         config: its frozen config (``arch.config_from_hf(config_json)``).
-        param_dtype: dtype of the parameters ``init`` creates (``apply`` takes whatever dtypes
-            it is given: the forward pass computes in float32).
+        param_dtype: dtype (name or dtype) of the parameters ``init`` creates (``apply`` takes
+            whatever dtypes it is given: the forward pass computes in float32).
         init_std: standard deviation of the random matrices ``init`` creates.
 
     ``__call__`` follows ``arch.forward`` (``models/base.py``): ``ids [B, T]`` int32 and a cache
@@ -146,7 +163,7 @@ class HybridLM(nn.Module):
 
     arch: Any
     config: Any
-    param_dtype: Any = jnp.float32
+    param_dtype: str = "float32"
     init_std: float = 0.02
 
     def setup(self):
@@ -237,7 +254,8 @@ def from_checkpoint(path, *, init_std: float = 0.02) -> tuple[HybridLM, dict]:
     ``param_dtype`` is the checkpoint's embedding dtype, so ``module.init`` matches it."""
     arch, config, params, _ = load_model(path)
     params = jax.tree.map(jnp.asarray, params)
-    module = HybridLM(arch=arch, config=config, param_dtype=params["embed"].dtype, init_std=init_std)
+    # the dtype by name: equal modules hash equal, so jitted code keyed on the module is reused
+    module = HybridLM(arch=arch, config=config, param_dtype=jnp.dtype(params["embed"].dtype).name, init_std=init_std)
     return module, {"params": params}
 
 
