@@ -46,14 +46,6 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token)
     return windowed.step_reference(config, state, token)
 
 
-def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantState:
-    """Flush of every sequence in ``state`` on the chosen implementation."""
-    if resolve_impl(config, state) == "pallas":
-        api, _ = _kernels()
-        return api.leapquant_flush(config, state)
-    return windowed.flush_reference(config, state)
-
-
 def leapquant_maybe_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantState:
     """Flushes the sequences whose window is full (``pos == p``) on the chosen implementation.
 
