@@ -52,7 +52,7 @@ from leapquant_jax.methods import make_method
 from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.dense_step import dense_step, dense_step_bytes, dense_step_reference
-from pallas_kernels.leapquant_flush import flush_bytes, leapquant_flush
+from pallas_kernels.leapquant_flush import flush_bytes, leapquant_flush, split_fit, split_quantize, split_reconstruct
 from pallas_kernels.leapquant_step import leapquant_step, step_bytes
 
 
@@ -123,7 +123,10 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True)):
             st = st.replace(pos=jnp.array([0, 5, 11, 15], jnp.int32))
             tok = token_at(seq, 15)
             o_r, n_r = windowed.step_reference(config, st, tok)
-            o_k, n_k = leapquant_step(config, jax.tree_util.tree_map(jnp.copy, st), tok)
+            step_errs = {}
+            for reduce in ("dot", "lanes"):
+                o_k, n_k = leapquant_step(config, jax.tree_util.tree_map(jnp.copy, st), tok, reduce=reduce)
+                step_errs[reduce] = rel(o_k, o_r)
             buf_err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(n_r.buffer)))
             f_r = windowed.flush_reference(config, n_r)
             f_k = leapquant_flush(config, jax.tree_util.tree_map(jnp.copy, n_r))
@@ -131,7 +134,8 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True)):
             d_r = windowed.decode_checkpoint(config, f_r.checkpoint)
             d_k = windowed.decode_checkpoint(config, f_k.checkpoint)
             row = dict(check=f"int{bits} one step + one flush vs reference (same state)", mode="KDA" if kda else "GDN",
-                       o_rel_err=rel(o_k, o_r), state_rel_err=rel(d_k, d_r), buffer_rel_err=buf_err,
+                       o_rel_err=max(step_errs.values()), state_rel_err=rel(d_k, d_r), buffer_rel_err=buf_err,
+                       o_err_dot=step_errs["dot"], o_err_lanes=step_errs["lanes"],
                        reference_flush_err=rel(d_r, dense), pallas_flush_err=rel(d_k, dense),
                        finite=bool(jnp.all(jnp.isfinite(o_k)) and jnp.all(jnp.isfinite(d_k))))
             rows.append(row)
@@ -251,26 +255,46 @@ def time_copy(nbytes=2 << 30):
 # ----------------------------------------------------------------------------- JAX timing
 
 
-def time_jax(fn, state, toks, steps, min_seconds=0.25, repeats=5):
-    """Median µs per token-step of ``state, o = fn(state, toks)`` (``steps`` token-steps per call;
-    host clock around ``calls`` back-to-back calls, after two warm-up calls)."""
+def time_loop(step, carry, min_seconds=0.25, repeats=5):
+    """Median µs per call of ``carry = step(carry)`` (host clock around ``calls`` back-to-back
+    calls, after two warm-up calls)."""
     for _ in range(2):
-        state, o = fn(state, toks)
-    jax.block_until_ready((state, o))
+        carry = step(carry)
+    jax.block_until_ready(carry)
     t0 = time.perf_counter()
-    state, o = fn(state, toks)
-    jax.block_until_ready((state, o))
+    carry = step(carry)
+    jax.block_until_ready(carry)
     once = max(time.perf_counter() - t0, 1e-6)
     calls = max(3, int(min_seconds / once))
     per = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls):
-            state, o = fn(state, toks)
-        jax.block_until_ready((state, o))
-        per.append((time.perf_counter() - t0) / (calls * steps))
-    del state, o
+            carry = step(carry)
+        jax.block_until_ready(carry)
+        per.append((time.perf_counter() - t0) / calls)
+    del carry
     return statistics.median(per) * 1e6
+
+
+def time_jax(fn, state, toks, steps, **kw):
+    """Median µs per token-step of ``state, o = fn(state, toks)`` (``steps`` token-steps per call)."""
+    return time_loop(lambda c: fn(c[0], toks), (state, None), **kw) / steps
+
+
+def time_split_stages(config, state):
+    """µs of each stage of the split flush on ``state`` with every window full (stage 3 in place)."""
+    full = state.replace(pos=jnp.full_like(state.pos, config.window))
+    s1 = jax.jit(lambda s: split_reconstruct(config, s, only_full=True))
+    s2 = jax.jit(lambda d, z: split_fit(config, d, z))
+    s3 = jax.jit(lambda s, d, k, u: split_quantize(config, s.replace(pos=full.pos), d, k, u, only_full=True),
+                 donate_argnums=(0,))
+    dense, z = s1(full)
+    k, u = s2(dense, z)
+    out = dict(reconstruct=time_loop(lambda c: s1(full), None), fit_xla=time_loop(lambda c: s2(dense, z), None),
+               quantize=time_loop(lambda c: s3(c, dense, k, u), jax.tree_util.tree_map(jnp.copy, full)))
+    del dense, z, k, u
+    return out
 
 
 def window_tokens(bsz, h, dk, dv, kda, p, seed=0):
@@ -288,8 +312,9 @@ def dense_timer(dtype, tokens, block_v=64, num_warps=4):
     return jax.jit(run, donate_argnums=(0,))
 
 
-def leapquant_window_timer(config, mode, step_opts=None, flush_warps=None):
-    """mode: 'window' (p steps + flush of full windows), 'steps' (p steps), 'flush' (flush only)."""
+def leapquant_window_timer(config, mode, step_opts=None, flush_opts=None):
+    """mode: 'window' (p steps + flush of full windows), 'steps' (p steps), 'flush' (flush only),
+    'flush-1/16' (flush with one sequence in 16 full, as in a batch at spread-out positions)."""
     p = config.window
 
     def run(state, toks):
@@ -298,18 +323,20 @@ def leapquant_window_timer(config, mode, step_opts=None, flush_warps=None):
             state = state.replace(pos=jnp.zeros_like(state.pos))
             for tok in toks:
                 o, state = leapquant_step(config, state, tok, **(step_opts or {}))
-        if mode in ("window", "flush"):
+        if mode in ("window", "flush", "flush-1/16"):
             if mode == "flush":
                 state = state.replace(pos=jnp.full_like(state.pos, p))
-            state = leapquant_flush(config, state, only_full=True, num_warps=flush_warps)
+            elif mode == "flush-1/16":
+                state = state.replace(pos=jnp.where(jnp.arange(state.pos.shape[0]) % 16 == 0, p, 0).astype(state.pos.dtype))
+            state = leapquant_flush(config, state, only_full=True, **(flush_opts or {}))
         return state, o
 
     return jax.jit(run, donate_argnums=(0,))
 
 
-def leapquant_bytes_per_step(config, dk, dv, kda):
+def leapquant_bytes_per_step(config, dk, dv, kda, flush_impl="split"):
     p = config.window
-    total = sum(step_bytes(config, dk, dv, pos, kda) for pos in range(p)) + flush_bytes(config, dk, dv, kda)
+    total = sum(step_bytes(config, dk, dv, pos, kda) for pos in range(p)) + flush_bytes(config, dk, dv, kda, flush_impl)
     return total / p
 
 
@@ -358,6 +385,8 @@ def main(argv=None):
     ap.add_argument("--correctness", choices=("full", "ops", "none"), default="full",
                     help="full: single ops and 64-token decodes; ops: one step + one flush; none")
     ap.add_argument("--check-bits", type=int, nargs="+", default=[8, 6, 4])
+    ap.add_argument("--extra-bits", type=int, nargs="*", default=[],
+                    help="other bit widths to time (window, steps, flush) at the largest batch")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -400,40 +429,57 @@ def main(argv=None):
     # Sweep first (largest batch): the main timings use the fastest variant of each kernel.
     best = {False: {}, True: {}}
     for kda in (False, True):
-        best[kda] = dict(dense=dict(block_v=64, num_warps=4), step={}, flush=None)
+        best[kda] = dict(dense=dict(block_v=64, num_warps=4), step={}, flush={})
     if args.sweep:
         bsz = max(args.batches)
         for kda in (False, True):
             mode = "KDA" if kda else "GDN"
             toks = window_tokens(bsz, h, dk, dv, kda, p)
-            timed = []
-            for bv, nw in ((64, 4), (64, 2), (32, 2), (128, 4)):
-                s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
-                us = time_jax(dense_timer("float32", toks, bv, nw), s, toks, p)
-                row = dict(kernel="pallas fp32 dense step", mode=mode, batch=bsz, options=dict(block_v=bv, num_warps=nw),
-                           us=us)
-                results["sweep"].append(row); log(row); timed.append(row)
-            best[kda]["dense"] = min(timed, key=lambda r: r["us"])["options"]
-            timed = []
-            variants = [dict(chunk=32, block_v=bv, num_warps=nw, num_stages=ns)
-                        for bv in (64, 128) for nw in (4, 8) for ns in (1, 3)]
-            variants += [dict(chunk=dk, block_v=bv, num_warps=4) for bv in (64, 128)]
-            for opts in variants:
-                st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
-                us = time_jax(leapquant_window_timer(config, "steps", opts), st, toks, p)
-                row = dict(kernel=f"leapquant int{args.bits} step (no flush)", mode=mode, batch=bsz, options=opts, us=us)
-                results["sweep"].append(row); log(row); timed.append(row)
-            best[kda]["step"] = min(timed, key=lambda r: r["us"])["options"]
-            timed = []
-            for nw in (4, 8, 16):
-                st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
-                us = time_jax(leapquant_window_timer(config, "flush", flush_warps=nw), st, toks, 1)
-                row = dict(kernel=f"leapquant int{args.bits} flush (per flush)", mode=mode, batch=bsz,
-                           options=dict(num_warps=nw), us=us)
-                results["sweep"].append(row); log(row); timed.append(row)
-            best[kda]["flush"] = min(timed, key=lambda r: r["us"])["options"]["num_warps"]
-            del toks
-            save()
+
+            def sweep(kernel, variants, make_state, timer, steps, toks=toks):
+                timed = []
+                for opts in variants:
+                    try:
+                        us = time_jax(timer(opts), make_state(), toks, steps)
+                    except Exception as err:  # a variant that does not compile is reported, not fatal
+                        row = dict(kernel=kernel, mode=mode, batch=bsz, options=opts, us=float("nan"),
+                                   error=f"{type(err).__name__}: {str(err)[:300]}")
+                    else:
+                        row = dict(kernel=kernel, mode=mode, batch=bsz, options=opts, us=us)
+                        timed.append(row)
+                    results["sweep"].append(row); log(row)
+                save()
+                return min(timed, key=lambda r: r["us"])["options"] if timed else None
+
+            def dense_state():
+                return random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
+
+            def lq_state():
+                return windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+
+            best[kda]["dense"] = sweep(
+                "pallas fp32 dense step",
+                [dict(block_v=bv, num_warps=nw) for bv, nw in ((64, 4), (64, 2))],
+                dense_state, lambda o, toks=toks: dense_timer("float32", toks, **o), p) or best[kda]["dense"]
+            step_variants = [dict(reduce="dot", chunk=dk, block_v=bv, num_warps=nw)
+                             for bv, nw in ((128, 4), (128, 2), (128, 1), (64, 1))]
+            step_variants += [dict(reduce="lanes", chunk=16, block_v=128, num_warps=4)]
+            best[kda]["step"] = sweep(f"leapquant int{args.bits} step (no flush)", step_variants, lq_state,
+                                      lambda o: leapquant_window_timer(config, "steps", o), p) or {}
+            flush_variants = [dict(impl="fused", num_warps=8 if not kda else 4), dict(impl="split", block_v=32),
+                              dict(impl="split", block_v=64), dict(impl="auto")]
+            best[kda]["flush"] = sweep(f"leapquant int{args.bits} flush (per flush)", flush_variants, lq_state,
+                                       lambda o: leapquant_window_timer(config, "flush", flush_opts=o), 1) or {}
+            # one sequence in 16 full: what a batch at spread-out positions pays
+            sweep(f"leapquant int{args.bits} flush, 1/16 of sequences full",
+                  [dict(impl="fused"), dict(impl="split"), dict(impl="auto")], lq_state,
+                  lambda o: leapquant_window_timer(config, "flush-1/16", flush_opts=o), 1)
+            try:
+                stages = time_split_stages(config, lq_state())
+            except Exception as err:
+                stages = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+            results.setdefault("split_flush_stages", {})[mode] = stages
+            log(dict(split_flush_stages=stages, mode=mode))
     results["chosen_variants"] = {("KDA" if k else "GDN"): v for k, v in best.items()}
     log(results["chosen_variants"])
 
@@ -451,18 +497,20 @@ def main(argv=None):
                 us = time_jax(dense_timer(dt, toks, **best[kda]["dense"]), s, toks, p)
                 rows.append(dict(impl=f"Pallas {dt} dense step", us=us, bytes=dense_step_bytes(dk, dv, isz, kda) * bsz * h))
             s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
+            # every window is full here, where "auto" runs the split flush
+            flush_impl = {"auto": "split"}.get(best[kda]["flush"].get("impl", "auto"), best[kda]["flush"].get("impl"))
             for what in ("window", "steps", "flush"):
                 st = windowed.from_dense(config, s, per_channel_decay=kda)
                 steps = 1 if what == "flush" else p
                 us = time_jax(leapquant_window_timer(config, what, best[kda]["step"], best[kda]["flush"]), st, toks, steps)
                 if what == "window":
-                    nb = leapquant_bytes_per_step(config, dk, dv, kda) * bsz * h
+                    nb = leapquant_bytes_per_step(config, dk, dv, kda, flush_impl) * bsz * h
                     name = f"LeapQuant int{args.bits} p={p} (steps + flush, per step)"
                 elif what == "steps":
                     nb = sum(step_bytes(config, dk, dv, i, kda) for i in range(p)) / p * bsz * h
                     name = f"LeapQuant int{args.bits} step only (mean over window)"
                 else:
-                    nb = flush_bytes(config, dk, dv, kda) * bsz * h
+                    nb = flush_bytes(config, dk, dv, kda, flush_impl) * bsz * h
                     name = f"LeapQuant int{args.bits} flush (per flush)"
                 rows.append(dict(impl=name, us=us, bytes=nb))
             del toks, s
@@ -475,6 +523,33 @@ def main(argv=None):
                 r["speedup_vs_pallas_fp32"] = pallas_us / r["us"]
                 log(r)
             results["timings"] += rows
+            save()
+    for bits in args.extra_bits:
+        bsz = max(args.batches)
+        cfg = LeapQuantConfig(bits=bits, window=args.window, impl="pallas")
+        for kda in (False, True):
+            mode = "KDA" if kda else "GDN"
+            toks = window_tokens(bsz, h, dk, dv, kda, p)
+            s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
+            fla_us = next((r["us"] for r in results["timings"] if r["batch"] == bsz and r["mode"] == mode
+                           and r["impl"].startswith("FLA")), None)
+            for what in ("window", "steps", "flush"):
+                steps = 1 if what == "flush" else p
+                row = dict(impl=f"LeapQuant int{bits} {what}", batch=bsz, mode=mode, bits=bits)
+                try:
+                    # the step options of the main bit width, where they fit this one's code parts
+                    opts = dict(best[kda]["step"])
+                    if "chunk" in opts:
+                        opts["chunk"] = min(opts["chunk"], dk // {8: 1, 4: 2, 6: 4}[bits])
+                    row["us"] = time_jax(leapquant_window_timer(cfg, what, opts, best[kda]["flush"]),
+                                         windowed.from_dense(cfg, s, per_channel_decay=kda), toks, steps)
+                except Exception as err:
+                    row.update(us=float("nan"), error=f"{type(err).__name__}: {str(err)[:300]}")
+                if what == "window":
+                    row["speedup_vs_fla_fp32"] = fla_us / row["us"] if fla_us else None
+                results.setdefault("other_bits", []).append(row)
+                log(row)
+            del toks, s
             save()
     if args.correctness == "full" and on_gpu:
         results["correctness"] += check_correctness(log, bits_list=tuple(args.check_bits))
@@ -535,6 +610,23 @@ def markdown(results) -> str:
             fla = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
             out.append(f"| {r['batch']} | {r['mode']} | {r['impl']} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
                        f"{r['GBps']:.0f} | {100 * r['frac_copy_bw']:.0f} | {fla} | {r['speedup_vs_pallas_fp32']:.2f} |")
+        out.append("")
+    if results.get("split_flush_stages"):
+        out += ["## Split flush stages (largest batch, µs per flush, every window full)", "",
+                "| mode | stage 1: reconstruct + S^T Q0 | stage 2: fit in XLA | stage 3: residual, quantize, write |",
+                "| --- | --- | --- | --- |"]
+        for mode, st in results["split_flush_stages"].items():
+            if "error" in st:
+                out.append(f"| {mode} | {st['error']} | | |")
+            else:
+                out.append(f"| {mode} | {st['reconstruct']:.0f} | {st['fit_xla']:.0f} | {st['quantize']:.0f} |")
+        out.append("")
+    if results.get("other_bits"):
+        out += [f"## Other bit widths (batch {results['other_bits'][0]['batch']}, µs per token-step; flush: per flush)", "",
+                "| bits | mode | what | µs | × vs FLA fp32 |", "| --- | --- | --- | --- | --- |"]
+        for r in results["other_bits"]:
+            sp = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
+            out.append(f"| {r['bits']} | {r['mode']} | {r['impl']} | {r['us']:.1f} | {sp} |")
         out.append("")
     if results["sweep"]:
         out += [f"## Variant sweep (batch {results['sweep'][0]['batch']}; the timings above use the fastest)", "",

@@ -62,23 +62,31 @@ def fit_svd(state: Array, rank: int) -> tuple[Array, Array]:
 
 
 def fit_subspace(
-    state: Array, rank: int, *, iters: int = 1, start: Array | None = None, seed: int = 0
+    state: Array, rank: int, *, iters: int = 1, start: Array | None = None, seed: int = 0,
+    first_z: Array | None = None,
 ) -> tuple[Array, Array]:
     """Subspace-iteration fit with CholeskyQR2.
 
     state ``[.., dk, dv]``; start ``[.., r, dk]`` (warm start, e.g. the previous ``K``) or
-    ``None`` for the seeded Gaussian start. Returns ``(K [.., r, dk], U [.., r, dv])`` fp16.
+    ``None`` for the seeded Gaussian start. ``first_z [.., r, dv]``: the first round's
+    ``(S^T Q_0)^T`` when the caller already has it (the split flush kernel computes it while the
+    state is on chip); the start is then unused. Returns ``(K [.., r, dk], U [.., r, dv])`` fp16.
     """
     s = state.astype(jnp.float32)
     dk = s.shape[-2]
-    if start is None:
+    if first_z is not None:
+        q = None
+    elif start is None:
         q = jnp.broadcast_to(random_start(dk, rank, seed).T, s.shape[:-2] + (dk, rank))
     else:
         q = jnp.swapaxes(start.astype(jnp.float32), -1, -2)
         # A warm start that lost rank (a zero previous window) is topped up from the seeded start.
         q = q + 1e-3 * random_start(dk, rank, seed).T * (jnp.linalg.norm(q, axis=-2, keepdims=True) == 0)
-    for _ in range(iters):
-        z = jnp.einsum("...kv,...kr->...vr", s, q, precision=HI)   # S^T Q  [.., dv, r]
+    for i in range(iters):
+        if i == 0 and first_z is not None:
+            z = jnp.swapaxes(first_z.astype(jnp.float32), -1, -2)
+        else:
+            z = jnp.einsum("...kv,...kr->...vr", s, q, precision=HI)   # S^T Q  [.., dv, r]
         q = cholesky_qr2(jnp.einsum("...kv,...vr->...kr", s, z, precision=HI))
     return _finish(s, jnp.swapaxes(q, -1, -2))
 

@@ -1,39 +1,41 @@
 """LeapQuant window flush (DESIGN §3, §6): reconstruct ``S_p``, fit, smooth, quantize, write.
 
 Why: once per window the state is materialised in fp32 and rounded once into the next
-checkpoint. Done in one kernel, the dense ``S_p`` never leaves the chip: the flush reads the
-old checkpoint and the buffer and writes the new checkpoint, nothing else.
+checkpoint. Two implementations with one contract (``impl``):
 
-One program per (sequence, head) holds the whole ``S [dk, dv]`` tile in fp32, split into
-key-row parts that match the packed code planes (1 part at 8 bits, 2 at 4, 4 at 6), and
+* ``split`` (the default, the fastest on the H200): three stages.
+  1. A kernel with one program per (sequence, head, value block ``BV``) reconstructs
+     ``S[:, block] = D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` (log-space decays,
+     masked before ``exp``: a fully decayed head gives zeros, not NaN; the window's records as
+     one dot for ``p >= 16``) and, while the block is on chip, the first round of subspace
+     iteration ``(S^T Q_0)[block]`` from the seeded start (or the warm start, the old ``K``
+     topped up where it is zero). It writes ``S`` in fp32 and ``S^T Q_0``.
+  2. XLA finishes the fit with ``compensators.fit_subspace`` (the reference's own code:
+     ``Y = S Z``, CholeskyQR2, ``U = S^T K^T`` clipped, fp16 factors).
+  3. A kernel with one program per (sequence, head) forms the residual ``R = S - K^T U`` from
+     the rounded factors, smooths it by ``c_i = sqrt(mean_j |R_ij|)`` floored at 1e-12,
+     quantizes ``R / c`` with one scale per value column (round half to even), packs the codes
+     (planar 6/4-bit layout) and writes the checkpoint and a zeroed buffer in place.
+  The fp32 state goes through device memory (read three times), but every stage has many
+  programs in flight; see ``bench/results`` for the measured trade.
+* ``fused``: one program per (sequence, head) does all of it with the whole fp32 tile in
+  registers (reading and writing only the checkpoint and the buffer); the fit's
+  ``r (r + 1)`` Gram reductions and the records loop are serial per program, which leaves
+  it latency-bound at one or two programs per SM.
 
-1. reconstructs ``S = D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` (log-space decays,
-   masked before ``exp``: a fully decayed head gives zeros, not NaN);
-2. fits ``r`` Compensator Tokens by ``fit_iters`` rounds of subspace iteration
-   ``Y = S (S^T Q)`` from the seeded Gaussian start (or warm-started from the old ``K``)
-   with CholeskyQR2 in scalar arithmetic (``r <= 8``: the ``r x r`` Gram matrix, its Cholesky
-   factor and the triangular solve are unrolled), ``K = Q^T``, ``U = S^T K^T`` (clipped to
-   the fp16 range), both rounded to fp16;
-3. smooths the residual ``R = S - K^T U`` (rounded factors) by ``c_i = sqrt(mean_j |R_ij|)``
-   floored at 1e-12, quantizes ``R / c`` with one scale per value column (round half to even)
-   and packs the codes (planar 6/4-bit layout);
-4. writes codes, scales, ``c``, ``K``, ``U`` in place and zeroes the buffer.
+Which sequences flush: ``only_full=True`` skips (the kernels read and write nothing for)
+sequences whose window is not full (``pos < p``), so a batch at ragged positions pays only for
+its full windows; ``only_full=False`` flushes every sequence, the contract of
+``windowed.flush_reference``. ``pos`` is reset in XLA after the kernels.
 
-Which sequences flush: ``only_full=True`` skips (reads and writes nothing for) sequences whose
-window is not full (``pos < p``), so a batch at ragged positions pays only for its full
-windows and ``windowed.maybe_flush``'s select leaves the rest as they were; ``only_full=False``
-flushes every sequence, the contract of ``windowed.flush_reference``. ``pos`` is reset in
-XLA after the kernel.
+Rounding: fp32 throughout; the split flush's records dot runs as 3xTF32 on the GPU (about
+fp32's accuracy); fp16 rounding of ``K``, ``U``; the code rounding. Summation order differs
+from the XLA reference, so a code sitting on a rounding boundary may differ by one step; the
+decoded states agree to a quantization step on those few elements.
 
-Rounding: fp32 throughout (elementwise products and reductions); fp16 rounding of ``K``,
-``U``; the code rounding. Summation order differs from the XLA reference, so a code sitting
-on a rounding boundary may differ by one step; the decoded states agree to a quantization
-step on those few elements.
-
-Bytes moved per flushed head (``flush_bytes``): read the checkpoint
-(``dk dv bits/8 + 4 dv + 4 dk + 2 r (dk + dv)``) and ``p`` records ``e p (dk + dv + g)``, write
-the checkpoint and zero the buffer (the same counts again), plus the start ``4 r dk`` and
-``pos`` ``4``.
+Bytes moved per flushed head: ``flush_bytes`` (the fused count: read the checkpoint and the
+``p`` records, write both; the split flush adds the fp32 state written once and read three
+times, ``16 dk dv``, plus ``S^T Q_0`` and the factors).
 
 Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
@@ -46,15 +48,30 @@ import jax
 import jax.numpy as jnp
 
 from leapquant_jax import windowed
-from leapquant_jax.compensators import FP16_MAX, random_start
+from leapquant_jax.compensators import FP16_MAX, fit_subspace, random_start
 from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
 
-from ._compat import compiler_params, default_interpret, pl, round_half_even
-from .leapquant_step import load_code_parts, num_parts
+from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
+from .leapquant_step import load_code_parts, num_parts, window_decay_part
 
 f32 = jnp.float32
 SMOOTH_FLOOR = 1e-12
+
+
+def _row(x, i):
+    """Row ``i`` of a small register tile ``[R, n] -> [n]`` (a masked sum: Triton has no gather)."""
+    return jnp.sum(jnp.where(jnp.arange(x.shape[0])[:, None] == i, x, 0.0), axis=0)
+
+
+def _records_term(kd, bu, dot):
+    """``sum_j kd_j u_j^T`` over the window: ``kd [p, n]``, ``bu [p, BV]`` -> ``[n, BV]``.
+
+    One dot for ``p >= 16`` (a Triton dot's least depth); smaller windows sum ``p`` outer products.
+    """
+    if kd.shape[0] >= 16:
+        return dot(kd, bu)
+    return sum(_row(kd, j)[:, None] * _row(bu, j)[None, :] for j in range(kd.shape[0]))
 
 
 def _cholesky_qr_round(cols, rank):
@@ -81,23 +98,74 @@ def _cholesky_qr_round(cols, rank):
     return out
 
 
-# ----------------------------------------------------------------------------- kernel
+def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
+    """Steps shared by both flushes: smooth the residual parts ``S`` (``[n, dv]`` each, factors
+    already subtracted), quantize, pack and write codes, scales, ``c``, ``K``, ``U``; zero the buffer.
+
+    new_k: ``r`` lists of fp16 parts ``[n]``; new_u: ``r`` fp16 rows ``[dv]``.
+    """
+    codes_out, scale_out, smooth_out, ck_out, cu_out, bk_out, bu_out, bg_out = outs
+    qmax = qmax_for_bits(bits)
+    if smoothing:
+        cs = [jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(s), axis=1) / dv), SMOOTH_FLOOR) for s in S]
+        S = [s / c[:, None] for s, c in zip(S, cs)]
+    colmax = None
+    for s in S:
+        m = jnp.max(jnp.abs(s), axis=0)
+        colmax = m if colmax is None else jnp.maximum(colmax, m)
+    new_scale = colmax / qmax
+    div = jnp.where(new_scale > 0, new_scale, 1.0)
+    q_int = [jnp.clip(round_half_even(s / div[None, :]), -qmax, qmax).astype(jnp.int32) for s in S]
+    if bits == 8:
+        codes_out[...] = q_int[0].astype(jnp.int8)
+    elif bits == 4:
+        lo, hi = (x + 8 for x in q_int)
+        codes_out[...] = (lo | (hi << 4)).astype(jnp.uint8)
+    else:
+        a, b, c_, d4 = (x + 32 for x in q_int)
+        m = dk // 4
+        for p_, quarter in enumerate((a, b, c_)):
+            codes_out[pl.ds(p_ * m, m), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
+    scale_out[...] = new_scale
+    if smoothing:
+        for c, sl in zip(cs, slices):
+            smooth_out[sl] = c
+    for c in range(len(new_u)):
+        for x, sl in zip(new_k[c], slices):
+            ck_out[c, sl] = x
+        cu_out[c, :] = new_u[c]
+    bk_out[...] = jnp.zeros(bk_out.shape, bk_out.dtype)
+    bu_out[...] = jnp.zeros(bu_out.shape, bu_out.dtype)
+    bg_out[...] = jnp.zeros(bg_out.shape, bg_out.dtype)
 
 
-def _flush_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, warm_start, fit_iters, only_full):
+def _split_outs(it, smoothing, rank):
+    codes_out, scale_out = next(it), next(it)
+    smooth_out = next(it) if smoothing else None
+    ck_out, cu_out = (next(it), next(it)) if rank else (None, None)
+    return (codes_out, scale_out, smooth_out, ck_out, cu_out, next(it), next(it), next(it))
+
+
+def _run(body, pos, window, only_full):
+    if only_full:
+        pl.when(pos >= window)(body)
+    else:
+        body()
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, warm_start, fit_iters, only_full):
     it = iter(refs)
     pos_ref, start_ref, codes_ref, scale_ref = (next(it) for _ in range(4))
     smooth_ref = next(it) if smoothing else None
     ck_ref, cu_ref = (next(it), next(it)) if rank else (None, None)
     bk_ref, bu_ref, bg_ref = next(it), next(it), next(it)
-    codes_out, scale_out = next(it), next(it)
-    smooth_out = next(it) if smoothing else None
-    ck_out, cu_out = (next(it), next(it)) if rank else (None, None)
-    bk_out, bu_out, bg_out = next(it), next(it), next(it)
+    outs = _split_outs(it, smoothing, rank)
 
     parts = num_parts(bits)
     n = dk // parts
-    qmax = qmax_for_bits(bits)
     pos = pos_ref[...]
     slices = [pl.ds(i * n, n) for i in range(parts)]
 
@@ -155,129 +223,308 @@ def _flush_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
             S = [s - sum(new_k[c][i].astype(f32)[:, None] * new_u[c].astype(f32)[None, :] for c in range(rank))
                  for i, s in enumerate(S)]
 
-        # --- 3. smoothing and quantization
-        if smoothing:
-            cs = [jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(s), axis=1) / dv), SMOOTH_FLOOR) for s in S]
-            S = [s / c[:, None] for s, c in zip(S, cs)]
-        colmax = None
-        for s in S:
-            m = jnp.max(jnp.abs(s), axis=0)
-            colmax = m if colmax is None else jnp.maximum(colmax, m)
-        new_scale = colmax / qmax
-        div = jnp.where(new_scale > 0, new_scale, 1.0)
-        q_int = [jnp.clip(round_half_even(s / div[None, :]), -qmax, qmax).astype(jnp.int32) for s in S]
+        # --- 3, 4. smoothing, quantization, writes
+        _quantize_and_write(S, new_k, new_u, bits=bits, dk=dk, dv=dv, slices=slices, smoothing=smoothing, outs=outs)
 
-        # --- 4. write the checkpoint, zero the buffer
-        if bits == 8:
-            codes_out[...] = q_int[0].astype(jnp.int8)
-        elif bits == 4:
-            lo, hi = (x + 8 for x in q_int)
-            codes_out[...] = (lo | (hi << 4)).astype(jnp.uint8)
-        else:
-            a, b, c_, d4 = (x + 32 for x in q_int)
-            m = dk // 4
-            for p_, quarter in enumerate((a, b, c_)):
-                codes_out[pl.ds(p_ * m, m), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
-        scale_out[...] = new_scale
-        if smoothing:
-            for c, sl in zip(cs, slices):
-                smooth_out[sl] = c
+    _run(body, pos, window, only_full)
+
+
+def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, warm_start, only_full, precision):
+    """Split flush, stage 1: ``S[:, block]`` in fp32 and ``(S^T Q_0)[block]``."""
+    it = iter(refs)
+    pos_ref, start_ref, codes_ref, scale_ref = (next(it) for _ in range(4))
+    smooth_ref = next(it) if smoothing else None
+    ck_ref, cu_ref = (next(it), next(it)) if rank else (None, None)
+    bk_ref, bu_ref, bg_ref = next(it), next(it), next(it)
+    s_out = next(it)
+    z_out = next(it) if rank else None
+
+    parts = num_parts(bits)
+    n = dk // parts
+    pos = pos_ref[...]
+    slices = [pl.ds(i * n, n) for i in range(parts)]
+
+    def dot(a, b):   # a [p, n], b [p, BV] -> a^T b
+        return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=f32)
+
+    def body():
+        codes = load_code_parts(codes_ref, bits, dk)
+        scale = scale_ref[...]
+        live = jnp.arange(window) < pos
+        bu = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                # [p, BV]
+        if not per_channel:
+            D0, d = window_decay_part(bg_ref, live, None, False)                    # [], [p]
+        S = []
+        for i, sl in enumerate(slices):
+            if per_channel:
+                D0, d = window_decay_part(bg_ref, live, sl, True)                   # [n], [p, n]
+            kd = load(bk_ref.at[:, sl], mask=live[:, None], other=0.0).astype(f32)  # [p, n]
+            kd = kd * (d if per_channel else d[:, None])
+            s = codes[i] * scale[None, :]
+            if smoothing:
+                s = smooth_ref[sl][:, None] * s
+            for c in range(rank):
+                s = s + ck_ref[c, sl].astype(f32)[:, None] * cu_ref[c, :].astype(f32)[None, :]
+            s = (D0[:, None] if per_channel else D0) * s + _records_term(kd, bu, dot)
+            s_out[sl, :] = s
+            S.append(s)
         for c in range(rank):
-            for x, sl in zip(new_k[c], slices):
-                ck_out[c, sl] = x
-            cu_out[c, :] = new_u[c]
-        bk_out[...] = jnp.zeros(bk_out.shape, bk_out.dtype)
-        bu_out[...] = jnp.zeros(bu_out.shape, bu_out.dtype)
-        bg_out[...] = jnp.zeros(bg_out.shape, bg_out.dtype)
+            if warm_start:
+                # a warm start that lost rank (a zero previous window) is topped up from the seed
+                nrm = jnp.sum(jnp.square(ck_ref[c, :].astype(f32)))
+                top = jnp.where(nrm == 0.0, 1e-3, 0.0)
+                q = [ck_ref[c, sl].astype(f32) + top * start_ref[c, sl] for sl in slices]
+            else:
+                q = [start_ref[c, sl] for sl in slices]
+            z_out[c, :] = sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q))
 
-    if only_full:
-        pl.when(pos >= window)(body)
-    else:
-        body()
+    _run(body, pos, window, only_full)
+
+
+def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
+    """Split flush, stage 3: residual from the rounded factors, smooth, quantize, write in place."""
+    it = iter(refs)
+    pos_ref, s_ref = next(it), next(it)
+    k_ref, u_ref = (next(it), next(it)) if rank else (None, None)
+    for _ in range(5 + smoothing + 2 * (rank > 0)):   # the checkpoint and buffer inputs, aliased, unread
+        next(it)
+    outs = _split_outs(it, smoothing, rank)
+
+    parts = num_parts(bits)
+    n = dk // parts
+    pos = pos_ref[...]
+    slices = [pl.ds(i * n, n) for i in range(parts)]
+
+    def body():
+        new_k = [[k_ref[c, sl] for sl in slices] for c in range(rank)]
+        new_u = [u_ref[c, :] for c in range(rank)]
+        S = []
+        for i, sl in enumerate(slices):
+            s = s_ref[sl, :]
+            for c in range(rank):
+                s = s - new_k[c][i].astype(f32)[:, None] * new_u[c].astype(f32)[None, :]
+            S.append(s)
+        _quantize_and_write(S, new_k, new_u, bits=bits, dk=dk, dv=dv, slices=slices, smoothing=smoothing, outs=outs)
+
+    _run(body, pos, window, only_full)
 
 
 # ----------------------------------------------------------------------------- wrapper
 
 
-@functools.partial(jax.jit, static_argnames=("config", "only_full", "num_warps", "interpret"))
-def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
-                    num_warps: int | None = None, interpret: bool | None = None) -> LeapQuantState:
-    """Window flush in place. ``only_full=False``: every sequence (``windowed.flush_reference``);
-    ``only_full=True``: only sequences with ``pos >= p`` (``windowed.maybe_flush``).
-
-    state: ``LeapQuantState`` (updated in place when the caller's ``jit`` donates it). Returns
-    the state with new checkpoints, zeroed buffers and ``pos = 0`` for the flushed sequences.
-    """
-    from .api import unsupported_reason
-
-    why = unsupported_reason(config, state)
-    if why is not None:
-        raise ValueError(f"leapquant_flush kernel cannot run: {why}")
-    interpret = default_interpret() if interpret is None else interpret
+def _checkpoint_io(config, state):
+    """The in-place outputs shared by both flushes: arrays, their block specs ``[..]`` per head."""
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
-    per_channel = state.per_channel_decay
     p, r = config.window, config.effective_rank
-    rows = packed_rows(dk, config.bits)
-    if num_warps is None:  # the fastest on the H200 at batch 512 (bench/results)
-        num_warps = 4 if per_channel else 8
 
     def spec(*shape):
         return pl.BlockSpec((None, None) + shape, lambda i, j: (i, j) + (0,) * len(shape))
 
-    start = random_start(dk, max(r, 1), config.seed)                               # [r, dk]
-    args = [state.pos.astype(jnp.int32), start, ckpt.residual.codes, ckpt.residual.scale]
-    specs = [pl.BlockSpec((None,), lambda i, j: (i,)), pl.BlockSpec(start.shape, lambda i, j: (0, 0)),
-             spec(rows, dv), spec(dv)]
     outs = [ckpt.residual.codes, ckpt.residual.scale]
-    out_specs = [spec(rows, dv), spec(dv)]
+    out_specs = [spec(packed_rows(dk, config.bits), dv), spec(dv)]
     if config.smoothing:
-        args.append(ckpt.smooth); specs.append(spec(dk))
         outs.append(ckpt.smooth); out_specs.append(spec(dk))
     if r:
-        args += [ckpt.comp_k, ckpt.comp_u]; specs += [spec(r, dk), spec(r, dv)]
         outs += [ckpt.comp_k, ckpt.comp_u]; out_specs += [spec(r, dk), spec(r, dv)]
-    g_spec = spec(p, dk) if per_channel else spec(p)
-    args += [buf.k, buf.u, buf.g]; specs += [spec(p, dk), spec(p, dv), g_spec]
-    outs += [buf.k, buf.u, buf.g]; out_specs += [spec(p, dk), spec(p, dv), g_spec]
-    first = 2
-    aliases = {first + i: i for i in range(len(outs))}
+    outs += [buf.k, buf.u, buf.g]
+    out_specs += [spec(p, dk), spec(p, dv), spec(p, dk) if state.per_channel_decay else spec(p)]
+    return outs, out_specs, spec
 
-    kernel = functools.partial(
-        _flush_kernel, bits=config.bits, rank=r, window=p, dk=dk, dv=dv, per_channel=per_channel,
-        smoothing=config.smoothing, warm_start=config.warm_start, fit_iters=config.fit_iters, only_full=only_full)
-    res = pl.pallas_call(
-        kernel,
-        grid=(bsz, h),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
-        input_output_aliases=aliases,
-        compiler_params=compiler_params(num_warps=num_warps),
-        interpret=interpret,
-        name=f"leapquant_flush_{'kda' if per_channel else 'gdn'}_int{config.bits}",
-    )(*args)
+
+def _new_state(config, state, res, only_full):
     res = list(res)
+    ckpt = state.checkpoint
     codes, scale = res.pop(0), res.pop(0)
     smooth = res.pop(0) if config.smoothing else ckpt.smooth
-    comp_k, comp_u = (res.pop(0), res.pop(0)) if r else (ckpt.comp_k, ckpt.comp_u)
+    comp_k, comp_u = (res.pop(0), res.pop(0)) if config.effective_rank else (ckpt.comp_k, ckpt.comp_u)
     bk, bu, bg = res
-    residual = IntTensor(codes=codes, scale=scale, bits=config.bits, dk=dk)
-    pos = jnp.where(state.pos >= p, 0, state.pos) if only_full else jnp.zeros_like(state.pos)
+    dk = state.shape[2]
+    pos = jnp.where(state.pos >= config.window, 0, state.pos) if only_full else jnp.zeros_like(state.pos)
     return LeapQuantState(
-        checkpoint=Checkpoint(residual=residual, smooth=smooth, comp_k=comp_k, comp_u=comp_u),
+        checkpoint=Checkpoint(residual=IntTensor(codes=codes, scale=scale, bits=config.bits, dk=dk), smooth=smooth,
+                              comp_k=comp_k, comp_u=comp_u),
         buffer=WindowBuffer(k=bk, u=bu, g=bg),
         pos=pos,
     )
 
 
-def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool) -> int:
+def _inputs(config, state, spec_k, spec_v, start):
+    """Checkpoint and buffer inputs (and their specs) read by the fused flush and split stage 1."""
+    bsz, h, dk, dv = state.shape
+    ckpt, buf = state.checkpoint, state.buffer
+    p, r = config.window, config.effective_rank
+    args = [state.pos.astype(jnp.int32), start, ckpt.residual.codes, ckpt.residual.scale]
+    specs = [pl.BlockSpec((None,), lambda i, j, *_: (i,)), pl.BlockSpec(start.shape, lambda *_: (0, 0)),
+             spec_v(packed_rows(dk, config.bits)), spec_v()]
+    if config.smoothing:
+        args.append(ckpt.smooth); specs.append(spec_k())
+    if r:
+        args += [ckpt.comp_k, ckpt.comp_u]; specs += [spec_k(r), spec_v(r)]
+    args += [buf.k, buf.u, buf.g]
+    specs += [spec_k(p), spec_v(p), spec_k(p) if state.per_channel_decay else spec_k(p, vec=False)]
+    return args, specs
+
+
+IMPLS = ("auto", "split", "fused")
+# ``auto`` with ``only_full``: the split flush when at least this fraction of the batch flushes,
+# else the fused one (which pays only for full windows). Break-even points measured on the H200
+# at batch 512 (bench/results/kernels-20261129-155805-sweep: all full, split 3.33 ms / fused
+# 4.59 ms for GDN, 3.76 / 8.11 ms for KDA; one sequence in 16 full, split 1.53 / 1.59 ms, fused
+# 0.30 / 0.49 ms), interpolating both linearly: about 0.55 (GDN) and 0.27 (KDA).
+SPLIT_MIN_FULL_FRACTION = {False: 0.55, True: 0.27}
+
+
+def _check(config, state, impl):
+    from .api import unsupported_reason
+
+    why = unsupported_reason(config, state)
+    if why is not None:
+        raise ValueError(f"leapquant_flush kernel cannot run: {why}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+
+
+def _name(config, state, stage):
+    return f"leapquant_flush_{stage}_{'kda' if state.per_channel_decay else 'gdn'}_int{config.bits}"
+
+
+def flush_fused(config, state, *, only_full, num_warps=None, interpret=None) -> LeapQuantState:
+    """The fused flush: one kernel, one program per (sequence, head)."""
+    interpret = default_interpret() if interpret is None else interpret
+    bsz, h, dk, dv = state.shape
+    p, r = config.window, config.effective_rank
+    outs, out_specs, spec = _checkpoint_io(config, state)
+
+    def spec_k(*lead, vec=True):
+        return spec(*lead, dk) if vec else spec(*lead)
+
+    def spec_v(*lead):
+        return spec(*lead, dv)
+
+    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed))
+    kernel = functools.partial(
+        _fused_kernel, bits=config.bits, rank=r, window=p, dk=dk, dv=dv, per_channel=state.per_channel_decay,
+        smoothing=config.smoothing, warm_start=config.warm_start, fit_iters=config.fit_iters, only_full=only_full)
+    res = pl.pallas_call(
+        kernel, grid=(bsz, h), in_specs=specs, out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
+        input_output_aliases={2 + i: i for i in range(len(outs))},
+        compiler_params=compiler_params(num_warps=num_warps or (4 if state.per_channel_decay else 8)),
+        interpret=interpret, name=_name(config, state, "fused"),
+    )(*args)
+    return _new_state(config, state, res, only_full)
+
+
+def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None):
+    """Split flush, stage 1: ``(S [B, H, dk, dv] fp32, (S^T Q_0)^T [B, H, r, dv] fp32 or None)``.
+
+    Blocks of sequences skipped by ``only_full`` are left unwritten (their values are unspecified).
+    """
+    interpret = default_interpret() if interpret is None else interpret
+    bsz, h, dk, dv = state.shape
+    p, r = config.window, config.effective_rank
+    bv = block_v or min(32, dv)
+    if not is_pow2(bv) or dv % bv or bv < 16:
+        raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dv}")
+
+    def spec_k(*lead, vec=True):
+        shape = lead + ((dk,) if vec else ())
+        return pl.BlockSpec((None, None) + shape, lambda i, j, c: (i, j) + (0,) * len(shape))
+
+    def spec_v(*lead):
+        return pl.BlockSpec((None, None) + lead + (bv,), lambda i, j, c: (i, j) + (0,) * len(lead) + (c,))
+
+    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed))
+    shapes, out_specs = [jax.ShapeDtypeStruct((bsz, h, dk, dv), f32)], [spec_v(dk)]
+    if r:
+        shapes.append(jax.ShapeDtypeStruct((bsz, h, r, dv), f32))
+        out_specs.append(spec_v(r))
+    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    kernel = functools.partial(
+        _reconstruct_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=state.per_channel_decay,
+        smoothing=config.smoothing, warm_start=config.warm_start, only_full=only_full, precision=precision)
+    res = pl.pallas_call(
+        kernel, grid=(bsz, h, dv // bv), in_specs=specs, out_specs=out_specs, out_shape=shapes,
+        compiler_params=compiler_params(num_warps=4), interpret=interpret, name=_name(config, state, "reconstruct"),
+    )(*args)
+    return res[0], (res[1] if r else None)
+
+
+def split_fit(config, dense, first_z):
+    """Split flush, stage 2 (XLA): the reference's ``fit_subspace`` from ``S`` and the first
+    ``(S^T Q_0)^T``. Returns fp16 ``(K [B, H, r, dk], U [B, H, r, dv])``."""
+    return fit_subspace(dense, config.effective_rank, iters=config.fit_iters, first_z=first_z)
+
+
+def split_quantize(config, state, dense, comp_k, comp_u, *, only_full, num_warps=None, interpret=None):
+    """Split flush, stage 3: residual, smoothing, quantization, in-place checkpoint writes."""
+    interpret = default_interpret() if interpret is None else interpret
+    r = config.effective_rank
+    bsz, h, dk, dv = state.shape
+    outs, out_specs, spec = _checkpoint_io(config, state)
+    extra, extra_specs = ([comp_k, comp_u], [spec(r, dk), spec(r, dv)]) if r else ([], [])
+    kernel = functools.partial(_quantize_kernel, bits=config.bits, rank=r, window=config.window, dk=dk, dv=dv,
+                               smoothing=config.smoothing, only_full=only_full)
+    n_in = 2 + len(extra)
+    res = pl.pallas_call(
+        kernel, grid=(bsz, h),
+        in_specs=[pl.BlockSpec((None,), lambda i, j: (i,)), spec(dk, dv)] + extra_specs + out_specs,
+        out_specs=out_specs, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
+        input_output_aliases={n_in + i: i for i in range(len(outs))},
+        compiler_params=compiler_params(num_warps=num_warps or 8),
+        interpret=interpret, name=_name(config, state, "quantize"),
+    )(state.pos.astype(jnp.int32), dense, *extra, *outs)
+    return _new_state(config, state, res, only_full)
+
+
+def flush_split(config, state, *, only_full, block_v=None, num_warps=None, interpret=None) -> LeapQuantState:
+    """The split flush: the three stages above."""
+    dense, first_z = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
+    comp_k, comp_u = split_fit(config, dense, first_z) if config.effective_rank else (None, None)
+    return split_quantize(config, state, dense, comp_k, comp_u, only_full=only_full, num_warps=num_warps,
+                          interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "only_full", "impl", "block_v", "num_warps", "interpret"))
+def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, impl: str = "auto",
+                    block_v: int | None = None, num_warps: int | None = None,
+                    interpret: bool | None = None) -> LeapQuantState:
+    """Window flush in place. ``only_full=False``: every sequence (``windowed.flush_reference``);
+    ``only_full=True``: only sequences with ``pos >= p`` (``windowed.maybe_flush``).
+
+    state: ``LeapQuantState`` (updated in place when the caller's ``jit`` donates it). Returns
+    the state with new checkpoints, zeroed buffers and ``pos = 0`` for the flushed sequences.
+    ``impl``: ``"split"``, ``"fused"`` (module docstring) or ``"auto"`` (the split flush for
+    every sequence; with ``only_full``, chosen at run time by the fraction of full windows,
+    ``SPLIT_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split flush's
+    first stage; ``num_warps``: of the per-head kernel (fused, or the split's last stage).
+    """
+    _check(config, state, impl)
+    interpret = default_interpret() if interpret is None else interpret
+    kw = dict(only_full=only_full, num_warps=num_warps, interpret=interpret)
+    if impl == "fused":
+        return flush_fused(config, state, **kw)
+    if impl == "split" or not only_full:
+        return flush_split(config, state, block_v=block_v, **kw)
+    frac = jnp.mean((state.pos >= config.window).astype(f32))
+    return jax.lax.cond(frac >= SPLIT_MIN_FULL_FRACTION[state.per_channel_decay],
+                        lambda s: flush_split(config, s, block_v=block_v, **kw),
+                        lambda s: flush_fused(config, s, **kw), state)
+
+
+def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, impl: str = "split") -> int:
     """Bytes one flushed head moves (the module docstring's count)."""
     e = jnp.dtype(config.record_dtype).itemsize
     r = config.effective_rank
     ckpt = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
     records = e * config.window * (dk + dv + (dk if per_channel else 1))
-    return 2 * (ckpt + records) + 4 * r * dk + 4
+    n = 2 * (ckpt + records) + 4 * r * dk + 4
+    if impl == "split":
+        # S written once, read by Y = S Z, U = S^T K^T and stage 3 (one more read per extra
+        # fit round), S^T Q_0 written and read, the factors written and read
+        n += 4 * dk * dv * (4 + 2 * (config.fit_iters - 1)) + 2 * 4 * r * dv + 2 * 2 * r * (dk + dv)
+    return n
 
 
 # ----------------------------------------------------------------------------- reference
@@ -290,4 +537,5 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["flush_bytes", "leapquant_flush", "leapquant_flush_reference"]
+__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_bytes", "flush_fused", "flush_split", "leapquant_flush",
+           "leapquant_flush_reference", "split_fit", "split_quantize", "split_reconstruct"]

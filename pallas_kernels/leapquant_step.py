@@ -20,20 +20,25 @@ Codes at 6 and 4 bits are unpacked in registers from the planar layout of
 ``leapquant_jax.quantizers`` (each byte plane pairs with a contiguous slice of the vector).
 
 Grid: one program per (sequence, head, value block ``BV``). Each program walks the key rows in
-chunks (a rolled loop; ``chunk`` rows of every code part per iteration), reading each chunk of
-codes, record keys, ``K`` and the vectors once; products are accumulated elementwise and
-reduced across threads once after the loop. The value-side data (scales, ``u``, ``U``) is read
-for the program's block. Only live records (slot < pos) are loaded: masked loads fetch nothing
+chunks (``chunk`` rows of every code part per iteration; by default the whole part, no loop),
+reading each chunk of codes, record keys, ``K`` and the vectors once. The value-side data
+(scales, ``u``, ``U``) is read for the program's block.
+
+The two code reads (``reduce="dot"``, the default where a chunk is at least 32 rows) run on
+the int8 tensor cores: each vector is split into three balanced int8 digits of one fixed-point
+scale (``2**-22 max|x|``), so ``[digits of x1; digits of x2] @ Z`` is one int8 dot with exact
+int32 sums, recombined in fp32 (about fp32's accuracy: the digit rounding is about
+``2**-23 max|x|`` per element). ``reduce="lanes"`` accumulates fp32 products elementwise and sums across threads
+once after the loop. Record and Compensator-Token products are elementwise in both. Only live records (slot < pos) are loaded: masked loads fetch nothing
 for dead slots. The new record is stored into the buffer (``k``, ``u``, ``g`` are aliased
 inputs/outputs, so in place when the caller's ``jit`` donates the state), ``k`` and ``g`` by the
 value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference``); a sequence at
 ``pos >= p`` writes nothing (no out-of-bounds store) and its output is unspecified.
 
-Fastest on the H200 at batch 512 (``bench/results``): ``BV = dv``, 4 warps, ``chunk`` 32 for GDN
-and the whole part for KDA (its per-chunk decay sums cost more than the loop saves).
+Fastest on the H200 at batch 512 (``bench/results``): ``reduce="dot"``, the whole part per
+chunk, ``BV = dv``, 2 warps for GDN and 1 for KDA.
 
-Rounding: all arithmetic is fp32 (elementwise products and reductions, no tensor-core dots).
-The record is rounded to the record dtype when stored, for later tokens; the token's own
+Rounding: fp32 arithmetic, but for the digit split above. The record is rounded to the record dtype when stored, for later tokens; the token's own
 output uses its fp32 ``k``, ``u`` and ``g``, exactly as the reference does.
 
 Bytes moved per step and head (counted by ``step_bytes``, used by ``bench/kernels.py``),
@@ -68,8 +73,8 @@ def num_parts(bits: int) -> int:
     return {8: 1, 4: 2, 6: 4}[bits]
 
 
-def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None):
-    """Signed codes of a packed tile as ``num_parts(bits)`` fp32 arrays ``[rows, BV]``.
+def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None, dtype=f32):
+    """Signed codes of a packed tile as ``num_parts(bits)`` arrays ``[rows, BV]`` of ``dtype``.
 
     Part ``i`` holds key rows ``i * dk / parts + start + [0, rows)``; ``rows`` defaults to the
     whole part. Every part of a chunk comes from the same packed byte rows (planar layout).
@@ -77,13 +82,57 @@ def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = N
     n = dk // num_parts(bits)
     rows = n if rows is None else rows
     if bits == 8:
-        return [codes_ref[pl.ds(start, rows), :].astype(f32)]
+        return [codes_ref[pl.ds(start, rows), :].astype(dtype)]
     if bits == 4:
         p = codes_ref[pl.ds(start, rows), :].astype(jnp.int32)
-        return [((p & 15) - 8).astype(f32), ((p >> 4) - 8).astype(f32)]
+        return [((p & 15) - 8).astype(dtype), ((p >> 4) - 8).astype(dtype)]
     planes = [codes_ref[pl.ds(i * n + start, rows), :].astype(jnp.int32) for i in range(3)]
     top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
-    return [((q & 63) - 32).astype(f32) for q in planes] + [(top - 32).astype(f32)]
+    return [((q & 63) - 32).astype(dtype) for q in planes] + [(top - 32).astype(dtype)]
+
+
+DIGIT_BITS = 22     # fixed-point bits of a vector split into int8 digits (DIGITS of them)
+DIGITS = 3
+DOT_ROWS = 16       # rows of a Triton dot operand (the digit rows, zero-padded)
+
+
+def vector_scale(x):
+    """``(2**DIGIT_BITS / m, m / 2**DIGIT_BITS)`` for ``m = max |x|`` (1 for a zero vector)."""
+    m = jnp.max(jnp.abs(x))
+    m = jnp.where(m > 0, m, 1.0)
+    return (2.0 ** DIGIT_BITS) / m, m * (2.0 ** -DIGIT_BITS)
+
+
+def int8_digits(x, inv):
+    """Balanced base-256 digits ``d_0 + 256 d_1 + 65536 d_2 = round(x * inv)``, each ``[n]`` int32 in int8 range.
+
+    ``|x * inv| <= 2**22`` keeps ``|d_2| <= 65``; the rounding error is at most
+    ``1.25 * 2**-23 max|x|`` per element (half a step, plus the fp32 rounding of ``x * inv``).
+    """
+    xi = jnp.floor(x * inv + 0.5).astype(jnp.int32)
+    out = []
+    for _ in range(DIGITS - 1):
+        d = ((xi + 128) & 255) - 128
+        out.append(d)
+        xi = (xi - d) >> 8
+    return out + [xi]
+
+
+def digit_rows(vectors, invs, n):
+    """The int8 dot operand ``[DOT_ROWS, n]``: ``DIGITS`` rows per vector, zero below."""
+    rows = jnp.arange(DOT_ROWS)[:, None]
+    out = jnp.zeros((DOT_ROWS, n), jnp.int32)
+    for v, (x, inv) in enumerate(zip(vectors, invs)):
+        for i, d in enumerate(int8_digits(x, inv)):
+            out = jnp.where(rows == DIGITS * v + i, d[None, :], out)
+    return out.astype(jnp.int8)
+
+
+def undigit(acc, v):
+    """Vector ``v``'s ``x^T Z`` from the int32 dot result ``acc [DOT_ROWS, BV]`` (before ``1 / inv``)."""
+    rows = jnp.arange(DOT_ROWS)[:, None]
+    parts = [jnp.sum(jnp.where(rows == DIGITS * v + i, acc, 0), axis=0).astype(f32) for i in range(DIGITS)]
+    return (parts[2] * 65536.0 + parts[1] * 256.0) + parts[0]
 
 
 def window_decay_part(g_ref, live, part, per_channel: bool):
@@ -107,7 +156,7 @@ def window_decay_part(g_ref, live, part, per_channel: bool):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk):
+def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot):
     it = iter(refs)
     pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(7))
     codes_ref, scale_ref = next(it), next(it)
@@ -127,13 +176,26 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
     if not per_channel:
         D0, d = window_decay_part(bg_ref, live, None, False)                     # [], [p]
         a_new = jnp.exp(g_ref[...])
+    if use_dot:
+        # The code reads run on the int8 tensor cores: both vectors (smoothed, and with KDA's
+        # per-channel decays folded in; GDN's scalar decays are applied after) split into int8
+        # digits with one fixed-point scale per vector over the whole key range, from a
+        # pre-pass over the vectors (which are small next to the codes).
+        z1, z2 = b_ref[...], q_ref[...]
+        if per_channel:
+            D0_all, _ = window_decay_part(bg_ref, live, pl.ds(0, dk), True)
+            z1, z2 = D0_all * z1, D0_all * jnp.exp(g_ref[...]) * z2
+        if smoothing:
+            z1, z2 = smooth_ref[...] * z1, smooth_ref[...] * z2
+        (inv1, back1), (inv2, back2) = vector_scale(z1), vector_scale(z2)
 
-    # Products are accumulated elementwise over the key chunks and reduced once at the end:
-    # acc [ch, BV] (codes), kacc [p, ch] (records), cacc [r, ch] (compensators), kq [ch].
+    # Products are accumulated over the key chunks and reduced once at the end: acc [ch, BV]
+    # elementwise (or [DOT_ROWS, BV] int32 from the dot), kacc [p, ch] (records), cacc [r, ch]
+    # (compensators), kq [ch].
     def chunk_body(j, carry):
         acc1, acc2, k1, k2, c1, c2, kq = carry
         start = j * ch if isinstance(j, int) else pl.multiple_of(j * ch, ch)
-        codes = load_code_parts(codes_ref, bits, dk, start, ch)
+        codes = load_code_parts(codes_ref, bits, dk, start, ch, jnp.int8 if use_dot else f32)
         for i in range(parts):
             sl = pl.ds(i * n + start, ch)
             if per_channel:
@@ -158,19 +220,26 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
                 kcs = [ck_ref[c, sl].astype(f32) for c in range(rank)]
                 c1 = tuple(a + kc * y1 for a, kc in zip(c1, kcs))
                 c2 = tuple(a + kc * y2 for a, kc in zip(c2, kcs))
+            if use_dot and not per_channel:
+                y1, y2 = x1, q
             if smoothing:
                 sm = smooth_ref[sl]
                 y1, y2 = sm * y1, sm * y2
-            acc1 = acc1 + codes[i] * y1[:, None]
-            acc2 = acc2 + codes[i] * y2[:, None]
+            if use_dot:
+                acc1 = acc1 + jax.lax.dot(digit_rows([y1, y2], [inv1, inv2], ch), codes[i],
+                                          preferred_element_type=jnp.int32)
+            else:
+                acc1 = acc1 + codes[i] * y1[:, None]
+                acc2 = acc2 + codes[i] * y2[:, None]
         return acc1, acc2, k1, k2, c1, c2, kq
 
     if comp_tile:
         c0 = jnp.zeros((rank, ch), f32)
     else:
         c0 = tuple(jnp.zeros((ch,), f32) for _ in range(rank))
-    init = (jnp.zeros((ch, bv), f32), jnp.zeros((ch, bv), f32), jnp.zeros((window, ch), f32),
-            jnp.zeros((window, ch), f32), c0, c0, jnp.zeros((ch,), f32))
+    acc0 = ((jnp.zeros((DOT_ROWS, bv), jnp.int32), None) if use_dot
+            else (jnp.zeros((ch, bv), f32), jnp.zeros((ch, bv), f32)))
+    init = acc0 + (jnp.zeros((window, ch), f32), jnp.zeros((window, ch), f32), c0, c0, jnp.zeros((ch,), f32))
     nch = n // ch
     carry = chunk_body(0, init) if nch == 1 else jax.lax.fori_loop(0, nch, chunk_body, init)
     acc1, acc2, k1, k2, c1, c2, kq = carry
@@ -181,8 +250,14 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
         kx1, kx2 = d * kx1, d * kx2
     scale = scale_ref[...]
     ub = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                 # [p, BV]
-    r1 = scale * jnp.sum(acc1, axis=0) + jnp.sum(kx1[:, None] * ub, axis=0)
-    r2 = scale * jnp.sum(acc2, axis=0) + jnp.sum(kx2[:, None] * ub, axis=0)
+    if use_dot:
+        z1, z2 = undigit(acc1, 0) * back1, undigit(acc1, 1) * back2
+        if not per_channel:
+            z1, z2 = D0 * z1, (D0 * a_new) * z2
+    else:
+        z1, z2 = jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
+    r1 = scale * z1 + jnp.sum(kx1[:, None] * ub, axis=0)
+    r2 = scale * z2 + jnp.sum(kx2[:, None] * ub, axis=0)
     if comp_tile:
         cu = cu_ref[...].astype(f32)                                               # [r, BV]
         r1 = r1 + jnp.sum(jnp.sum(c1, axis=1)[:, None] * cu, axis=0)
@@ -233,21 +308,38 @@ def default_block_v(dv: int) -> int:
 
 
 def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
-    """Key rows per code part per loop iteration: 32 for GDN, the whole part for KDA (whose
-    per-chunk decay sums cost more than the loop saves); the fastest on the H200 at batch 512
-    (``bench/results``)."""
-    n = dk // num_parts(bits)
-    return n if per_channel else min(32, n)
+    """Key rows per code part per loop iteration: the whole part (no loop), the fastest with
+    the int8 dots on the H200 at batch 512 for GDN and KDA (``bench/results``)."""
+    return dk // num_parts(bits)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_v", "chunk", "num_warps", "num_stages", "interpret"))
+def default_num_warps(per_channel: bool) -> int:
+    """Warps per program: 2 for GDN, 1 for KDA, the fastest on the H200 at batch 512 (``bench/results``)."""
+    return 1 if per_channel else 2
+
+
+REDUCES = ("dot", "lanes")
+MIN_DOT_ROWS = 32   # the int8 mma's K
+
+
+def default_reduce(chunk: int) -> str:
+    """``dot`` (int8 tensor cores) where a chunk is a whole int8 mma deep, else ``lanes``."""
+    return "dot" if chunk >= MIN_DOT_ROWS else "lanes"
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_v", "chunk", "reduce", "num_warps", "num_stages",
+                                             "interpret"))
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, block_v: int | None = None,
-                   chunk: int | None = None, num_warps: int = 4, num_stages: int = 1, interpret: bool | None = None):
+                   chunk: int | None = None, reduce: str | None = None, num_warps: int | None = None, num_stages: int = 1,
+                   interpret: bool | None = None):
     """One in-window decode step. Same contract as ``windowed.step_reference``.
 
     state: ``LeapQuantState``; token: ``Token`` with ``[B, H, ...]`` fields. The buffer is
     updated in place when the caller's ``jit`` donates the state (or it is dead after the call
     inside one); otherwise XLA copies it first. Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
+    ``reduce``: how the code reads are summed, ``"dot"`` (int8 digits on the tensor cores;
+    needs ``chunk >= 32``) or ``"lanes"`` (fp32 products summed across threads); the default
+    takes ``dot`` where it can.
     """
     from .api import unsupported_reason
 
@@ -263,6 +355,12 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ch = default_chunk(dk, config.bits, state.per_channel_decay) if chunk is None else chunk
     if (dk // num_parts(config.bits)) % ch or ch & (ch - 1) or ch < 16:
         raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {dk // num_parts(config.bits)} rows of a code part")
+    reduce = default_reduce(ch) if reduce is None else reduce
+    num_warps = default_num_warps(state.per_channel_decay) if num_warps is None else num_warps
+    if reduce not in REDUCES:
+        raise ValueError(f"reduce={reduce!r}: expected one of {REDUCES}")
+    if reduce == "dot" and ch < MIN_DOT_ROWS:
+        raise ValueError(f"reduce='dot' needs chunk >= {MIN_DOT_ROWS} (the int8 mma depth), got chunk={ch}")
     ckpt, buf = state.checkpoint, state.buffer
     per_channel = state.per_channel_decay
     p, r = config.window, config.effective_rank
@@ -292,7 +390,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
 
     kernel = functools.partial(
         _step_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=per_channel,
-        smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch)
+        smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch, use_dot=reduce == "dot")
     o, bk, bu, bg = pl.pallas_call(
         kernel,
         grid=(bsz, h, dv // bv),

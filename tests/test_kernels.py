@@ -3,9 +3,10 @@
 Every check draws fresh random inputs with realistic statistics (L2-normalised keys with a
 few outlier channels, decays near 1, queries carrying 1/sqrt(dk)); states come from a few
 reference steps on top of a random dense state, at ragged window positions. The kernels
-compute in fp32 (no tensor-core dots), so single-op outputs match to ~1e-6 relative; values
-rounded to fp16 records or integer codes may differ by one rounding step where the fp32
-inputs differ in the last bit, and the tests bound those by one step.
+compute in fp32 (the step's int8-digit dots are exact integer sums of a 22-bit fixed-point
+split), so single-op outputs match to ~1e-6 relative; values rounded to fp16 records or
+integer codes may differ by one rounding step where the fp32 inputs differ in the last bit,
+and the tests bound those by one step.
 
 ``test_kernels_lower_to_triton`` lowers every kernel to Triton IR (no GPU needed), which
 catches primitives the Pallas Triton backend cannot lower; compiled runs are in ``bench/``.
@@ -27,7 +28,7 @@ from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import api
 from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import leapquant_flush, leapquant_flush_reference
-from pallas_kernels.leapquant_step import leapquant_step, leapquant_step_reference
+from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 
 INTERPRET = True
 FP16_ULP = 2.0 ** -10
@@ -121,9 +122,9 @@ def test_dense_step_rejects_bad_inputs():
 # ----------------------------------------------------------------------------- LeapQuant step
 
 
-def check_step(config, st, tok):
+def check_step(config, st, tok, **opts):
     o_r, n_r = leapquant_step_reference(config, st, tok)
-    o_k, n_k = leapquant_step(config, copy(st), tok, interpret=INTERPRET)
+    o_k, n_k = leapquant_step(config, copy(st), tok, interpret=INTERPRET, **opts)
     assert np.all(np.isfinite(o_k))
     assert rel(o_k, o_r) < 1e-5, rel(o_k, o_r)
     np.testing.assert_array_equal(n_k.pos, n_r.pos)
@@ -138,11 +139,33 @@ def check_step(config, st, tok):
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("bits", [8, 6, 4])
-def test_step_kernel_matches_reference(bits, kda):
+@pytest.mark.parametrize("bits, dk", [(8, 64), (6, 64), (6, 128), (4, 64)])
+def test_step_kernel_matches_reference(bits, dk, kda):
+    # 6 bits at dk = 64 has 16-row code parts: the lanes sums (the dot needs 32 rows)
     config = LeapQuantConfig(bits=bits, window=8)
-    st, tok = live_state(config, jax.random.PRNGKey(10 * bits + kda), 3, 2, 64, 64, kda, pos=[0, 4, 7])
+    st, tok = live_state(config, jax.random.PRNGKey(10 * bits + kda + dk), 3, 2, dk, 64, kda, pos=[0, 4, 7])
     check_step(config, st, tok)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("reduce, chunk", [("lanes", 16), ("dot", 32)])
+def test_step_kernel_reductions_and_key_chunks(reduce, chunk, kda):
+    # a rolled loop over key chunks, either way of summing the code reads
+    config = LeapQuantConfig(bits=8, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(40 + kda), 2, 2, 64, 64, kda, pos=[2, 6])
+    check_step(config, st, tok, reduce=reduce, chunk=chunk)
+
+
+def test_int8_digits_recombine_exactly():
+    x = jnp.concatenate([jax.random.normal(jax.random.PRNGKey(0), (1000,)) * 3.0, jnp.array([0.0, 1e-30, -7.5])])
+    m = jnp.max(jnp.abs(x))
+    inv = 2.0 ** 22 / m
+    d = [np.asarray(v) for v in int8_digits(x, inv)]
+    assert all(v.min() >= -128 and v.max() <= 127 for v in d) and np.abs(d[2]).max() <= 65
+    whole = d[0].astype(np.int64) + 256 * d[1].astype(np.int64) + 65536 * d[2].astype(np.int64)
+    np.testing.assert_array_equal(whole, np.floor(np.asarray(x * inv, np.float64) + 0.5).astype(np.int64))
+    # half a fixed-point step, plus the fp32 rounding of x * inv (an eighth of a step near 2**22)
+    assert np.abs(whole / np.asarray(inv, np.float64) - np.asarray(x, np.float64)).max() <= 0.625 / float(inv)
 
 
 def test_step_kernel_head_size_128_value_blocks():
@@ -175,20 +198,26 @@ def test_step_kernel_never_writes_past_the_window():
         np.testing.assert_array_equal(a[0], b[0])
 
 
-def test_step_kernel_rejects_mismatched_token():
+def test_step_kernel_rejects_mismatched_token_and_bad_options():
     config = LeapQuantConfig(bits=8, window=4)
     st, tok = live_state(config, jax.random.PRNGKey(6), 2, 1, 64, 64, False, pos=[0, 2])
     kda_tok = tok.replace(g=jnp.zeros((2, 1, 64)))
     with pytest.raises(ValueError, match="GDN"):
         leapquant_step(config, st, kda_tok, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="int8 mma"):
+        leapquant_step(config, st, tok, reduce="dot", chunk=16, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="reduce"):
+        leapquant_step(config, st, tok, reduce="mma", interpret=INTERPRET)
+    with pytest.raises(ValueError, match="impl"):
+        leapquant_flush(config, st, impl="chunked", interpret=INTERPRET)
 
 
 # ----------------------------------------------------------------------------- LeapQuant flush
 
 
-def check_flush(config, st, *, only_full=False, codes_agree=True):
+def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto"):
     ref = leapquant_flush_reference(config, st, only_full=only_full)
-    ker = leapquant_flush(config, copy(st), only_full=only_full, interpret=INTERPRET)
+    ker = leapquant_flush(config, copy(st), only_full=only_full, impl=impl, interpret=INTERPRET)
     np.testing.assert_array_equal(ker.pos, ref.pos)
     for a, b in zip(jax.tree_util.tree_leaves(ker.buffer), jax.tree_util.tree_leaves(ref.buffer)):
         np.testing.assert_array_equal(a, b)
@@ -209,18 +238,31 @@ def check_flush(config, st, *, only_full=False, codes_agree=True):
     return ker, ref
 
 
+@pytest.mark.parametrize("impl", ["split", "fused"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("bits", [8, 6, 4])
-def test_flush_kernel_matches_reference(bits, kda):
+def test_flush_kernel_matches_reference(bits, kda, impl):
     config = LeapQuantConfig(bits=bits, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(100 + 10 * bits + kda), 2, 2, 64, 64, kda, pos=[8, 5])
-    check_flush(config, st)
+    check_flush(config, st, impl=impl)
 
 
-def test_flush_kernel_only_full_windows():
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
+def test_flush_kernel_window_16_head_128(impl, kda):
+    # p >= 16: the split flush's records term is one dot; warm start from the old K
+    config = LeapQuantConfig(bits=8, window=16, warm_start=True)
+    st, _ = live_state(config, jax.random.PRNGKey(60 + kda), 2, 1, 128, 128, kda, pos=[16, 9])
+    check_flush(config, st, impl=impl)
+
+
+@pytest.mark.parametrize("pos", [[4, 1, 4], [4, 1, 0]], ids=["split-branch", "fused-branch"])
+@pytest.mark.parametrize("impl", ["auto", "split", "fused"])
+def test_flush_kernel_only_full_windows(impl, pos):
+    # auto takes the split flush when enough windows are full, else the fused one
     config = LeapQuantConfig(bits=8, window=4, warm_start=True)
-    st, _ = live_state(config, jax.random.PRNGKey(7), 3, 2, 64, 64, False, pos=[4, 1, 4])
-    ker, ref = check_flush(config, st, only_full=True)
+    st, _ = live_state(config, jax.random.PRNGKey(7), 3, 2, 64, 64, False, pos=pos)
+    ker, ref = check_flush(config, st, only_full=True, impl=impl)
     for a, b in zip(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], ker)),
                     jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], st))):
         np.testing.assert_array_equal(a, b)                                   # a partial window is untouched
@@ -238,10 +280,11 @@ def test_flush_kernel_fully_decayed_heads_and_zero_state(kda):
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-def test_flush_kernel_head_size_128_options():
+@pytest.mark.parametrize("impl", ["split", "fused"])
+def test_flush_kernel_head_size_128_options(impl):
     config = LeapQuantConfig(bits=8, window=4, rank=2, fit_iters=2, smoothing=False)
     st, _ = live_state(config, jax.random.PRNGKey(9), 1, 1, 128, 128, False, pos=[4])
-    check_flush(config, st)
+    check_flush(config, st, impl=impl)
 
 
 # ----------------------------------------------------------------------------- through the method
@@ -307,7 +350,8 @@ def test_kernels_lower_to_triton(bits, kda):
         jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
 
     lower(functools.partial(leapquant_step, config, interpret=False), st, tok)
-    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)
+    lower(functools.partial(leapquant_step, config, reduce="lanes", interpret=False), st, tok)
+    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
     lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
 
 

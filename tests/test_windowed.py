@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from leapquant_jax import make_method
-from leapquant_jax.compensators import compensator_matrix, fit_subspace, fit_svd
+from leapquant_jax.compensators import compensator_matrix, fit_subspace, fit_svd, random_start
 from leapquant_jax.recurrence import recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
 from leapquant_jax import windowed
@@ -114,6 +114,18 @@ def test_subspace_fit_recovers_a_low_rank_state():
         assert rel(compensator_matrix(k, u), low) < 2e-3     # fp16 factors
     warm_k, _ = fit_subspace(low, 4, iters=1, start=k_sub)
     assert rel(compensator_matrix(warm_k, jnp.einsum("hkv,hrk->hrv", low, warm_k.astype(jnp.float32))), low) < 2e-3
+
+
+def test_subspace_fit_takes_a_precomputed_first_round():
+    # the split flush kernel hands over (S^T Q_0)^T; the fit must equal the one that computes it
+    s = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 32, 16))
+    q0 = random_start(32, 4, 0)
+    first_z = jnp.einsum("bhkv,rk->bhrv", s, q0, precision=jax.lax.Precision.HIGHEST)
+    for iters in (1, 2):
+        a = fit_subspace(s, 4, iters=iters)
+        b = fit_subspace(s, 4, iters=iters, first_z=first_z)
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-3, atol=1e-3)
 
 
 def test_zero_state_fit_is_finite():
