@@ -7,8 +7,9 @@
   ``l = pos + 1``; no flush, no checkpoint write).
 * ``leapquant_flush(config, state) -> state``: the contract of ``windowed.flush_reference``
   (every sequence flushes). ``leapquant_flush_full`` flushes only the sequences whose window is
-  full, reading and writing nothing for the others (``windowed.maybe_flush``'s result without
-  its select).
+  full and leaves the others as they are (``windowed.maybe_flush``'s result without its
+  select); which flush kernel runs depends on how many windows are full
+  (``leapquant_flush.SPLIT_MIN_FULL_FRACTION``).
 
 What the kernels take: integer residuals at 8, 6 or 4 bits (no ``residual_format`` override),
 ``fit="subspace"`` (the exact SVD fit stays in the reference), ``dk`` and ``dv`` in

@@ -3,7 +3,7 @@
 Why: once per window the state is materialised in fp32 and rounded once into the next
 checkpoint. Two implementations with one contract (``impl``):
 
-* ``split`` (the default, the fastest on the H200): three stages.
+* ``split`` (the fastest on the H200 when every window is full): three stages.
   1. A kernel with one program per (sequence, head, value block ``BV``) reconstructs
      ``S[:, block] = D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` (log-space decays,
      masked before ``exp``: a fully decayed head gives zeros, not NaN; the window's records as
@@ -24,9 +24,13 @@ checkpoint. Two implementations with one contract (``impl``):
   it latency-bound at one or two programs per SM.
 
 Which sequences flush: ``only_full=True`` skips (the kernels read and write nothing for)
-sequences whose window is not full (``pos < p``), so a batch at ragged positions pays only for
-its full windows; ``only_full=False`` flushes every sequence, the contract of
-``windowed.flush_reference``. ``pos`` is reset in XLA after the kernels.
+sequences whose window is not full (``pos < p``); ``only_full=False`` flushes every sequence,
+the contract of ``windowed.flush_reference``. ``pos`` is reset in XLA after the kernels. The
+split flush's XLA stage runs over the whole batch whatever the positions, so ``impl="auto"``
+(the default, and what ``leapquant_jax.dispatch`` runs) takes the split flush when at least
+``SPLIT_MIN_FULL_FRACTION`` of the batch flushes and the fused one otherwise: a batch whose
+windows fill at once pays the split flush's rate, a batch at spread-out positions pays only
+for its full windows.
 
 Rounding: fp32 throughout; the split flush's records dot runs as 3xTF32 on the GPU (about
 fp32's accuracy); fp16 rounding of ``K``, ``U``; the code rounding. Summation order differs
@@ -139,6 +143,20 @@ def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, out
     bg_out[...] = jnp.zeros(bg_out.shape, bg_out.dtype)
 
 
+def _part_slices(bits, dk):
+    """Key-row slices of the code parts (1 at 8 bits, 2 at 4, 4 at 6)."""
+    n = dk // num_parts(bits)
+    return [pl.ds(i * n, n) for i in range(num_parts(bits))]
+
+
+def _input_refs(it, smoothing, rank):
+    """pos, start, codes, scale, smooth (or None), K, U (or None), buffer k, u, g."""
+    head = [next(it) for _ in range(4)]
+    smooth = next(it) if smoothing else None
+    comps = (next(it), next(it)) if rank else (None, None)
+    return (*head, smooth, *comps, next(it), next(it), next(it))
+
+
 def _split_outs(it, smoothing, rank):
     codes_out, scale_out = next(it), next(it)
     smooth_out = next(it) if smoothing else None
@@ -158,16 +176,12 @@ def _run(body, pos, window, only_full):
 
 def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, warm_start, fit_iters, only_full):
     it = iter(refs)
-    pos_ref, start_ref, codes_ref, scale_ref = (next(it) for _ in range(4))
-    smooth_ref = next(it) if smoothing else None
-    ck_ref, cu_ref = (next(it), next(it)) if rank else (None, None)
-    bk_ref, bu_ref, bg_ref = next(it), next(it), next(it)
+    pos_ref, start_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = _input_refs(
+        it, smoothing, rank)
     outs = _split_outs(it, smoothing, rank)
 
-    parts = num_parts(bits)
-    n = dk // parts
     pos = pos_ref[...]
-    slices = [pl.ds(i * n, n) for i in range(parts)]
+    slices = _part_slices(bits, dk)
 
     def body():
         # --- 1. reconstruct S_pos, part by part: [n, dv] each
@@ -194,6 +208,7 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
                 gj = bg_ref[j, sl] if per_channel else bg_ref[j]
                 return acc + jnp.where(live_j, gj.astype(f32), 0.0), rec
 
+            n = dk // num_parts(bits)
             acc0 = jnp.zeros((n,), f32) if per_channel else jnp.zeros((), f32)
             acc, rec = jax.lax.fori_loop(0, window, record, (acc0, jnp.zeros((n, dv), f32)))
             D0 = jnp.exp(acc)
@@ -232,17 +247,13 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
 def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, warm_start, only_full, precision):
     """Split flush, stage 1: ``S[:, block]`` in fp32 and ``(S^T Q_0)[block]``."""
     it = iter(refs)
-    pos_ref, start_ref, codes_ref, scale_ref = (next(it) for _ in range(4))
-    smooth_ref = next(it) if smoothing else None
-    ck_ref, cu_ref = (next(it), next(it)) if rank else (None, None)
-    bk_ref, bu_ref, bg_ref = next(it), next(it), next(it)
+    pos_ref, start_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = _input_refs(
+        it, smoothing, rank)
     s_out = next(it)
     z_out = next(it) if rank else None
 
-    parts = num_parts(bits)
-    n = dk // parts
     pos = pos_ref[...]
-    slices = [pl.ds(i * n, n) for i in range(parts)]
+    slices = _part_slices(bits, dk)
 
     def dot(a, b):   # a [p, n], b [p, BV] -> a^T b
         return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=f32)
@@ -290,10 +301,8 @@ def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
         next(it)
     outs = _split_outs(it, smoothing, rank)
 
-    parts = num_parts(bits)
-    n = dk // parts
     pos = pos_ref[...]
-    slices = [pl.ds(i * n, n) for i in range(parts)]
+    slices = _part_slices(bits, dk)
 
     def body():
         new_k = [[k_ref[c, sl] for sl in slices] for c in range(rank)]
@@ -424,7 +433,8 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
     p, r = config.window, config.effective_rank
-    bv = block_v or min(32, dv)
+    # 32 columns for GDN, 64 for KDA: the fastest on the H200 at batch 512 (bench/results)
+    bv = block_v or min(64 if state.per_channel_decay else 32, dv)
     if not is_pow2(bv) or dv % bv or bv < 16:
         raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dv}")
 

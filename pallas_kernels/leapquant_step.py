@@ -28,8 +28,9 @@ The two code reads (``reduce="dot"``, the default where a chunk is at least 32 r
 the int8 tensor cores: each vector is split into three balanced int8 digits of one fixed-point
 scale (``2**-22 max|x|``), so ``[digits of x1; digits of x2] @ Z`` is one int8 dot with exact
 int32 sums, recombined in fp32 (about fp32's accuracy: the digit rounding is about
-``2**-23 max|x|`` per element). ``reduce="lanes"`` accumulates fp32 products elementwise and sums across threads
-once after the loop. Record and Compensator-Token products are elementwise in both. Only live records (slot < pos) are loaded: masked loads fetch nothing
+``2**-23 max|x|`` per element). ``reduce="lanes"`` accumulates fp32 products elementwise
+and sums across threads once after the loop. Record and Compensator-Token products are
+elementwise in both. Only live records (slot < pos) are loaded: masked loads fetch nothing
 for dead slots. The new record is stored into the buffer (``k``, ``u``, ``g`` are aliased
 inputs/outputs, so in place when the caller's ``jit`` donates the state), ``k`` and ``g`` by the
 value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference``); a sequence at
@@ -38,7 +39,8 @@ value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference`
 Fastest on the H200 at batch 512 (``bench/results``): ``reduce="dot"``, the whole part per
 chunk, ``BV = dv``, 2 warps for GDN and 1 for KDA.
 
-Rounding: fp32 arithmetic, but for the digit split above. The record is rounded to the record dtype when stored, for later tokens; the token's own
+Rounding: fp32 arithmetic, but for the digit split above. The record is rounded to the
+record dtype when stored, for later tokens; the token's own
 output uses its fp32 ``k``, ``u`` and ``g``, exactly as the reference does.
 
 Bytes moved per step and head (counted by ``step_bytes``, used by ``bench/kernels.py``),
