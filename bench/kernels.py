@@ -287,13 +287,13 @@ def time_split_stages(config, state):
     full = state.replace(pos=jnp.full_like(state.pos, config.window))
     s1 = jax.jit(lambda s: split_reconstruct(config, s, only_full=True))
     s2 = jax.jit(lambda d, z: split_fit(config, d, z))
-    s3 = jax.jit(lambda s, d, k, u: split_quantize(config, s.replace(pos=full.pos), d, k, u, only_full=True),
+    s3 = jax.jit(lambda s, d, k: split_quantize(config, s.replace(pos=full.pos), d, k, only_full=True),
                  donate_argnums=(0,))
     dense, z = s1(full)
-    k, u = s2(dense, z)
+    k = s2(dense, z)
     out = dict(reconstruct=time_loop(lambda c: s1(full), None), fit_xla=time_loop(lambda c: s2(dense, z), None),
-               quantize=time_loop(lambda c: s3(c, dense, k, u), jax.tree_util.tree_map(jnp.copy, full)))
-    del dense, z, k, u
+               quantize=time_loop(lambda c: s3(c, dense, k), jax.tree_util.tree_map(jnp.copy, full)))
+    del dense, z, k
     return out
 
 
@@ -385,6 +385,8 @@ def main(argv=None):
     ap.add_argument("--correctness", choices=("full", "ops", "none"), default="full",
                     help="full: single ops and 64-token decodes; ops: one step + one flush; none")
     ap.add_argument("--check-bits", type=int, nargs="+", default=[8, 6, 4])
+    ap.add_argument("--flush-stages", action="store_true",
+                    help="time the split flush's stages at the largest batch (also done by --sweep)")
     ap.add_argument("--extra-bits", type=int, nargs="*", default=[],
                     help="other bit widths to time (window, steps, flush) at the largest batch")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
@@ -425,6 +427,21 @@ def main(argv=None):
     h, dk, dv = args.heads, args.dim, args.dim
     config = LeapQuantConfig(bits=args.bits, window=args.window, impl="pallas")
     p = config.window
+
+    def flush_stages(kda, bsz):
+        mode = "KDA" if kda else "GDN"
+        try:
+            st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+            stages = time_split_stages(config, st)
+        except Exception as err:
+            stages = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+        results.setdefault("split_flush_stages", {})[mode] = stages
+        log(dict(split_flush_stages=stages, mode=mode))
+        save()
+
+    if args.flush_stages and not args.sweep:
+        for kda in (False, True):
+            flush_stages(kda, max(args.batches))
 
     # Sweep first (largest batch): the main timings use the fastest variant of each kernel.
     best = {False: {}, True: {}}
@@ -474,12 +491,7 @@ def main(argv=None):
             sweep(f"leapquant int{args.bits} flush, 1/16 of sequences full",
                   [dict(impl="fused"), dict(impl="split"), dict(impl="auto")], lq_state,
                   lambda o: leapquant_window_timer(config, "flush-1/16", flush_opts=o), 1)
-            try:
-                stages = time_split_stages(config, lq_state())
-            except Exception as err:
-                stages = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
-            results.setdefault("split_flush_stages", {})[mode] = stages
-            log(dict(split_flush_stages=stages, mode=mode))
+            flush_stages(kda, bsz)
     results["chosen_variants"] = {("KDA" if k else "GDN"): v for k, v in best.items()}
     log(results["chosen_variants"])
 
@@ -613,7 +625,7 @@ def markdown(results) -> str:
         out.append("")
     if results.get("split_flush_stages"):
         out += ["## Split flush stages (largest batch, µs per flush, every window full)", "",
-                "| mode | stage 1: reconstruct + S^T Q0 | stage 2: fit in XLA | stage 3: residual, quantize, write |",
+                "| mode | stage 1: reconstruct + S^T Q0 | stage 2: Y = S Z, CholeskyQR2 in XLA | stage 3: U, residual, quantize, write |",
                 "| --- | --- | --- | --- |"]
         for mode, st in results["split_flush_stages"].items():
             if "error" in st:

@@ -27,20 +27,38 @@ def random_start(dk: int, rank: int, seed: int = 0) -> Array:
     return jax.random.normal(jax.random.PRNGKey(seed), (rank, dk), jnp.float32)
 
 
+UNROLLED_RANK = 8   # up to this rank the r x r Cholesky factor is unrolled into elementwise ops
+
+
 def cholesky_qr2(y: Array) -> Array:
     """Orthonormalises the columns of ``y [.., n, r]`` by two rounds of Cholesky QR.
 
     A shift proportional to the Gram matrix's trace keeps the factorisation finite for a
-    rank-deficient or zero ``y`` (a zero state gives zero columns, not NaN).
+    rank-deficient or zero ``y`` (a zero state gives zero columns, not NaN). For
+    ``r <= UNROLLED_RANK`` the factorisation and the triangular solve are unrolled over the
+    ``r (r + 1) / 2`` entries: elementwise ops over the batch that XLA fuses, where batched
+    solver calls on thousands of tiny matrices are launch- and latency-bound on a GPU.
     """
     def one_round(a):
         gram = jnp.einsum("...nr,...ns->...rs", a, a, precision=HI)
         r = gram.shape[-1]
         shift = 1e-6 * jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None] / r + 1e-30
-        chol = jnp.linalg.cholesky(gram + shift * jnp.eye(r, dtype=gram.dtype))
-        # Solve Q L^T = A for Q: a triangular solve, never an explicit inverse.
-        qt = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(a, -1, -2), lower=True)
-        return jnp.swapaxes(qt, -1, -2)
+        gram = gram + shift * jnp.eye(r, dtype=gram.dtype)
+        if r > UNROLLED_RANK:
+            chol = jnp.linalg.cholesky(gram)
+            # Solve Q L^T = A for Q: a triangular solve, never an explicit inverse.
+            qt = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(a, -1, -2), lower=True)
+            return jnp.swapaxes(qt, -1, -2)
+        chol = [[None] * r for _ in range(r)]
+        for i in range(r):
+            for j in range(i + 1):
+                acc = gram[..., i, j] - sum(chol[i][k] * chol[j][k] for k in range(j))
+                chol[i][j] = jnp.sqrt(acc) if i == j else acc / chol[j][j]
+        cols = []
+        for i in range(r):   # forward substitution, column by column
+            c = a[..., i] - sum(chol[i][j][..., None] * cols[j] for j in range(i))
+            cols.append(c / chol[i][i][..., None])
+        return jnp.stack(cols, axis=-1)
 
     return one_round(one_round(y))
 
@@ -73,6 +91,15 @@ def fit_subspace(
     state is on chip); the start is then unused. Returns ``(K [.., r, dk], U [.., r, dv])`` fp16.
     """
     s = state.astype(jnp.float32)
+    return _finish(s, subspace_basis(s, rank, iters=iters, start=start, seed=seed, first_z=first_z))
+
+
+def subspace_basis(
+    state: Array, rank: int, *, iters: int = 1, start: Array | None = None, seed: int = 0,
+    first_z: Array | None = None,
+) -> Array:
+    """The orthonormal rows ``K [.., r, dk]`` (fp32, before rounding) of ``fit_subspace``, same arguments."""
+    s = state.astype(jnp.float32)
     dk = s.shape[-2]
     if first_z is not None:
         q = None
@@ -88,7 +115,7 @@ def fit_subspace(
         else:
             z = jnp.einsum("...kv,...kr->...vr", s, q, precision=HI)   # S^T Q  [.., dv, r]
         q = cholesky_qr2(jnp.einsum("...kv,...vr->...kr", s, z, precision=HI))
-    return _finish(s, jnp.swapaxes(q, -1, -2))
+    return jnp.swapaxes(q, -1, -2)
 
 
 def compensator_matrix(k_rows: Array, u_rows: Array) -> Array:
@@ -108,4 +135,5 @@ __all__ = [
     "fit_svd",
     "random_start",
     "smoothing_scales",
+    "subspace_basis",
 ]
