@@ -10,15 +10,16 @@ checkpoint. Two implementations with one contract (``impl``):
      one dot for ``p >= 16``) and, while the block is on chip, the first round of subspace
      iteration ``(S^T Q_0)[block]`` from the seeded start (or the warm start, the old ``K``
      topped up where it is zero). It writes ``S`` in fp32 and ``S^T Q_0``.
-  2. XLA finishes the subspace iteration with ``compensators.subspace_basis`` (the
-     reference's own code: ``Y = S Z`` and CholeskyQR2, unrolled for ``r <= 8``).
-  3. A kernel with one program per (sequence, head) computes ``U = S^T K^T`` (clipped to
-     fp16's range), rounds both factors to fp16, forms the residual ``R = S - K^T U`` from
+  2. XLA finishes the fit with ``compensators.fit_subspace`` (the reference's own code:
+     ``Y = S Z``, CholeskyQR2 unrolled for ``r <= 8``, ``U = S^T K^T`` clipped, fp16 factors).
+     Computing ``U`` in stage 3 instead (which reads ``S`` anyway) was measured slower: its
+     ``r`` cross-thread sums per program doubled stage 3 (``bench/results``).
+  3. A kernel with one program per (sequence, head) forms the residual ``R = S - K^T U`` from
      the rounded factors, smooths it by ``c_i = sqrt(mean_j |R_ij|)`` floored at 1e-12,
      quantizes ``R / c`` with one scale per value column (round half to even), packs the codes
      (planar 6/4-bit layout) and writes the checkpoint and a zeroed buffer in place.
-  The fp32 state goes through device memory (written once, read twice), but the stages have
-  more programs in flight than the fused kernel; see ``bench/results`` for the measured trade.
+  The fp32 state goes through device memory (read three times), but every stage has many
+  programs in flight; see ``bench/results`` for the measured trade.
 * ``fused``: one program per (sequence, head) does all of it with the whole fp32 tile in
   registers (reading and writing only the checkpoint and the buffer); the fit's
   ``r (r + 1)`` Gram reductions and the records loop are serial per program, which leaves
@@ -39,8 +40,8 @@ from the XLA reference, so a code sitting on a rounding boundary may differ by o
 decoded states agree to a quantization step on those few elements.
 
 Bytes moved per flushed head: ``flush_bytes`` (the fused count: read the checkpoint and the
-``p`` records, write both; the split flush adds the fp32 state written once and read twice,
-``12 dk dv`` (``8 dk dv`` more per extra fit round), plus ``S^T Q_0`` and the fitted rows).
+``p`` records, write both; the split flush adds the fp32 state written once and read three
+times, ``16 dk dv``, plus ``S^T Q_0`` and the factors).
 
 Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
@@ -53,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from leapquant_jax import windowed
-from leapquant_jax.compensators import FP16_MAX, random_start, subspace_basis
+from leapquant_jax.compensators import FP16_MAX, fit_subspace, random_start
 from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
 
@@ -101,20 +102,6 @@ def _cholesky_qr_round(cols, rank):
             col = [x - chol[i][j] * y for x, y in zip(col, out[j])]
         out.append([x / chol[i][i] for x in col])
     return out
-
-
-def _factors_and_residual(S, q):
-    """``U = S^T K^T`` (clipped to fp16's range) from the fp32 rows ``q[c][part]``, both rounded
-    to fp16, and the residual parts ``S - K^T U`` from the rounded factors (as ``compensators``)."""
-    new_k, new_u = [], []
-    for qc in q:
-        uc = sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, qc))
-        uc = jnp.minimum(jnp.maximum(uc, -FP16_MAX), FP16_MAX)
-        new_k.append([x.astype(jnp.float16) for x in qc])
-        new_u.append(uc.astype(jnp.float16))
-    S = [s - sum(k[i].astype(f32)[:, None] * u.astype(f32)[None, :] for k, u in zip(new_k, new_u))
-         for i, s in enumerate(S)]
-    return new_k, new_u, S
 
 
 def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
@@ -245,7 +232,13 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
                 z = [sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q[c])) for c in range(rank)]   # [dv]
                 y = [[jnp.sum(s * z[c][None, :], axis=1) for s in S] for c in range(rank)]               # [n]
                 q = _cholesky_qr_round(_cholesky_qr_round(y, rank), rank)
-            new_k, new_u, S = _factors_and_residual(S, q)
+            for c in range(rank):
+                uc = sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q[c]))
+                uc = jnp.minimum(jnp.maximum(uc, -FP16_MAX), FP16_MAX)
+                new_k.append([x.astype(jnp.float16) for x in q[c]])
+                new_u.append(uc.astype(jnp.float16))
+            S = [s - sum(new_k[c][i].astype(f32)[:, None] * new_u[c].astype(f32)[None, :] for c in range(rank))
+                 for i, s in enumerate(S)]
 
         # --- 3, 4. smoothing, quantization, writes
         _quantize_and_write(S, new_k, new_u, bits=bits, dk=dk, dv=dv, slices=slices, smoothing=smoothing, outs=outs)
@@ -302,10 +295,10 @@ def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, w
 
 
 def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
-    """Split flush, stage 3: ``U`` from the fitted rows, residual, smooth, quantize, write in place."""
+    """Split flush, stage 3: residual from the rounded factors, smooth, quantize, write in place."""
     it = iter(refs)
     pos_ref, s_ref = next(it), next(it)
-    q_ref = next(it) if rank else None
+    k_ref, u_ref = (next(it), next(it)) if rank else (None, None)
     for _ in range(5 + smoothing + 2 * (rank > 0)):   # the checkpoint and buffer inputs, aliased, unread
         next(it)
     outs = _split_outs(it, smoothing, rank)
@@ -314,8 +307,14 @@ def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
     slices = _part_slices(bits, dk)
 
     def body():
-        S = [s_ref[sl, :] for sl in slices]
-        new_k, new_u, S = _factors_and_residual(S, [[q_ref[c, sl] for sl in slices] for c in range(rank)])
+        new_k = [[k_ref[c, sl] for sl in slices] for c in range(rank)]
+        new_u = [u_ref[c, :] for c in range(rank)]
+        S = []
+        for i, sl in enumerate(slices):
+            s = s_ref[sl, :]
+            for c in range(rank):
+                s = s - new_k[c][i].astype(f32)[:, None] * new_u[c].astype(f32)[None, :]
+            S.append(s)
         _quantize_and_write(S, new_k, new_u, bits=bits, dk=dk, dv=dv, slices=slices, smoothing=smoothing, outs=outs)
 
     _run(body, pos, window, only_full)
@@ -465,19 +464,18 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
 
 
 def split_fit(config, dense, first_z):
-    """Split flush, stage 2 (XLA): the reference's subspace iteration (``compensators.subspace_basis``)
-    from ``S`` and the first ``(S^T Q_0)^T``. Returns the fp32 rows ``K [B, H, r, dk]``."""
-    return subspace_basis(dense, config.effective_rank, iters=config.fit_iters, first_z=first_z)
+    """Split flush, stage 2 (XLA): the reference's ``fit_subspace`` from ``S`` and the first
+    ``(S^T Q_0)^T``. Returns fp16 ``(K [B, H, r, dk], U [B, H, r, dv])``."""
+    return fit_subspace(dense, config.effective_rank, iters=config.fit_iters, first_z=first_z)
 
 
-def split_quantize(config, state, dense, rows, *, only_full, num_warps=None, interpret=None):
-    """Split flush, stage 3: ``U = S^T K^T``, fp16 factors, residual, smoothing, quantization,
-    in-place checkpoint writes. rows: fp32 ``K [B, H, r, dk]`` (or None when ``r = 0``)."""
+def split_quantize(config, state, dense, comp_k, comp_u, *, only_full, num_warps=None, interpret=None):
+    """Split flush, stage 3: residual, smoothing, quantization, in-place checkpoint writes."""
     interpret = default_interpret() if interpret is None else interpret
     r = config.effective_rank
     bsz, h, dk, dv = state.shape
     outs, out_specs, spec = _checkpoint_io(config, state)
-    extra, extra_specs = ([rows], [spec(r, dk)]) if r else ([], [])
+    extra, extra_specs = ([comp_k, comp_u], [spec(r, dk), spec(r, dv)]) if r else ([], [])
     kernel = functools.partial(_quantize_kernel, bits=config.bits, rank=r, window=config.window, dk=dk, dv=dv,
                                smoothing=config.smoothing, only_full=only_full)
     n_in = 2 + len(extra)
@@ -495,8 +493,9 @@ def split_quantize(config, state, dense, rows, *, only_full, num_warps=None, int
 def flush_split(config, state, *, only_full, block_v=None, num_warps=None, interpret=None) -> LeapQuantState:
     """The split flush: the three stages above."""
     dense, first_z = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
-    rows = split_fit(config, dense, first_z) if config.effective_rank else None
-    return split_quantize(config, state, dense, rows, only_full=only_full, num_warps=num_warps, interpret=interpret)
+    comp_k, comp_u = split_fit(config, dense, first_z) if config.effective_rank else (None, None)
+    return split_quantize(config, state, dense, comp_k, comp_u, only_full=only_full, num_warps=num_warps,
+                          interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "only_full", "impl", "block_v", "num_warps", "interpret"))
@@ -534,9 +533,9 @@ def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, im
     records = e * config.window * (dk + dv + (dk if per_channel else 1))
     n = 2 * (ckpt + records) + 4 * r * dk + 4
     if impl == "split":
-        # S written once, read by Y = S Z and by stage 3 (two more reads per extra fit round),
-        # S^T Q_0 written and read, the fp32 rows written and read
-        n += 4 * dk * dv * (3 + 2 * (config.fit_iters - 1)) + 2 * 4 * r * dv + 2 * 4 * r * dk
+        # S written once, read by Y = S Z, U = S^T K^T and stage 3 (one more read per extra
+        # fit round), S^T Q_0 written and read, the factors written and read
+        n += 4 * dk * dv * (4 + 2 * (config.fit_iters - 1)) + 2 * 4 * r * dv + 2 * 2 * r * (dk + dv)
     return n
 
 
