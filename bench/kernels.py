@@ -1,8 +1,8 @@
 """Kernel benchmark (DESIGN §6): correctness, variant sweep, then µs per token-step on one layer.
 
     python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
-                            [--correctness full|ops|none] [--check-bits 8 6 4] [--commit HASH]
-                            [--out bench/results]
+                            [--correctness full|ops|none] [--check-bits 8 6 4] [--long-decode TOKENS]
+                            [--commit HASH] [--out bench/results]
 
 In this order:
 
@@ -22,6 +22,11 @@ In this order:
    different steps, so flushes fall at different steps), both against the exact fp32
    recurrence; the Pallas dense steps over 8 tokens; FLA against the exact recurrence. (Last,
    because its compile time is the longest; nothing here depends on its outcome.)
+
+``--long-decode TOKENS`` (after the single-op checks): ``TOKENS`` tokens of the extreme-decay
+heads (``synthetic.EXTREME_DECAYS``: alpha from 0, fully decayed, to exactly 1) through
+``make_method("leapquant")`` with ``impl="pallas"`` and ``"reference"``, GDN and KDA, batch 4;
+every output and state must stay finite; errors per head against the exact fp32 recurrence.
 
 Errors are ``||out - ref|| / ||ref||``. Bytes per step are the kernels' docstring counts
 (``dense_step_bytes``, ``step_bytes``, ``flush_bytes``); FLA's fp32 kernel moves what the Pallas
@@ -195,6 +200,23 @@ def check_correctness(log, kda_modes=(False, True), bits_list=(8, 6, 4)):
                        o_rel_err=rel(o_f.cpu().numpy(), o_exact), state_rel_err=rel(s_f.cpu().numpy(), s_exact))
             rows.append(row)
             log(row)
+    return rows
+
+
+def check_long_decode(log, tokens, *, chunk=16384, batch=4, impls=("pallas", "reference")):
+    """``studies.stability.extreme_decay_check`` for GDN and KDA with each ``impl``: long decodes of
+    the extreme-decay heads (alpha from 0 to exactly 1), finiteness and per-head errors vs fp32."""
+    from leapquant_jax.studies.stability import extreme_decay_check
+
+    rows = []
+    for kda in (False, True):
+        for impl in impls:
+            t0 = time.perf_counter()
+            r = extreme_decay_check(make_method("leapquant", impl=impl), tokens=tokens, chunk=min(chunk, tokens),
+                                    batch=batch, per_channel_decay=kda)
+            r.update(impl=impl, seconds=time.perf_counter() - t0)
+            rows.append(r)
+            log(r)
     return rows
 
 
@@ -389,6 +411,8 @@ def main(argv=None):
                     help="time the split flush's stages at the largest batch (also done by --sweep)")
     ap.add_argument("--extra-bits", type=int, nargs="*", default=[],
                     help="other bit widths to time (window, steps, flush) at the largest batch")
+    ap.add_argument("--long-decode", type=int, default=0, metavar="TOKENS",
+                    help="decode this many tokens of the extreme-decay heads per mode and impl (0: skip)")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -412,6 +436,10 @@ def main(argv=None):
 
     if args.correctness != "none":
         results["correctness"] = check_single_ops(log, tuple(args.check_bits))
+        save()
+    if args.long_decode:
+        results["long_decode"] = check_long_decode(log, args.long_decode,
+                                                   impls=("pallas", "reference") if _on_gpu() else ("reference",))
         save()
     if not on_gpu:
         if args.correctness == "full":
@@ -613,6 +641,22 @@ def markdown(results) -> str:
             extra = {k: v for k, v in r.items() if k not in ("check", "mode", "o_rel_err", "state_rel_err", "tokens")}
             ex = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
             out.append(f"| {r['check']} | {r['mode']} | {r['o_rel_err']:.2e} | {r['state_rel_err']:.2e} | {ex} |")
+        out.append("")
+    if results.get("long_decode"):
+        from leapquant_jax.synthetic import EXTREME_DECAYS
+
+        r0 = results["long_decode"][0]
+        out += [f"## Long decodes of extreme-decay heads ({r0['tokens']} tokens, batch {r0['batch']}, "
+                f"{r0['dk']}x{r0['dv']}, LeapQuant int8 against exact fp32)", "",
+                "Per head (alpha): final state relative error / output relative error over all tokens; "
+                "NaN marks a head with a non-finite output or state.", "",
+                "| mode | impl | all finite | s | " + " | ".join(f"a={a:.8g}" for a in EXTREME_DECAYS) + " |",
+                "| --- | --- | --- | --- | " + " | ".join("---" for _ in EXTREME_DECAYS) + " |"]
+        for r in results["long_decode"]:
+            cells = [f"{h['state_rel_error']:.1e} / {h['output_rel_error']:.1e}" if h["finite"] else "NaN"
+                     for h in r["heads"]]
+            out.append(f"| {r['mode']} | {r['impl']} | {'yes' if r['all_finite'] else 'no'} | {r['seconds']:.0f} | "
+                       + " | ".join(cells) + " |")
         out.append("")
     if results["timings"]:
         out += ["## Timings (µs per token-step, medians)", "",

@@ -28,36 +28,91 @@ def random_start(dk: int, rank: int, seed: int = 0) -> Array:
 
 
 UNROLLED_RANK = 8   # up to this rank the r x r Cholesky factor is unrolled into elementwise ops
+CHOLESKY_SHIFT = 1e-6   # diagonal shift of the Gram matrix, relative to its mean diagonal entry
+CHOLESKY_KEEP = 16.0    # a column is kept when its own squared part exceeds this many shifts
+NORMAL_TINY = 1e-30     # magnitudes below this count as zero: well inside fp32's normal range, so
+                        # GPUs that flush denormals to zero and CPUs that keep them agree
+WARM_START_TOPUP = 1e-3  # weight of the seeded start added to a warm-start row that is all zero
+SMOOTH_FLOOR = 1e-12    # least smoothing scale c_i (an all-zero residual row)
+
+
+def gram_shift(trace: Array, rank: int) -> Array:
+    """The diagonal shift CholeskyQR2 adds to a ``rank x rank`` Gram matrix of trace ``trace`` (any shape)."""
+    return CHOLESKY_SHIFT * trace / rank + NORMAL_TINY
+
+
+def unrolled_cholesky(gram, shift):
+    """Lower Cholesky factor of ``gram + shift I`` from elementwise entries, unrolled.
+
+    gram: nested lists, ``gram[i][j]`` for ``j <= i`` (arrays of any common shape, or scalars
+    inside a kernel); shift: the same shape. Returns ``(chol, keep)``: ``chol[i][j]`` for
+    ``j <= i``, and ``keep[i]`` (bool) where column ``i`` brings a direction of its own.
+
+    In exact arithmetic every pivot (a Schur complement of ``G + shift I``, ``G`` positive
+    semi-definite) is at least ``shift``, and the part ``pivot - shift`` is the squared norm of
+    column ``i`` orthogonal to the columns before it. A nearly rank-deficient ``G`` (a fully
+    decayed head's state is one outer product) loses that margin to rounding, which differs
+    between devices (FMA contraction, summation order): a pivot rounded below zero would turn
+    the whole state into NaN through ``sqrt``. So pivots are clamped at ``shift``, and a column
+    whose own part is not above ``CHOLESKY_KEEP * shift`` (a length of 0.4% of the mean
+    column's, far above the rounding of a Gram entry) is marked for dropping (``keep`` false):
+    it carries rounding noise, which the triangular solve would otherwise blow up into a factor
+    of arbitrary length.
+    """
+    r = len(gram)
+    chol = [[None] * r for _ in range(r)]
+    keep = [None] * r
+    for i in range(r):
+        for j in range(i + 1):
+            acc = gram[i][j]
+            for k in range(j):
+                acc = acc - chol[i][k] * chol[j][k]
+            if i == j:
+                keep[i] = acc > CHOLESKY_KEEP * shift
+                chol[i][i] = jnp.sqrt(jnp.maximum(acc + shift, shift))
+            else:
+                chol[i][j] = acc / chol[j][j]
+    return chol, keep
+
+
+def scale_to_unit_max(y: Array) -> Array:
+    """``y [.., n, r]`` divided by its largest magnitude (an all-zero ``y`` is left as it is).
+
+    The orthonormal basis does not depend on the scale; dividing first keeps the Gram matrix far
+    from fp32 overflow for huge states and the shift floor meaningful for tiny ones.
+    """
+    m = jnp.max(jnp.abs(y), axis=(-2, -1), keepdims=True)
+    return y / jnp.where(m > NORMAL_TINY, m, 1.0)
 
 
 def cholesky_qr2(y: Array) -> Array:
     """Orthonormalises the columns of ``y [.., n, r]`` by two rounds of Cholesky QR.
 
-    A shift proportional to the Gram matrix's trace keeps the factorisation finite for a
-    rank-deficient or zero ``y`` (a zero state gives zero columns, not NaN). For
-    ``r <= UNROLLED_RANK`` the factorisation and the triangular solve are unrolled over the
-    ``r (r + 1) / 2`` entries: elementwise ops over the batch that XLA fuses, where batched
-    solver calls on thousands of tiny matrices are launch- and latency-bound on a GPU.
+    A shift proportional to the Gram matrix's trace (``gram_shift``) and pivots clamped at it
+    (``unrolled_cholesky``) keep the factorisation finite for a rank-deficient or zero ``y``:
+    columns without a direction of their own come out zero (a zero state gives zero columns, a
+    rank-one state one unit column), never NaN. For ``r <= UNROLLED_RANK`` the factorisation
+    and the triangular solve are unrolled over the ``r (r + 1) / 2`` entries: elementwise ops
+    over the batch that XLA fuses, where batched solver calls on thousands of tiny matrices are
+    launch- and latency-bound on a GPU. Larger ranks use Householder QR (unconditionally
+    stable; a rank-deficient ``y`` gets unit columns in arbitrary spare directions), signed
+    like Cholesky QR's (non-negative diagonal of ``R``).
     """
+    y = scale_to_unit_max(y)
+    r = y.shape[-1]
+    if r > UNROLLED_RANK:
+        q, rr = jnp.linalg.qr(y)
+        sign = jnp.where(jnp.diagonal(rr, axis1=-2, axis2=-1) < 0, -1.0, 1.0)
+        return q * sign[..., None, :]
+
     def one_round(a):
         gram = jnp.einsum("...nr,...ns->...rs", a, a, precision=HI)
-        r = gram.shape[-1]
-        shift = 1e-6 * jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None] / r + 1e-30
-        gram = gram + shift * jnp.eye(r, dtype=gram.dtype)
-        if r > UNROLLED_RANK:
-            chol = jnp.linalg.cholesky(gram)
-            # Solve Q L^T = A for Q: a triangular solve, never an explicit inverse.
-            qt = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(a, -1, -2), lower=True)
-            return jnp.swapaxes(qt, -1, -2)
-        chol = [[None] * r for _ in range(r)]
-        for i in range(r):
-            for j in range(i + 1):
-                acc = gram[..., i, j] - sum(chol[i][k] * chol[j][k] for k in range(j))
-                chol[i][j] = jnp.sqrt(acc) if i == j else acc / chol[j][j]
+        shift = gram_shift(jnp.trace(gram, axis1=-2, axis2=-1), r)
+        chol, keep = unrolled_cholesky([[gram[..., i, j] for j in range(i + 1)] for i in range(r)], shift)
         cols = []
-        for i in range(r):   # forward substitution, column by column
+        for i in range(r):   # forward substitution, column by column; dropped columns are zero
             c = a[..., i] - sum(chol[i][j][..., None] * cols[j] for j in range(i))
-            cols.append(c / chol[i][i][..., None])
+            cols.append(jnp.where(keep[i][..., None], c / chol[i][i][..., None], 0.0))
         return jnp.stack(cols, axis=-1)
 
     return one_round(one_round(y))
@@ -108,7 +163,7 @@ def subspace_basis(
     else:
         q = jnp.swapaxes(start.astype(jnp.float32), -1, -2)
         # A warm start that lost rank (a zero previous window) is topped up from the seeded start.
-        q = q + 1e-3 * random_start(dk, rank, seed).T * (jnp.linalg.norm(q, axis=-2, keepdims=True) == 0)
+        q = q + WARM_START_TOPUP * random_start(dk, rank, seed).T * (jnp.linalg.norm(q, axis=-2, keepdims=True) == 0)
     for i in range(iters):
         if i == 0 and first_z is not None:
             z = jnp.swapaxes(first_z.astype(jnp.float32), -1, -2)
@@ -123,17 +178,25 @@ def compensator_matrix(k_rows: Array, u_rows: Array) -> Array:
     return jnp.einsum("...rk,...rv->...kv", k_rows.astype(jnp.float32), u_rows.astype(jnp.float32), precision=HI)
 
 
-def smoothing_scales(residual: Array, floor: float = 1e-12) -> Array:
+def smoothing_scales(residual: Array, floor: float = SMOOTH_FLOOR) -> Array:
     """Residual smoothing (paper eq. 7): ``c_i = sqrt(mean_j |R_ij|)``, floored. ``[.., dk, dv] -> [.., dk]``."""
     return jnp.maximum(jnp.sqrt(jnp.mean(jnp.abs(residual), axis=-1)), floor)
 
 
 __all__ = [
+    "CHOLESKY_KEEP",
+    "CHOLESKY_SHIFT",
+    "NORMAL_TINY",
+    "SMOOTH_FLOOR",
+    "WARM_START_TOPUP",
     "cholesky_qr2",
     "compensator_matrix",
     "fit_subspace",
     "fit_svd",
+    "gram_shift",
+    "scale_to_unit_max",
     "random_start",
     "smoothing_scales",
     "subspace_basis",
+    "unrolled_cholesky",
 ]

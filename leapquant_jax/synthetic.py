@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -78,6 +79,42 @@ def synthetic_sequence(key: Array, spec: SyntheticSpec) -> dict[str, Array]:
     return dict(q=q, k=k, v=v, beta=beta, g=jnp.log(alpha))
 
 
+# Per-head decays spanning the hard cases: moderate, long memory, no decay at all (alpha = 1),
+# one step from 1 in fp32, and fully decayed (alpha = 0, given as a log-decay of -1e4).
+EXTREME_DECAYS = (0.95, 0.999, 0.99999, 1.0 - 1e-7, 1.0, 0.0, 0.9999, 0.99)
+FULLY_DECAYED_LOG_DECAY = -1.0e4
+
+
+def extreme_decay_log_decays() -> np.ndarray:
+    """Log-decays ``[len(EXTREME_DECAYS)]`` fp32 of ``EXTREME_DECAYS`` (computed in fp64, so
+    ``1 - 1e-7`` keeps its distance from 1; alpha = 0 maps to ``FULLY_DECAYED_LOG_DECAY``)."""
+    a = np.asarray(EXTREME_DECAYS, np.float64)
+    with np.errstate(divide="ignore"):
+        g = np.where(a > 0, np.log(np.where(a > 0, a, 1.0)), FULLY_DECAYED_LOG_DECAY)
+    return g.astype(np.float32)
+
+
+def extreme_decay_sequence(key: Array, batch: int, tokens: int, *, dk: int = 128, dv: int = 128,
+                           per_channel_decay: bool = False) -> dict[str, Array]:
+    """Decode inputs ``[B, T, H, ...]`` with one head per ``EXTREME_DECAYS`` entry (``H = 8``).
+
+    Keys L2-normalised after scaling three channels by 6 (outliers), queries likewise with
+    ``dk**-0.5``, values near a random rank-4 subspace plus 0.3 noise, ``beta = sigmoid(normal)``;
+    KDA heads (``per_channel_decay``) take their head's log-decay on every channel.
+    """
+    h = len(EXTREME_DECAYS)
+    kq, kk, kv, kb = jax.random.split(key, 4)
+    chan = jnp.ones((dk,)).at[jnp.array([3, dk // 2, dk - 5])].set(6.0)
+    k = l2_normalize(jax.random.normal(kk, (batch, tokens, h, dk)) * chan)
+    q = l2_normalize(jax.random.normal(kq, (batch, tokens, h, dk)) * chan) * dk ** -0.5
+    v = _near_subspace(kv, (batch, tokens, h), dv, 4, 0.3)
+    beta = jax.nn.sigmoid(jax.random.normal(kb, (batch, tokens, h)))
+    g = jnp.broadcast_to(jnp.asarray(extreme_decay_log_decays()), (batch, tokens, h))
+    if per_channel_decay:
+        g = jnp.broadcast_to(g[..., None], (batch, tokens, h, dk))
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _batch(key: Array, batch: int, spec: SyntheticSpec) -> dict[str, Array]:
     return jax.vmap(lambda k: synthetic_sequence(k, spec))(jax.random.split(key, batch))
@@ -88,4 +125,13 @@ def synthetic_batch(seed: int, batch: int, spec: SyntheticSpec) -> dict[str, Arr
     return _batch(jax.random.PRNGKey(seed), batch, spec)
 
 
-__all__ = ["SyntheticSpec", "l2_normalize", "synthetic_batch", "synthetic_sequence"]
+__all__ = [
+    "EXTREME_DECAYS",
+    "FULLY_DECAYED_LOG_DECAY",
+    "SyntheticSpec",
+    "extreme_decay_log_decays",
+    "extreme_decay_sequence",
+    "l2_normalize",
+    "synthetic_batch",
+    "synthetic_sequence",
+]

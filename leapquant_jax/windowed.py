@@ -31,6 +31,12 @@ from .state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer, em
 Array = jax.Array
 HI = jax.lax.Precision.HIGHEST
 
+# Least log-decay a record stores. Any window decay that includes it is below -1e4, and exp of
+# that is exactly 0 in fp32, as exp(-inf) is: clamping changes no value. It keeps a fully decayed
+# head's log-decay (-inf, or beyond fp16's range, which rounds to -inf) finite in the record
+# dtype, so that differences G_l - G_j of the window's cumulative decays never meet inf - inf.
+RECORD_LOG_DECAY_MIN = -1.0e4
+
 
 def select_batch(mask: Array, new, old):
     """Per-sequence select over pytrees whose leaves lead with the batch axis ``[B, ...]``."""
@@ -123,8 +129,12 @@ def window_read(config: LeapQuantConfig, ckpt: Checkpoint, buf: WindowBuffer, po
 
 
 def append_record(buf: WindowBuffer, pos: Array, *, k: Array, u: Array, g: Array) -> WindowBuffer:
-    """Writes one record per sequence at slot ``pos [B]``: k ``[B, H, dk]``, u ``[B, H, dv]``, g ``[B, H(, dk)]``."""
+    """Writes one record per sequence at slot ``pos [B]``: k ``[B, H, dk]``, u ``[B, H, dv]``, g ``[B, H(, dk)]``.
+
+    The log-decay is stored clamped at ``RECORD_LOG_DECAY_MIN`` (see there).
+    """
     p = buf.k.shape[2]
+    g = jnp.maximum(g, RECORD_LOG_DECAY_MIN)
     hot = jnp.arange(p)[None, :] == pos[:, None]                       # [B, p]
 
     def put(slots, x):
@@ -203,6 +213,7 @@ def from_dense(config: LeapQuantConfig, state: Array, *, per_channel_decay: bool
 
 
 __all__ = [
+    "RECORD_LOG_DECAY_MIN",
     "append_record",
     "checkpoint_read",
     "cumulative_log_decay",

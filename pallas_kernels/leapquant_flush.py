@@ -54,7 +54,9 @@ import jax
 import jax.numpy as jnp
 
 from leapquant_jax import windowed
-from leapquant_jax.compensators import FP16_MAX, fit_subspace, random_start
+from leapquant_jax.compensators import (
+    FP16_MAX, NORMAL_TINY, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, gram_shift, random_start, unrolled_cholesky,
+)
 from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
 
@@ -62,7 +64,6 @@ from ._compat import compiler_params, default_interpret, is_pow2, load, pl, roun
 from .leapquant_step import load_code_parts, num_parts, window_decay_part
 
 f32 = jnp.float32
-SMOOTH_FLOOR = 1e-12
 
 
 def _row(x, i):
@@ -81,27 +82,32 @@ def _records_term(kd, bu, dot):
 
 
 def _cholesky_qr_round(cols, rank):
-    """One round of Cholesky QR on columns ``cols[c][part]`` (lists of fp32 vectors)."""
+    """One round of Cholesky QR on columns ``cols[c][part]`` (lists of fp32 vectors); the
+    factorisation is the reference's own (``compensators.unrolled_cholesky``: pivots clamped,
+    columns without a direction of their own dropped)."""
     def dot(a, b):
         return sum(jnp.sum(x * y) for x, y in zip(a, b))
 
-    gram = [[dot(cols[a], cols[b]) if b <= a else None for b in range(rank)] for a in range(rank)]
-    trace = sum(gram[a][a] for a in range(rank))
-    shift = 1e-6 * trace / rank + 1e-30
-    chol = [[None] * rank for _ in range(rank)]
-    for i in range(rank):
-        for j in range(i + 1):
-            acc = gram[i][j] + (shift if i == j else 0.0)
-            for k in range(j):
-                acc = acc - chol[i][k] * chol[j][k]
-            chol[i][j] = jnp.sqrt(acc) if i == j else acc / chol[j][j]
+    gram = [[dot(cols[a], cols[b]) for b in range(a + 1)] for a in range(rank)]
+    chol, keep = unrolled_cholesky(gram, gram_shift(sum(gram[a][a] for a in range(rank)), rank))
     out = []
     for i in range(rank):
         col = list(cols[i])
         for j in range(i):
             col = [x - chol[i][j] * y for x, y in zip(col, out[j])]
-        out.append([x / chol[i][i] for x in col])
+        out.append([jnp.where(keep[i], x / chol[i][i], 0.0) for x in col])
     return out
+
+
+def _scale_to_unit_max(cols):
+    """``cols[c][part]`` divided by their largest magnitude, as ``compensators.scale_to_unit_max``."""
+    m = None
+    for col in cols:
+        for x in col:
+            mx = jnp.max(jnp.abs(x))
+            m = mx if m is None else jnp.maximum(m, mx)
+    m = jnp.where(m > NORMAL_TINY, m, 1.0)
+    return [[x / m for x in col] for col in cols]
 
 
 def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
@@ -224,14 +230,14 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
                 q = [list(old_k[c]) for c in range(rank)]
                 for c in range(rank):
                     nrm = sum(jnp.sum(x * x) for x in q[c])
-                    top = jnp.where(nrm == 0.0, 1e-3, 0.0)
+                    top = jnp.where(nrm == 0.0, WARM_START_TOPUP, 0.0)
                     q[c] = [x + top * start_ref[c, sl] for x, sl in zip(q[c], slices)]
             else:
                 q = [[start_ref[c, sl] for sl in slices] for c in range(rank)]
             for _ in range(fit_iters):
                 z = [sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q[c])) for c in range(rank)]   # [dv]
                 y = [[jnp.sum(s * z[c][None, :], axis=1) for s in S] for c in range(rank)]               # [n]
-                q = _cholesky_qr_round(_cholesky_qr_round(y, rank), rank)
+                q = _cholesky_qr_round(_cholesky_qr_round(_scale_to_unit_max(y), rank), rank)
             for c in range(rank):
                 uc = sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q[c]))
                 uc = jnp.minimum(jnp.maximum(uc, -FP16_MAX), FP16_MAX)
@@ -285,7 +291,7 @@ def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, w
             if warm_start:
                 # a warm start that lost rank (a zero previous window) is topped up from the seed
                 nrm = jnp.sum(jnp.square(ck_ref[c, :].astype(f32)))
-                top = jnp.where(nrm == 0.0, 1e-3, 0.0)
+                top = jnp.where(nrm == 0.0, WARM_START_TOPUP, 0.0)
                 q = [ck_ref[c, sl].astype(f32) + top * start_ref[c, sl] for sl in slices]
             else:
                 q = [start_ref[c, sl] for sl in slices]

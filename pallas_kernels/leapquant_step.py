@@ -96,12 +96,19 @@ def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = N
 DIGIT_BITS = 22     # fixed-point bits of a vector split into int8 digits (DIGITS of them)
 DIGITS = 3
 DOT_ROWS = 16       # rows of a Triton dot operand (the digit rows, zero-padded)
+DIGIT_SCALE_FLOOR = 2.0 ** -100   # least max |x| of a digit split: 2**DIGIT_BITS / floor stays finite
+RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
 
 
 def vector_scale(x):
-    """``(2**DIGIT_BITS / m, m / 2**DIGIT_BITS)`` for ``m = max |x|`` (1 for a zero vector)."""
-    m = jnp.max(jnp.abs(x))
-    m = jnp.where(m > 0, m, 1.0)
+    """``(2**DIGIT_BITS / m, m / 2**DIGIT_BITS)`` for ``m = max |x|``, ``m`` floored at ``DIGIT_SCALE_FLOOR``.
+
+    The floor keeps ``2**DIGIT_BITS / m`` finite when ``m`` is zero or denormal (a vector
+    decayed by ``exp(G)`` with ``G`` below about -87): unfloored, a denormal ``m`` gives an
+    infinite ``inv`` and, where the GPU flushes ``x`` to zero, ``0 * inf = NaN`` digits.
+    Entries below the floor's resolution (``2**-122``) read as zero.
+    """
+    m = jnp.maximum(jnp.max(jnp.abs(x)), DIGIT_SCALE_FLOOR)
     return (2.0 ** DIGIT_BITS) / m, m * (2.0 ** -DIGIT_BITS)
 
 
@@ -282,10 +289,11 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
     @pl.when((pos < window) & first_block)
     def _append_key_side():
         bk_out[pos, :] = w_ref[...].astype(rec)
+        g_rec = jnp.maximum(g_ref[...], RECORD_LOG_DECAY_MIN).astype(rec)   # as windowed.append_record
         if per_channel:
-            bg_out[pos, :] = g_ref[...].astype(rec)
+            bg_out[pos, :] = g_rec
         else:
-            bg_out[pos] = g_ref[...].astype(rec)
+            bg_out[pos] = g_rec
 
 
 # ----------------------------------------------------------------------------- wrapper
