@@ -413,6 +413,7 @@ def main(argv=None):
                     help="other bit widths to time (window, steps, flush) at the largest batch")
     ap.add_argument("--long-decode", type=int, default=0, metavar="TOKENS",
                     help="decode this many tokens of the extreme-decay heads per mode and impl (0: skip)")
+    ap.add_argument("--checks-only", action="store_true", help="stop after the single-op and long-decode checks")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -441,6 +442,8 @@ def main(argv=None):
         results["long_decode"] = check_long_decode(log, args.long_decode,
                                                    impls=("pallas", "reference") if _on_gpu() else ("reference",))
         save()
+    if args.checks_only:
+        return results
     if not on_gpu:
         if args.correctness == "full":
             results["correctness"] += check_correctness(log, bits_list=tuple(args.check_bits))

@@ -29,7 +29,8 @@ def random_start(dk: int, rank: int, seed: int = 0) -> Array:
 
 UNROLLED_RANK = 8   # up to this rank the r x r Cholesky factor is unrolled into elementwise ops
 CHOLESKY_SHIFT = 1e-6   # diagonal shift of the Gram matrix, relative to its mean diagonal entry
-CHOLESKY_KEEP = 16.0    # a column is kept when its own squared part exceeds this many shifts
+CHOLESKY_KEEP = 1e-5    # a column is kept when its part orthogonal to the columns before it holds more
+                        # than this fraction of its squared norm (far above rounding, ~1e-7)
 NORMAL_TINY = 1e-30     # magnitudes below this count as zero: well inside fp32's normal range, so
                         # GPUs that flush denormals to zero and CPUs that keep them agree
 WARM_START_TOPUP = 1e-3  # weight of the seeded start added to a warm-start row that is all zero
@@ -54,10 +55,10 @@ def unrolled_cholesky(gram, shift):
     decayed head's state is one outer product) loses that margin to rounding, which differs
     between devices (FMA contraction, summation order): a pivot rounded below zero would turn
     the whole state into NaN through ``sqrt``. So pivots are clamped at ``shift``, and a column
-    whose own part is not above ``CHOLESKY_KEEP * shift`` (a length of 0.4% of the mean
-    column's, far above the rounding of a Gram entry) is marked for dropping (``keep`` false):
-    it carries rounding noise, which the triangular solve would otherwise blow up into a factor
-    of arbitrary length.
+    whose own part is not above ``CHOLESKY_KEEP`` of its squared norm (about 0.3% of its
+    length: numerically in the span of the columns before it) is marked for dropping (``keep``
+    false): its own part is rounding noise, which the triangular solve would otherwise blow up
+    into a factor of arbitrary direction and length.
     """
     r = len(gram)
     chol = [[None] * r for _ in range(r)]
@@ -68,7 +69,7 @@ def unrolled_cholesky(gram, shift):
             for k in range(j):
                 acc = acc - chol[i][k] * chol[j][k]
             if i == j:
-                keep[i] = acc > CHOLESKY_KEEP * shift
+                keep[i] = acc > CHOLESKY_KEEP * gram[i][i]
                 chol[i][i] = jnp.sqrt(jnp.maximum(acc + shift, shift))
             else:
                 chol[i][j] = acc / chol[j][j]

@@ -128,14 +128,15 @@ def test_subspace_fit_takes_a_precomputed_first_round():
             np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-3, atol=1e-3)
 
 
-def test_cholesky_qr2_unrolled_matches_the_solver_path(monkeypatch):
+def test_cholesky_qr2_unrolled_matches_householder_qr(monkeypatch):
+    # ranks above UNROLLED_RANK take Householder QR; on full-rank columns both give the same basis
     from leapquant_jax import compensators
 
     y = jax.random.normal(jax.random.PRNGKey(5), (3, 32, 6)) * jnp.array([1.0, 3.0, 0.1, 2.0, 1e-3, 5.0])
     unrolled = np.asarray(compensators.cholesky_qr2(y))
     monkeypatch.setattr(compensators, "UNROLLED_RANK", 0)
-    solver = np.asarray(compensators.cholesky_qr2(y))
-    np.testing.assert_allclose(unrolled, solver, atol=1e-5)
+    householder = np.asarray(compensators.cholesky_qr2(y))
+    np.testing.assert_allclose(unrolled, householder, atol=1e-5)
     np.testing.assert_allclose(np.einsum("bnr,bns->brs", unrolled, unrolled), np.broadcast_to(np.eye(6), (3, 6, 6)),
                                atol=1e-5)
 
