@@ -163,11 +163,12 @@ def check_sequence(*, q: Array, k: Array, v: Array, g: Array, beta: Array) -> tu
     """Validates ``[B, T, H, ...]`` inputs and returns ``(B, T, H)`` (``H`` = value heads)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_float(name, x)
-    if v.ndim != 4:
-        raise ValueError(f"v must be [B, T, H, dv], got shape {v.shape}")
-    bsz, t, h, _ = v.shape
-    if q.ndim != 4 or q.shape != k.shape or q.shape[:2] != (bsz, t):
-        raise ValueError(f"q and k must be [B, T, Hk, dk] with B, T = {(bsz, t)}, got {q.shape} and {k.shape}")
+    if q.ndim != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, Hk, dk], got {q.shape} and {k.shape}")
+    bsz, t = q.shape[:2]
+    if v.ndim != 4 or v.shape[:2] != (bsz, t):
+        raise ValueError(f"v must be [B, T, H, dv] with B, T = {(bsz, t)} as in q and k, got {v.shape}")
+    h = v.shape[2]
     if beta.shape != (bsz, t, h):
         raise ValueError(f"beta must be [B, T, H] = {(bsz, t, h)}, got {beta.shape}")
     if g.shape not in ((bsz, t, h), (bsz, t, h, q.shape[-1])):

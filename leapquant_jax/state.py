@@ -30,6 +30,10 @@ FITS = ("subspace", "svd")
 IMPLS = ("auto", "reference", "pallas")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class LeapQuantConfig:
     """Static configuration of the windowed recurrence (hashable: a static jit argument).
@@ -64,20 +68,25 @@ class LeapQuantConfig:
     impl: str = "auto"
 
     def __post_init__(self):
-        if self.residual_format is None and self.bits not in (8, 6, 4):
-            raise ValueError(f"bits must be 8, 6 or 4, got {self.bits}")
+        if not _is_int(self.bits) or (self.residual_format is None and self.bits not in (8, 6, 4)):
+            raise ValueError(f"bits must be 8, 6 or 4, got {self.bits!r}")
         if self.residual_format is not None:
             get_format(self.residual_format)
-        if not isinstance(self.window, int) or self.window < 1:
+        if not _is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be a positive integer, got {self.window!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+        if self.rank is not None and (not _is_int(self.rank) or self.rank < 0):
             raise ValueError(f"rank must be a non-negative integer, got {self.rank!r}")
+        for name in ("compensators", "smoothing", "warm_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.record_dtype not in RECORD_DTYPES:
             raise ValueError(f"record_dtype must be one of {RECORD_DTYPES}, got {self.record_dtype!r}")
         if self.fit not in FITS:
             raise ValueError(f"fit must be one of {FITS}, got {self.fit!r}")
-        if self.fit_iters < 1:
-            raise ValueError(f"fit_iters must be >= 1, got {self.fit_iters}")
+        if not _is_int(self.fit_iters) or self.fit_iters < 1:
+            raise ValueError(f"fit_iters must be an integer >= 1, got {self.fit_iters!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
 
@@ -89,6 +98,15 @@ class LeapQuantConfig:
         if self.rank is not None:
             return self.rank
         return 4 if self.bits == 8 else 6
+
+    def check_head_size(self, dk: int, dv: int) -> None:
+        """Raises ``ValueError`` when heads of ``dk x dv`` cannot hold ``effective_rank``
+        Compensator Tokens: a rank-``r`` part of a ``[dk, dv]`` state needs ``r <= min(dk, dv)``."""
+        r = self.effective_rank
+        if r > min(dk, dv):
+            hint = "" if self.rank is not None else f" (the default at {self.bits} bits; pass a smaller rank)"
+            raise ValueError(f"rank {r}{hint} exceeds min(dk, dv) = {min(dk, dv)} of the [dk, dv] = [{dk}, {dv}] "
+                             "state: Compensator Tokens are a rank-r part of it")
 
     @property
     def format_name(self) -> str:

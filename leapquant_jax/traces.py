@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 from typing import Optional
 
 import numpy as np
@@ -62,12 +63,28 @@ def validate_trace(arrays: dict, source: str = "trace") -> Trace:
             raise TraceError(f"{source}: '{name}' holds non-finite values")
         out[name] = x.astype(np.float32)
     q, k, v, beta, g = (out[n] for n in REQUIRED_KEYS)
-    if v.ndim != 3:
-        raise TraceError(f"{source}: 'v' must be [T, H, dv], got shape {v.shape}")
+    shapes = ", ".join(f"{n} {out[n].shape}" for n in REQUIRED_KEYS)
+    for name, ndims, layout in (("q", (3,), "[T, Hk, dk]"), ("k", (3,), "[T, Hk, dk]"), ("v", (3,), "[T, H, dv]"),
+                                ("beta", (2,), "[T, H]"), ("g", (2, 3), "[T, H] or [T, H, dk]")):
+        if out[name].ndim not in ndims:
+            raise TraceError(f"{source}: '{name}' must be {layout}, got shape {out[name].shape} ({shapes})")
+    lengths = {n: out[n].shape[0] for n in REQUIRED_KEYS}
+    common = max(set(lengths.values()), key=list(lengths.values()).count)
+    odd = [n for n, t_n in lengths.items() if t_n != common]
+    if odd:
+        blamed = " and ".join(f"'{n}'" for n in odd)
+        raise TraceError(f"{source}: {blamed} {'has' if len(odd) == 1 else 'have'} a different number of tokens T "
+                         f"than the other tensors ({shapes})")
     t, h, dv = v.shape
-    if q.ndim != 3 or q.shape != k.shape or q.shape[0] != t:
-        raise TraceError(f"{source}: 'q' and 'k' must be [T, Hk, dk] with T={t}, got {q.shape} and {k.shape}")
+    if t == 0:
+        raise TraceError(f"{source} holds no tokens ({shapes})")
+    if h == 0 or dv == 0:
+        raise TraceError(f"{source}: 'v' must have at least one head and dv >= 1, got shape {v.shape}")
+    if q.shape != k.shape:
+        raise TraceError(f"{source}: 'q' and 'k' must have the same shape [T, Hk, dk], got {q.shape} and {k.shape}")
     hk, dk = q.shape[1:]
+    if dk == 0:
+        raise TraceError(f"{source}: 'q' and 'k' must have dk >= 1, got shape {q.shape}")
     if hk == 0 or h % hk:
         raise TraceError(f"{source}: 'q'/'k' have {hk} heads, which does not divide the {h} value heads of 'v'")
     if beta.shape != (t, h):
@@ -76,6 +93,8 @@ def validate_trace(arrays: dict, source: str = "trace") -> Trace:
         raise TraceError(f"{source}: 'g' must be [T, H] = {(t, h)} (GDN) or [T, H, dk] = {(t, h, dk)} (KDA), got {g.shape}")
     if "s0" in out and out["s0"].shape != (h, dk, dv):
         raise TraceError(f"{source}: 's0' must be [H, dk, dv] = {(h, dk, dv)}, got {out['s0'].shape}")
+    if g.max() > 0:
+        raise TraceError(f"{source}: 'g' holds log-decays up to {g.max():.3g}; they must be <= 0 (decays exp(g) in (0, 1])")
     return Trace(**out)
 
 
@@ -84,8 +103,18 @@ def load_trace(path: str | os.PathLike) -> Trace:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"trace file not found: {path}")
-    with np.load(path) as data:
-        return validate_trace({k: data[k] for k in data.files}, source=path)
+    if os.path.isdir(path):
+        raise TraceError(f"{path} is a folder, not a trace .npz file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):   # .npz files are zip archives (the second: empty)
+        raise TraceError(f"{path} is not a trace .npz file (write one with numpy.savez or save_trace)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise TraceError(f"{path}: unreadable .npz file ({err})") from None
+    return validate_trace(arrays, source=path)
 
 
 def save_trace(path: str | os.PathLike, trace: Trace) -> None:

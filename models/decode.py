@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -40,6 +41,34 @@ def make_state_method(name: str, **options):
     """A state method by its DESIGN §5 name (``fp32``, ``bf16``, ..., ``leapquant``);
     ``None``-valued options keep the method's defaults."""
     return leapquant_jax.make_method(name, **{k: v for k, v in options.items() if v is not None})
+
+
+def check_token_ids(ids, vocab_size: int, *, name: str = "ids") -> np.ndarray:
+    """Checks token ids against ``[0, vocab_size)`` and returns them as an int32 array.
+
+    ids: a sequence of Python/NumPy integers, or an integer array of any shape. Raises
+    ``ValueError`` naming ``name`` and the first offending entry (a float, a bool, an id
+    outside the vocabulary, however large).
+    """
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{name} must hold integer token ids, got the string {ids!r}")
+    if hasattr(ids, "dtype"):
+        arr = np.asarray(ids)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+        bad = np.argwhere((arr < 0) | (arr >= vocab_size))
+        if bad.size:
+            where = tuple(int(i) for i in bad[0])
+            index = f"[{', '.join(map(str, where))}]" if where else ""
+            raise ValueError(f"{name}{index} = {arr[where]} is outside the vocabulary [0, {vocab_size})")
+        return arr.astype(np.int32)
+    values = list(ids)
+    for i, t in enumerate(values):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{name}[{i}] = {t!r} is not an integer token id")
+        if not 0 <= int(t) < vocab_size:
+            raise ValueError(f"{name}[{i}] = {int(t)} is outside the vocabulary [0, {vocab_size})")
+    return np.asarray([int(t) for t in values], np.int32)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], *, bucket: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
@@ -123,10 +152,18 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
              sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), seed: int = 0,
              record: bool = False) -> Generation:
     """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths)."""
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(sampling, Sampling) or not math.isfinite(sampling.temperature):
+        raise ValueError(f"sampling must be a Sampling with a finite temperature, got {sampling!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not -2**63 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
+    if isinstance(prompts, (str, bytes)) or not len(prompts):
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
+    prompts = [check_token_ids(p, config.vocab_size, name=f"prompts[{b}]") for b, p in enumerate(prompts)]
+    stop_ids = check_token_ids(stop_ids, config.vocab_size, name="stop_ids")
     ids, lengths = pad_prompts(prompts)
-    stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+    stop = jnp.asarray(stop_ids.tolist() or [-1], jnp.int32)
     tokens, count, pre, dec = _generate(
         arch, params, config, jnp.asarray(ids), jnp.asarray(lengths), stop, jax.random.PRNGKey(seed),
         method=method, sampling=sampling, max_new_tokens=max_new_tokens, record=record,
@@ -179,10 +216,11 @@ def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bo
     ids = np.asarray(ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
-    if not 0 <= prefill_len < ids.shape[1]:
-        raise ValueError(f"prefill_len must be in [0, T) = [0, {ids.shape[1]}), got {prefill_len}")
-    if ids.min() < 0 or ids.max() >= config.vocab_size:
-        raise ValueError(f"ids must lie in [0, {config.vocab_size})")
+    if ids.size == 0:
+        raise ValueError(f"ids must hold at least one token in each of at least one row, got shape {ids.shape}")
+    ids = check_token_ids(ids, config.vocab_size, name="ids")
+    if isinstance(prefill_len, bool) or not isinstance(prefill_len, (int, np.integer)) or not 0 <= prefill_len < ids.shape[1]:
+        raise ValueError(f"prefill_len must be an integer in [0, T) = [0, {ids.shape[1]}), got {prefill_len!r}")
     logits, traces = _score(arch, params, config, jnp.asarray(ids, jnp.int32), method=method,
                             prefill_len=prefill_len, record=record)
     return np.asarray(logits), jax.tree.map(np.asarray, traces)
@@ -212,6 +250,7 @@ def to_device(params) -> Any:
 __all__ = [
     "Generation",
     "PROMPT_BUCKET",
+    "check_token_ids",
     "generate",
     "make_state_method",
     "pad_prompts",

@@ -3,7 +3,10 @@
 Every method decodes the same synthetic long-memory heads (vmapped over seeds, batched
 over heads) and is compared with the fp32 trajectory every ``every`` tokens:
 ``||S_method - S_fp32||_F / ||S_fp32||_F`` per head, averaged over heads and seeds, and the
-relative output error ``||o_method - o_fp32|| / ||o_fp32||`` over all tokens.
+relative output error ``||o_method - o_fp32|| / ||o_fp32||`` over all tokens. Each method's
+error sits next to what its state costs: bytes per state element, measured on the method's own
+state pytree (for windowed methods both the window-boundary checkpoint and the live stream with
+its window buffer).
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..methods import make_method
+from ..methods import WINDOWED_METHODS, make_method
+from ..quantizers import tree_bytes
+from ..state import LeapQuantState
 from ..synthetic import SyntheticSpec, synthetic_batch
+from .memory import state_shapes
 
-# Study label -> (method name, options). Labels follow DESIGN §5, with -b6/-b4 for LeapQuant
-# at 6 and 4 bits and the two partial fixes on top of int8-w.
+# Study label -> (method name, options). Labels are the CLI's method names, with -b6/-b4 for
+# LeapQuant at 6 and 4 bits and the two partial fixes on top of int8-w.
 STUDY_METHODS: dict[str, tuple[str, dict]] = {
     "fp32": ("fp32", {}),
     "bf16": ("bf16", {}),
@@ -51,10 +57,24 @@ class ErrorStudyConfig:
     kda: bool = False
 
     def __post_init__(self):
+        for name in ("tokens", "heads", "seeds", "dk", "dv", "every", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.tokens % self.every:
             raise ValueError(f"tokens ({self.tokens}) must be a multiple of every ({self.every})")
         if self.every % self.window:
             raise ValueError(f"every ({self.every}) must be a multiple of the window ({self.window})")
+
+    @property
+    def mode(self) -> str:
+        """``"KDA"`` (per-channel decays) or ``"GDN"`` (scalar decays)."""
+        return "KDA" if self.kda else "GDN"
+
+    def describe(self) -> str:
+        """One line naming every setting of the run (for titles and printed tables)."""
+        return (f"{self.mode}: tokens={self.tokens}, heads={self.heads}, seeds={self.seeds}, dk={self.dk}, "
+                f"dv={self.dv}, window={self.window}, error measured every {self.every} tokens")
 
 
 def build_method(label: str, window: int):
@@ -62,9 +82,23 @@ def build_method(label: str, window: int):
     if label not in STUDY_METHODS:
         raise ValueError(f"unknown study method {label!r}; known: {', '.join(STUDY_METHODS)}")
     name, opts = STUDY_METHODS[label]
-    if name in ("bf16-w", "int8-w", "leapquant"):
+    if name in WINDOWED_METHODS:
         opts = dict(opts, window=window)
     return make_method(name, **opts)
+
+
+def state_bytes_per_element(method, heads: int, dk: int, dv: int, kda: bool) -> dict[str, float]:
+    """Bytes per state element of ``method``'s own state pytree for ``heads`` heads of ``[dk, dv]``.
+
+    ``live``: everything a decoding stream holds (for windowed methods the checkpoint, the
+    window buffer and the stream's window position, shared by its heads); ``checkpoint``: the
+    window-boundary checkpoint alone (for per-step methods the state itself).
+    """
+    shapes = state_shapes(method, heads, dk, dv, kda)
+    elems = heads * dk * dv
+    live = tree_bytes(shapes) / elems
+    checkpoint = tree_bytes(shapes.checkpoint) / elems if isinstance(shapes, LeapQuantState) else live
+    return {"live": live, "checkpoint": checkpoint}
 
 
 def trajectory(method, inputs: dict, every: int):
@@ -101,8 +135,16 @@ def run_error_study(
     progress: Optional[Callable] = None,
 ) -> dict:
     """Runs the study. Returns a JSON-ready dict with ``tokens`` (measurement points), ``methods``
-    (label -> ``final_rel_state_error``, ``rel_output_error``, ``rel_state_error`` curve) and the config."""
-    methods = list(STUDY_METHODS) if methods is None else methods
+    (label -> ``final_rel_state_error``, ``rel_output_error``, ``rel_state_error`` curve,
+    ``bytes_per_element`` (live stream), ``checkpoint_bytes_per_element``, ``windowed``), the
+    ``config`` (with ``mode`` GDN/KDA), its one-line ``description`` and the ``reference``
+    (fp32, error 0 by definition)."""
+    methods = list(STUDY_METHODS) if methods is None else list(methods)
+    if not methods:
+        raise ValueError("methods: give at least one study method")
+    unknown = [m for m in methods if m not in STUDY_METHODS]
+    if unknown:
+        raise ValueError(f"methods: unknown study method(s) {', '.join(map(repr, unknown))}; known: {', '.join(STUDY_METHODS)}")
     spec = SyntheticSpec(tokens=config.tokens, heads=config.heads, dk=config.dk, dv=config.dv, per_channel_decay=config.kda)
     inputs = synthetic_batch(0, config.seeds, spec)
     run = jax.jit(trajectory, static_argnums=(0, 2))
@@ -110,43 +152,142 @@ def run_error_study(
     results = {}
     iterator = progress(methods) if progress else methods
     for label in iterator:
-        o, states = run(build_method(label, config.window), inputs, config.every)
+        method = build_method(label, config.window)
+        o, states = run(method, inputs, config.every)
         curve, out_err = relative_errors(states, ref_states, o, ref_o)
+        nbytes = state_bytes_per_element(method, config.heads, config.dk, config.dv, config.kda)
         results[label] = {
             "final_rel_state_error": float(curve[-1]),
             "rel_output_error": out_err,
+            "bytes_per_element": nbytes["live"],
+            "checkpoint_bytes_per_element": nbytes["checkpoint"],
+            "windowed": STUDY_METHODS[label][0] in WINDOWED_METHODS,
             "rel_state_error": [float(x) for x in curve],
         }
     return {
         "tokens": list(range(config.every, config.tokens + 1, config.every)),
-        "config": dataclasses.asdict(config),
+        "config": dataclasses.asdict(config) | {"mode": config.mode},
+        "description": config.describe(),
+        "reference": "fp32",
         "methods": results,
     }
 
 
+# Line style by family: per-step, per-window without fixes, one fix, LeapQuant.
+_FAMILY_STYLE = {"per-step": (":", "o"), "per-window": ("--", "s"), "one fix": ("-.", "^"), "leapquant": ("-", "D")}
+
+
+def _family(label: str) -> str:
+    if label.startswith("leapquant"):
+        return "leapquant"
+    if "+" in label:
+        return "one fix"
+    return "per-window" if label.endswith("-w") else "per-step"
+
+
+def _colours(labels: list[str]) -> dict[str, tuple]:
+    """One distinct colour per study label (tab10 and black), fixed by the label's place in
+    ``STUDY_METHODS`` so a subset keeps its colours; black goes to LeapQuant at 8 bits."""
+    import matplotlib
+
+    tab10 = matplotlib.colormaps["tab10"].colors
+    palette = [tab10[i] for i in (0, 1, 8, 3, 4, 5, 6, 7)] + [(0.0, 0.0, 0.0), tab10[2], tab10[9]]
+    order = [m for m in STUDY_METHODS if m != "fp32"]
+    return {m: palette[order.index(m)] for m in labels}
+
+
+def _bytes_text(r: dict) -> str:
+    if r["windowed"]:
+        return f"{r['checkpoint_bytes_per_element']:.2f} ckpt / {r['bytes_per_element']:.2f} live B/el"
+    return f"{r['bytes_per_element']:.2f} B/el"
+
+
 def plot_error_study(result: dict, path: str) -> None:
-    """Writes the error curves (log scale) as a PNG."""
+    """Writes a PNG: (left) relative state error against decoded tokens, log scale; (right) each
+    method's final error against its bytes per state element. The legend sits below both panels;
+    fp32 is the reference (error 0) and is marked as such rather than drawn on the log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for label, r in result["methods"].items():
-        if label == "fp32":
-            continue
-        style = "-" if label.startswith("leapquant") else ("--" if label.endswith("-w") or "+" in label else ":")
-        ax.plot(result["tokens"], np.maximum(r["rel_state_error"], 1e-12), style, label=label)
+    labels = [m for m in result["methods"] if m != "fp32"]
+    colours = _colours(labels)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 6.2), gridspec_kw=dict(width_ratios=(1.35, 1)))
+    handles = []
+    for label in labels:
+        r = result["methods"][label]
+        style, marker = _FAMILY_STYLE[_family(label)]
+        width = 2.2 if _family(label) == "leapquant" else 1.5
+        (line,) = ax.plot(result["tokens"], np.maximum(r["rel_state_error"], 1e-12), linestyle=style,
+                          color=colours[label], linewidth=width, label=f"{label}  ({_bytes_text(r)})")
+        handles.append(line)
+        err = max(r["final_rel_state_error"], 1e-12)
+        if r["windowed"]:
+            # A windowed method holds between a bare checkpoint and a full window buffer per stream.
+            bx.plot([r["checkpoint_bytes_per_element"], r["bytes_per_element"]], [err, err], "-",
+                    color=colours[label], linewidth=1, alpha=0.7)
+            bx.plot(r["checkpoint_bytes_per_element"], err, marker, color=colours[label], markerfacecolor="none", markersize=8)
+        bx.plot(r["bytes_per_element"], err, marker, color=colours[label], markersize=8)
+        # Windowed labels sit left of the checkpoint marker, per-step ones right of theirs: fewer overlaps.
+        at, offset, align = ((r["checkpoint_bytes_per_element"], -7, "right") if r["windowed"]
+                             else (r["bytes_per_element"], 7, "left"))
+        bx.annotate(label, (at, err), textcoords="offset points", xytext=(offset, 0), ha=align, va="center",
+                    fontsize=7, color=colours[label])
+    fp32_bytes = 4.0 if "fp32" not in result["methods"] else result["methods"]["fp32"]["bytes_per_element"]
+    bx.axvline(fp32_bytes, color="0.5", linestyle=(0, (1, 3)), linewidth=1.2)
+    bx.annotate(f"fp32 reference\n(error 0, {fp32_bytes:.0f} B/el)", (fp32_bytes, 0.5), xycoords=("data", "axes fraction"),
+                textcoords="offset points", xytext=(-4, 0), ha="right", fontsize=8, color="0.35")
+    handles.append(Line2D([], [], color="0.5", linestyle=(0, (1, 3)),
+                          label=f"fp32: the reference, error 0 by definition ({fp32_bytes:.2f} B/el)"))
+    handles += [Line2D([], [], color="0.3", marker="D", linestyle="none", label="final error at live-stream bytes"),
+                Line2D([], [], color="0.3", marker="D", markerfacecolor="none", linestyle="none",
+                       label="same error at checkpoint bytes (windowed)")]
+
     ax.set_yscale("log")
     ax.set_xlabel("decoded tokens")
-    ax.set_ylabel("relative state error vs fp32")
-    kind = "KDA" if result["config"]["kda"] else "GDN"
-    ax.set_title(f"State error on synthetic long-memory {kind} heads")
-    ax.legend(fontsize=8, ncol=2)
+    ax.set_ylabel(r"relative state error  $\|S - S_{fp32}\|_F\, /\, \|S_{fp32}\|_F$")
+    ax.set_title("error along the sequence", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
+    bx.set_yscale("log")
+    bx.set_xlabel("bytes per state element (4 = fp32)")
+    bx.set_ylabel(f"final relative state error (token {result['tokens'][-1]})")
+    bx.set_title("final error against state size", fontsize=10)
+    bx.grid(True, which="both", alpha=0.3)
+    bx.set_xlim(0, max(4.4, fp32_bytes * 1.1))
+
+    fig.suptitle(f"State error on synthetic long-memory heads\n{result['description']}", fontsize=11)
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False,
+               title="method  (bytes per state element: per-step state, or windowed checkpoint / live stream with its window buffer)",
+               title_fontsize=8)
+    rows = (len(handles) + 2) // 3
+    fig.tight_layout(rect=(0, 0.03 * rows + 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-__all__ = ["ErrorStudyConfig", "STUDY_METHODS", "build_method", "plot_error_study", "relative_errors", "run_error_study", "trajectory"]
+def format_error_table(result: dict) -> str:
+    """The study as a printed table: configuration line, then one row per method."""
+    rows = [f"state error on synthetic long-memory heads: {result['description']}",
+            f"reference: {result['reference']} (error 0 by definition)",
+            f"{'method':<16}{'B/el ckpt':>11}{'B/el live':>11}{'final rel. state err':>22}{'rel. output err':>18}"]
+    for name, r in result["methods"].items():
+        rows.append(f"{name:<16}{r['checkpoint_bytes_per_element']:>11.3f}{r['bytes_per_element']:>11.3f}"
+                    f"{r['final_rel_state_error']:>22.3e}{r['rel_output_error']:>18.3e}")
+    rows.append("B/el: bytes per state element, measured on the method's state pytree; ckpt = window-boundary "
+                "checkpoint, live = a decoding stream including its window buffer (equal for per-step methods)")
+    return "\n".join(rows)
+
+
+__all__ = [
+    "ErrorStudyConfig",
+    "STUDY_METHODS",
+    "build_method",
+    "format_error_table",
+    "plot_error_study",
+    "relative_errors",
+    "run_error_study",
+    "state_bytes_per_element",
+    "trajectory",
+]

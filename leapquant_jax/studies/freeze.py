@@ -34,8 +34,27 @@ def frozen_fraction(fmt: str, alpha: float, low: float = 0.01, high: float = 10.
 
 
 def run_freeze_study(decays=DEFAULT_DECAYS, formats=tuple(FORMATS)) -> dict[str, dict[str, float]]:
-    """``{format: {str(alpha): fraction}}`` for every format and decay."""
+    """``{format: {str(alpha): fraction}}`` for every format and decay ``alpha`` in ``(0, 1]``."""
+    if len(decays) == 0:
+        raise ValueError("decays: give at least one decay")
+    bad = [a for a in decays if not 0.0 < a <= 1.0]
+    if bad:
+        raise ValueError(f"decays must lie in (0, 1], got {', '.join(map(repr, bad))}")
     return {fmt: {str(a): frozen_fraction(fmt, a) for a in decays} for fmt in formats}
 
 
-__all__ = ["DEFAULT_DECAYS", "frozen_fraction", "representable_values", "run_freeze_study"]
+def format_freeze_table(result: dict[str, dict[str, float]]) -> str:
+    """The study as a printed table: one row per format, one column per decay ``alpha``."""
+    decays = list(next(iter(result.values())))
+    width = max(len(d) for d in decays) + len("alpha = ") + 3
+    rows = [
+        "fraction of the stored values x in [0.01, 10] with round(alpha * x) == x: the share of the",
+        "state that stops decaying when re-rounded after every token (0 = all decay, 1 = all frozen)",
+        f"{'':<8}" + "".join(f"{'alpha = ' + d:>{width}}" for d in decays),
+    ]
+    for fmt, fractions in result.items():
+        rows.append(f"{fmt:<8}" + "".join(f"{v:>{width}.3f}" for v in fractions.values()))
+    return "\n".join(rows)
+
+
+__all__ = ["DEFAULT_DECAYS", "format_freeze_table", "frozen_fraction", "representable_values", "run_freeze_study"]

@@ -23,8 +23,13 @@ class MemoryQuery:
     layers: int = 48
     heads: int = 32
 
+    def __post_init__(self):
+        # The other fields are checked where they are used (make_method, method.init).
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"layers must be a positive integer, got {self.layers!r}")
 
-def _state_shapes(method, heads: int, dk: int, dv: int, kda: bool):
+
+def state_shapes(method, heads: int, dk: int, dv: int, kda: bool):
     return jax.eval_shape(lambda: method.init(1, heads, dk, dv, per_channel_decay=kda))
 
 
@@ -36,11 +41,11 @@ def measure_memory(query: MemoryQuery) -> dict:
     elems = q.dk * q.dv
     lq = make_method("leapquant", bits=q.bits, rank=q.rank, window=q.window)
     per_head = {
-        "fp32": tree_bytes(_state_shapes(make_method("fp32"), q.heads, q.dk, q.dv, False)) / q.heads,
-        "bf16": tree_bytes(_state_shapes(make_method("bf16"), q.heads, q.dk, q.dv, False)) / q.heads,
-        "checkpoint": tree_bytes(_state_shapes(lq, q.heads, q.dk, q.dv, False).checkpoint) / q.heads,
-        "live_gdn": tree_bytes(_state_shapes(lq, q.heads, q.dk, q.dv, False)) / q.heads,
-        "live_kda": tree_bytes(_state_shapes(lq, q.heads, q.dk, q.dv, True)) / q.heads,
+        "fp32": tree_bytes(state_shapes(make_method("fp32"), q.heads, q.dk, q.dv, False)) / q.heads,
+        "bf16": tree_bytes(state_shapes(make_method("bf16"), q.heads, q.dk, q.dv, False)) / q.heads,
+        "checkpoint": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, False).checkpoint) / q.heads,
+        "live_gdn": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, False)) / q.heads,
+        "live_kda": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, True)) / q.heads,
     }
     heads_total = q.layers * q.heads
     return {

@@ -61,22 +61,27 @@ def run_outlier_study(states: np.ndarray, rank: int = 4, head: Optional[int] = N
 
 
 def plot_outliers(state: np.ndarray, rank: int, path: str, title: str = "") -> None:
-    """Three heat maps (state, residual, smoothed residual), each over its own median."""
+    """Writes three heat maps of one head's ``state [dk, dv]``: magnitude of the state, of the
+    residual after ``rank`` Compensator Tokens and of the smoothed residual, each divided by its
+    own median (the colour bars say so)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = outlier_panels(state, rank)
-    names = {"state": "(a) state", "residual": f"(b) residual after {rank} Compensator Tokens", "smoothed": "(c) smoothed residual"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    names = {"state": "(a) state S", "residual": f"(b) residual R = S - K U^T after {rank} Compensator Tokens",
+             "smoothed": "(c) smoothed residual C^-1 R"}
+    symbols = {"state": "S", "residual": "R", "smoothed": "C^-1 R"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     for ax, (key, mag) in zip(axes, panels.items()):
         med = np.median(mag)
         im = ax.imshow(mag / (med if med > 0 else 1.0), aspect="auto", cmap="viridis")
-        ax.set_title(f"{names[key]}\npeak/median = {peak_over_median(mag):.1f}")
+        ax.set_title(f"{names[key]}\npeak/median = {peak_over_median(mag):.1f}", fontsize=10)
         ax.set_xlabel("value channel")
         ax.set_ylabel("key channel")
-        fig.colorbar(im, ax=ax)
+        sym = symbols[key]
+        fig.colorbar(im, ax=ax).set_label(f"|{sym}| / median |{sym}|")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
