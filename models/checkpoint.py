@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models.base import Architecture
@@ -41,8 +41,15 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.js
 
 
 def read_json(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """The JSON object in ``path``; a file that holds none is a ``ValueError`` naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def safetensors_files(hf_dir: Path) -> list[Path]:
@@ -51,7 +58,10 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(read_json(index)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map of tensor name -> file name")
+        names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (hf_dir / n).exists()]
         if missing:
             raise FileNotFoundError(f"{index} names shard(s) that are not there: {', '.join(missing)}")
@@ -66,12 +76,34 @@ def read_safetensors(files) -> dict[str, np.ndarray]:
     """name -> numpy array over all files; a name found twice is an error."""
     tensors: dict[str, np.ndarray] = {}
     for path in files:
-        with safe_open(str(path), framework="np") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise ValueError(f"tensor {name} appears in more than one file (second: {path})")
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="np") as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise ValueError(f"tensor {name} appears in more than one file (second: {path})")
+                    tensors[name] = f.get_tensor(name)
+        except SafetensorError as err:
+            # A truncated or corrupt file: the library's message does not say which file.
+            raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
     return tensors
+
+
+def parse_config(arch: Architecture, config_json: Mapping[str, Any], source) -> Any:
+    """``arch.config_from_hf(config_json)``; a missing or malformed field is a ``ValueError``
+    naming ``source`` (the file the config came from)."""
+    try:
+        return arch.config_from_hf(config_json)
+    except KeyError as err:
+        raise ValueError(f"{source} lacks the field {err.args[0]!r}") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: malformed config ({err})") from None
+
+
+def _architecture(config_json: Mapping[str, Any], source) -> Architecture:
+    try:
+        return architecture_for_config(config_json)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
 
 
 def is_converted(path) -> bool:
@@ -126,8 +158,8 @@ def convert_hf(hf_dir) -> tuple[Architecture, Any, dict, dict]:
     if not (hf_dir / "config.json").exists():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
     config_json = read_json(hf_dir / "config.json")
-    arch = architecture_for_config(config_json)
-    config = arch.config_from_hf(config_json)
+    arch = _architecture(config_json, hf_dir / "config.json")
+    config = parse_config(arch, config_json, hf_dir / "config.json")
     params = arch.convert(read_safetensors(safetensors_files(hf_dir)), config)
     return arch, config, params, config_json
 
@@ -162,6 +194,32 @@ def save_converted(out_dir, *, config_json: Mapping[str, Any], params, copy_from
     return out_dir
 
 
+def save_hf(out_dir, *, config_json: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+            files: Mapping[str, Any] = ()) -> Path:
+    """Writes a Hugging Face directory atomically (a temporary sibling renamed into place):
+    ``config.json``, ``model.safetensors`` with ``tensors`` (HF names, e.g. from
+    ``models.export.to_hf_tensors``) in their own dtypes, and ``files`` (file name -> source
+    path to copy). Refuses a non-empty ``out_dir``."""
+    out_dir = Path(out_dir)
+    _check_output_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(tmp / "config.json", "w") as f:
+            json.dump(dict(config_json), f, indent=2)
+        for name, src in dict(files).items():
+            shutil.copyfile(src, tmp / name)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def convert_checkpoint(hf_dir, out_dir) -> Path:
     """``leapquant convert``: HF directory -> our checkpoint. Nothing is written when the
     checkpoint does not match its config (the error names every offending tensor)."""
@@ -179,9 +237,11 @@ def load_model(path) -> tuple[Architecture, Any, dict, dict]:
     meta = read_json(path / META_FILE)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"{path / META_FILE} is not a {FORMAT} v{VERSION} checkpoint")
-    config_json = meta["hf_config"]
-    arch = architecture_for_config(config_json)
-    config = arch.config_from_hf(config_json)
+    config_json = meta.get("hf_config")
+    if not isinstance(config_json, dict):
+        raise ValueError(f"{path / META_FILE} has no hf_config object")
+    arch = _architecture(config_json, path / META_FILE)
+    config = parse_config(arch, config_json, path / META_FILE)
     params = unflatten_params(read_safetensors([path / PARAMS_FILE]))
     return arch, config, params, config_json
 
@@ -204,8 +264,10 @@ __all__ = [
     "flatten_params",
     "is_converted",
     "load_model",
+    "parse_config",
     "read_safetensors",
     "safetensors_files",
     "save_converted",
+    "save_hf",
     "unflatten_params",
 ]

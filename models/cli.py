@@ -15,37 +15,34 @@ from pathlib import Path
 
 import numpy as np
 
+from leapquant_jax.cli import (ArgumentParser, add_method_options, float_in, int_at_least, method_from_args,
+                               method_label, run_parser)
 
-def _int_list(text: str) -> list[int]:
+
+def _id_list(text: str) -> list[int]:
+    """An ``argparse`` type: comma-separated non-negative integer ids (possibly none)."""
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    negative = [i for i in ids if i < 0]
+    if negative:
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {negative[0]}")
+    return ids
+
+
+def _prompt_ids(text: str) -> list[int]:
+    """``_id_list`` with at least one id."""
+    ids = _id_list(text)
+    if not ids:
+        raise argparse.ArgumentTypeError(f"a prompt needs at least one id, got {text!r}")
+    return ids
 
 
 def _add_state_options(p: argparse.ArgumentParser) -> None:
-    # names are checked by leapquant_jax.make_method, so new baselines need no change here
-    p.add_argument("--state", default="fp32", metavar="METHOD",
-                   help="recurrent-state format: fp32 (default), bf16, fp16, int8, fp8, bf16-w, int8-w, leapquant, ...")
-    p.add_argument("--bits", type=int, choices=(8, 6, 4), help="leapquant residual bits")
-    p.add_argument("--window", type=int, help="window length p of windowed methods")
-    p.add_argument("--rank", type=int, help="compensator rank r")
-    p.add_argument("--no-compensators", dest="compensators", action="store_false", default=None)
-    p.add_argument("--no-smoothing", dest="smoothing", action="store_false", default=None)
+    add_method_options(p, flag="--state", default="fp32")
     p.add_argument("--record-traces", metavar="DIR", help="write each linear layer's recurrence inputs as .npz traces")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-
-
-def _method(args):
-    from models.decode import make_state_method
-
-    return make_state_method(args.state, bits=args.bits, window=args.window, rank=args.rank,
-                             compensators=args.compensators, smoothing=args.smoothing)
-
-
-def _method_label(args) -> dict:
-    return {k: getattr(args, k) for k in ("state", "bits", "window", "rank", "compensators", "smoothing")
-            if getattr(args, k) is not None}
 
 
 def _load(path):
@@ -56,24 +53,70 @@ def _load(path):
     return arch, config, to_device(params), config_json
 
 
+def _check_checkpoint(path) -> None:
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"checkpoint {path}: no such directory")
+
+
+def _check_output(path, flag: str, *, folder: bool) -> None:
+    # Checked before the model runs, so that a bad path costs nothing and nothing is written.
+    if path is None:
+        return
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        raise FileExistsError(f"{flag} {path} exists and is not a folder")
+    if not folder and path.is_dir():
+        raise IsADirectoryError(f"{flag} {path} is a folder; give a file name")
+
+
+def _load_ids(path: Path) -> np.ndarray:
+    """``--ids-file``: a ``.npy`` integer array ``[B, T]`` (or ``[T]``, one row), read without
+    pickle; every problem is reported against the flag."""
+    try:
+        with open(path, "rb") as f:
+            is_npy = f.read(6) == b"\x93NUMPY"
+            f.seek(0)
+            if is_npy:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+    except OSError as err:
+        raise type(err)(f"--ids-file {path}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise ValueError(f"--ids-file {path}: unreadable .npy header ({err})") from None
+    if not is_npy:
+        raise ValueError(f"--ids-file {path} is not a .npy file (save the ids with numpy.save)")
+    # Checked on the header, before loading: an object array would need pickle.
+    if len(shape) not in (1, 2) or not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"--ids-file {path} must hold integer ids [B, T] or [T], got {dtype} {shape}")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"--ids-file {path}: unreadable .npy file ({err})") from None
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.size == 0:
+        raise ValueError(f"--ids-file {path} holds no tokens (shape {ids.shape})")
+    return ids
+
+
 def _tokenizer(path):
     tok = Path(path) / "tokenizer.json"
     if not tok.exists():
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(tok))
+    try:
+        return Tokenizer.from_file(str(tok))
+    except Exception as err:  # the tokenizers library raises plain Exception for a malformed file
+        raise ValueError(f"{tok} is not a readable tokenizer file ({err})") from None
 
 
 def run_convert(args) -> int:
     from models.checkpoint import convert_checkpoint
 
     t0 = time.time()
-    try:
-        out = convert_checkpoint(args.hf_dir, args.out_dir)
-    except FileExistsError as err:
-        print(f"leapquant convert: error: {err}", file=sys.stderr)
-        return 2
+    out = convert_checkpoint(args.hf_dir, args.out_dir)
     result = {"command": "convert", "hf_dir": str(args.hf_dir), "out_dir": str(out), "seconds": round(time.time() - t0, 3)}
     print(json.dumps(result) if args.json else f"wrote {out}")
     return 0
@@ -81,27 +124,36 @@ def run_convert(args) -> int:
 
 def run_generate(args) -> int:
     from models.checkpoint import eos_token_ids
-    from models.decode import generate, write_traces
+    from models.decode import check_token_ids, generate, write_traces
     from models.layers import Sampling
 
+    method = method_from_args(args)
+    _check_output(args.record_traces, "--record-traces", folder=True)
+    _check_checkpoint(args.checkpoint)
     tokenizer = _tokenizer(args.checkpoint)
     if args.prompt:
         if tokenizer is None:
-            raise SystemExit(f"{args.checkpoint} has no tokenizer.json; pass --prompt-ids instead of --prompt")
-        prompts = [tokenizer.encode(text).ids for text in args.prompt]
+            raise ValueError(f"--prompt needs a tokenizer, and {args.checkpoint} has no tokenizer.json; pass --prompt-ids")
+        prompts, flag = [tokenizer.encode(text).ids for text in args.prompt], "--prompt"
     else:
-        prompts = args.prompt_ids
-    arch, config, params, config_json = _load(args.checkpoint)
-    stop = args.stop_ids if args.stop_ids is not None else list(eos_token_ids(args.checkpoint, config_json))
+        prompts, flag = args.prompt_ids, "--prompt-ids"
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    arch, config, params, config_json = _load(args.checkpoint)
+    for b, p in enumerate(prompts):
+        check_token_ids(p, config.vocab_size, name=flag if len(prompts) == 1 else f"{flag} (prompt {b + 1})")
+    if args.stop_ids is not None:
+        stop = check_token_ids(args.stop_ids, config.vocab_size, name="--stop-ids").tolist()
+    else:
+        stop = check_token_ids(eos_token_ids(args.checkpoint, config_json), config.vocab_size,
+                               name="the checkpoint's eos ids (pass --stop-ids to override)").tolist()
     t0 = time.time()
-    gen = generate(arch, params, config, prompts, method=_method(args), max_new_tokens=args.max_new_tokens,
+    gen = generate(arch, params, config, prompts, method=method, max_new_tokens=args.max_new_tokens,
                    sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces))
     seconds = time.time() - t0
     traces = [str(p) for p in write_traces(args.record_traces, gen.traces)] if args.record_traces else []
     texts = [tokenizer.decode(t) for t in gen.tokens] if tokenizer is not None else None
     if args.json:
-        result = {"command": "generate", "checkpoint": str(args.checkpoint), "method": _method_label(args),
+        result = {"command": "generate", "checkpoint": str(args.checkpoint), "method": method_label(args),
                   "prompt_ids": [list(map(int, p)) for p in prompts], "generated_ids": gen.tokens,
                   "stop_ids": list(stop), "seconds": round(seconds, 3), "traces": traces}
         if texts is not None:
@@ -114,22 +166,24 @@ def run_generate(args) -> int:
 
 
 def run_score(args) -> int:
-    from models.decode import score, write_traces
+    from models.decode import check_token_ids, score, write_traces
 
-    ids = np.load(args.ids_file)
-    if ids.ndim == 1:
-        ids = ids[None]
+    method = method_from_args(args)
+    _check_checkpoint(args.checkpoint)
+    _check_output(args.out, "--out", folder=False)
+    _check_output(args.record_traces, "--record-traces", folder=True)
+    ids = _load_ids(args.ids_file)
     arch, config, params, _ = _load(args.checkpoint)
+    ids = check_token_ids(ids, config.vocab_size, name="--ids-file ids")
     t0 = time.time()
-    logits, traces = score(arch, params, config, ids.astype(np.int32), method=_method(args),
-                           record=bool(args.record_traces))
+    logits, traces = score(arch, params, config, ids, method=method, record=bool(args.record_traces))
     seconds = time.time() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, logits.astype(np.float32))
     written = [str(p) for p in write_traces(args.record_traces, traces)] if args.record_traces else []
     if args.json:
-        print(json.dumps({"command": "score", "checkpoint": str(args.checkpoint), "method": _method_label(args),
+        print(json.dumps({"command": "score", "checkpoint": str(args.checkpoint), "method": method_label(args),
                           "shape": list(logits.shape), "out": str(out), "seconds": round(seconds, 3),
                           "traces": written}))
     else:
@@ -138,24 +192,26 @@ def run_score(args) -> int:
 
 
 def add_subcommands(subparsers) -> None:
-    """Registers ``convert``, ``generate`` and ``score`` on an argparse subparsers object."""
+    """Registers ``convert``, ``generate``, ``score`` (and, from ``models.training.cli``,
+    ``train-data`` and ``train``) on an argparse subparsers object."""
     p = subparsers.add_parser("convert", help="convert an HF safetensors directory into a leapquant checkpoint")
-    p.add_argument("hf_dir", type=Path)
-    p.add_argument("out_dir", type=Path)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("hf_dir", type=Path, help="HF directory: config.json and *.safetensors")
+    p.add_argument("out_dir", type=Path, help="checkpoint directory to create (must not exist, or be empty)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_convert)
 
     p = subparsers.add_parser("generate", help="generate text with a chosen recurrent-state format")
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    src.add_argument("--prompt-ids", action="append", type=_int_list, help="comma-separated ids (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-ids", type=_int_list, help="comma-separated stop ids (default: the checkpoint's eos ids)")
+    src.add_argument("--prompt-ids", action="append", type=_prompt_ids, help="comma-separated ids (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), required=True, help="new tokens per prompt, at most")
+    p.add_argument("--temperature", type=float_in(0.0), default=0.0, help="sampling temperature, 0 = greedy")
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass in (0, 1], 1 = off")
+    p.add_argument("--top-k", type=int_at_least(0), default=0, help="keep the k likeliest tokens, 0 = off")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="sampling seed")
+    p.add_argument("--stop-ids", type=_id_list,
+                   help="comma-separated stop ids, '' for none (default: the checkpoint's eos ids)")
     _add_state_options(p)
     p.set_defaults(func=run_generate)
 
@@ -166,12 +222,16 @@ def add_subcommands(subparsers) -> None:
     _add_state_options(p)
     p.set_defaults(func=run_score)
 
+    from models.training.cli import add_subcommands as add_training_subcommands
+
+    add_training_subcommands(subparsers)  # train-data, train
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="leapquant")
+    """The model commands alone, with the ``leapquant`` CLI's error handling."""
+    parser = ArgumentParser(prog="leapquant")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run_parser(parser, argv)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class MemoryQuery:
 
 
 def state_shapes(method, heads: int, dk: int, dv: int, kda: bool):
+    """The shapes and dtypes (``ShapeDtypeStruct`` pytree) of ``method``'s state for one stream of ``heads`` heads."""
     return jax.eval_shape(lambda: method.init(1, heads, dk, dv, per_channel_decay=kda))
 
 

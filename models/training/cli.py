@@ -1,0 +1,258 @@
+"""``leapquant train-data`` and ``leapquant train``: prepare the corpus, train, export, report.
+
+``train`` does the whole job in one command: trains (resuming from ``--state-dir`` when a
+checkpoint is there), evaluates on held-out text, measures the decay spectrum, plots, exports
+the model as a Hugging Face directory (``config.json``, bf16 ``model.safetensors``, tokenizer
+files) together with ``TRAINING.md``, ``training.json``, the plots, the data file list, a
+held-out snippet for cross-checks, and ``SHA256SUMS``. Run stand-alone with
+``python -m models.training.cli train ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The held-out snippet shipped with a checkpoint (its first tokens of held-out text), on which
+# tests compare our logits with transformers'.
+SNIPPET_TOKENS = 256
+TRAIN_LOSS_STEPS = 50
+# Leaves exported in fp32, as the released checkpoints store them: the decay gates.
+FP32_TENSOR_SUFFIXES = ("A_log", "dt_bias")
+
+
+def run_train_data(args) -> int:
+    from models.training.data import DataSpec, default_source, prepare_data
+
+    source = args.source or default_source()
+    t0 = time.time()
+    try:
+        manifest = prepare_data(source, args.out, spec=DataSpec(vocab_size=args.vocab_size,
+                                                                 held_out_fraction=args.held_out_fraction),
+                                python_version=args.python_version)
+    except FileExistsError as err:
+        print(f"leapquant train-data: error: {err}", file=sys.stderr)
+        return 2
+    summary = {"command": "train-data", "out": str(args.out), "source": manifest["source"],
+               "python_version": manifest["python_version"], "files": manifest["files"],
+               "excluded": len(manifest["excluded"]), "file_list_sha256": manifest["file_list_sha256"],
+               "contents_sha256": manifest["contents_sha256"], "vocab_size": manifest["vocab_size"],
+               "train_tokens": manifest["splits"]["train"]["tokens"],
+               "heldout_tokens": manifest["splits"]["heldout"]["tokens"], "seconds": round(time.time() - t0, 1)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {args.out}: {summary['files']} files of Python {summary['python_version']} "
+              f"({summary['train_tokens']:,} train / {summary['heldout_tokens']:,} held-out tokens, "
+              f"vocab {summary['vocab_size']}); file list sha256 {summary['file_list_sha256']}")
+    return 0
+
+
+def _describe(config, config_json: dict) -> dict:
+    """Words and numbers for TRAINING.md's model table."""
+    types = config.layer_types
+    lin = [i for i, t in enumerate(types) if t == "linear_attention"]
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if config.model_type.startswith("qwen"):
+        return dict(
+            description="Qwen3.5-style hybrid of Gated DeltaNet and gated full attention (3:1)",
+            layout=f"{len(types)} layers; Gated DeltaNet at {lin}, gated full attention at {full}",
+            linear=(f"Gated DeltaNet, {config.linear_num_key_heads} key heads and {config.linear_num_value_heads} "
+                    f"value heads per layer (GVA), dk = {config.linear_key_head_dim}, dv = "
+                    f"{config.linear_value_head_dim}, short convolution {config.linear_conv_kernel_dim}"),
+            attention=(f"{config.num_attention_heads} query heads, {config.num_key_value_heads} KV heads, head dim "
+                       f"{config.head_dim}, output gate, RoPE on {config.partial_rotary_factor:g} of each head"),
+            mlp=f"dense SwiGLU, intermediate size {config.intermediate_size}",
+        )
+    return dict(
+        description="Kimi-Linear-style hybrid of Kimi Delta Attention and multi-head latent attention (3:1)",
+        layout=f"{len(types)} layers; KDA at {lin}, MLA at {full}",
+        linear=(f"KDA, {config.kda_num_heads} heads per layer, dk = dv = {config.kda_head_dim}, per-channel decay, "
+                f"short convolutions {config.kda_conv_kernel}"),
+        attention=(f"MLA, {config.num_attention_heads} heads, kv_lora_rank {config.kv_lora_rank}, qk "
+                   f"{config.qk_nope_head_dim} + {config.qk_rope_head_dim}, v {config.v_head_dim}, no RoPE "
+                   f"(mla_use_nope)"),
+        mlp=f"dense SwiGLU, intermediate size {config.intermediate_size}",
+    )
+
+
+def _command_line(args) -> str:
+    parts = ["leapquant", "train", "--arch", args.arch, "--data", str(args.data), "--out", str(args.out)]
+    for flag in ("name", "size", "state_dir", "minutes", "steps", "batch", "seq_len", "lr", "warmup", "recall_fraction",
+                 "recall_pairs", "recall_min_gap",
+                 "recurrence", "chunk", "seed", "eval_every", "eval_windows", "final_eval_windows",
+                 "spectrum_windows", "reserve_seconds"):
+        value = getattr(args, flag)
+        if value is not None:
+            parts += ["--" + flag.replace("_", "-"), str(value)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def export_tensors(config, params) -> dict:
+    """HF tensors for the shipped file: bf16, except the decay gates (fp32)."""
+    import ml_dtypes
+    import numpy as np
+
+    from models.export import to_hf_tensors
+
+    out = {}
+    for name, x in to_hf_tensors(config, params).items():
+        x = np.asarray(x, np.float32)
+        out[name] = x if name.endswith(FP32_TENSOR_SUFFIXES) else x.astype(ml_dtypes.bfloat16)
+    return out
+
+
+def run_train(args) -> int:
+    t_start = time.time()
+    import jax
+    import numpy as np
+
+    from models.checkpoint import save_hf
+    from models.registry import architecture_for_config
+    from models.training import data as D
+    from models.training import loop, report
+    from models.training.model import hf_config, init_params, parameter_count
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"leapquant train: error: {out} exists and is not an empty directory; not overwriting it", file=sys.stderr)
+        return 2
+    name = args.name or out.name
+    state_dir = Path(args.state_dir) if args.state_dir else Path("out") / "train" / name
+    recall = D.RecallSpec(**{k: v for k, v in dict(fraction=args.recall_fraction, pairs=args.recall_pairs,
+                                                   min_gap=args.recall_min_gap).items() if v is not None})
+    overrides = {k: v for k, v in dict(
+        arch=args.arch, size=args.size or "ship", seq_len=args.seq_len, batch=args.batch, peak_lr=args.lr,
+        warmup_steps=args.warmup, recurrence=args.recurrence, chunk=args.chunk, seed=args.seed,
+        eval_every=args.eval_every, eval_windows=args.eval_windows, final_eval_windows=args.final_eval_windows,
+        steps=args.steps, minutes=args.minutes, reserve_seconds=args.reserve_seconds).items() if v is not None}
+    cfg = loop.TrainConfig(recall=recall, **overrides)
+    corpus = D.load_corpus(args.data)
+    config_json = hf_config(cfg.arch, vocab_size=corpus.vocab_size, eos_token_id=corpus.special(D.EOS), size=cfg.size)
+    arch = architecture_for_config(config_json)
+    config = arch.config_from_hf(config_json)
+    params = init_params(config_json, seed=cfg.seed)
+    trainer = loop.Trainer(arch, config, cfg)
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else (lambda msg: None)
+    log(f"{name}: {parameter_count(params):,} parameters, {cfg.batch} x {cfg.seq_len} tokens per step, "
+        f"state in {state_dir}, device {jax.devices()[0].device_kind}")
+    meta_extra = {"name": name, "config_json": config_json, "data_contents_sha256": corpus.manifest["contents_sha256"]}
+    params, run = loop.train(trainer, corpus, params, state_dir=state_dir, start_time=t_start, meta_extra=meta_extra,
+                             progress=not args.json and not args.no_progress, log=log)
+
+    # final evaluation and spectrum on held-out windows
+    final_windows = D.eval_windows(corpus.heldout, seq_len=cfg.seq_len, max_windows=cfg.final_eval_windows)
+    heldout = loop.heldout_loss(trainer, params, final_windows)
+    recall_acc = loop.recall_accuracy(trainer, params, corpus)
+    spectrum = report.decay_spectrum(arch, config, params, final_windows[: args.spectrum_windows or 16],
+                                     batch=cfg.batch, recurrence=trainer.recurrence)
+    params_np = jax.tree.map(np.asarray, jax.device_get(params))
+    tensors = export_tensors(config, params_np)
+    tail = run.history["train"][-TRAIN_LOSS_STEPS:]
+    d = corpus.manifest
+    heldout_tokens = int(final_windows.shape[0] * cfg.seq_len)
+    tokens_seen = int(run.step * cfg.batch * cfg.seq_len)
+    run_json = {
+        "name": name,
+        "command": _command_line(args),
+        "data": {k: d[k] for k in ("source", "python_version", "selection", "held_out_rule", "files", "file_list_sha256",
+                                   "contents_sha256", "excluded", "splits", "vocab_size", "tokenizer_sha256")},
+        "model": dict(_describe(config, config_json), model_type=config.model_type, parameters=parameter_count(tensors),
+                      bytes=int(sum(x.nbytes for x in tensors.values())), vocab_size=config.vocab_size,
+                      dtype_note="bf16; A_log and dt_bias in fp32, as the released checkpoints store them"),
+        "train": cfg.trajectory(),
+        "progress": {"steps": run.step, "total_steps": run.total_steps, "stopped_by": run.stopped_by or "steps",
+                     "tokens_seen": tokens_seen, "train_seconds": run.train_seconds,
+                     "tokens_per_second": tokens_seen / max(run.train_seconds, 1e-9),
+                     "wall_seconds": time.time() - t_start},
+        "final": {"train_loss": float(np.mean([e["loss"] for e in tail])) if tail else None,
+                  "train_loss_steps": len(tail), "heldout_loss": heldout, "heldout_tokens": heldout_tokens,
+                  "heldout_bits_per_byte": heldout * d["splits"]["heldout"]["tokens"] / d["splits"]["heldout"]["bytes"]
+                  / np.log(2.0), "recall_accuracy": recall_acc},
+        "spectrum": spectrum,
+        "environment": {"device": f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})",
+                        "jax": jax.__version__, "python": sys.version.split()[0]},
+        "history": run.history,
+    }
+    with tempfile.TemporaryDirectory(prefix=f".{name}-report.", dir=state_dir) as tmp:
+        tmp = Path(tmp)
+        report.plot_loss_curve(run.history, tmp / "loss_curve.png", title=f"{name}: loss")
+        report.plot_spectrum(spectrum, tmp / "decay_spectrum.png", title=f"{name}: decay spectrum (held-out text)")
+        run_json["progress"]["wall_seconds"] = time.time() - t_start
+        (tmp / "training.json").write_text(json.dumps(run_json, indent=1) + "\n")
+        (tmp / "TRAINING.md").write_text(report.render_training_md(run_json))
+        snippet = corpus.heldout[:SNIPPET_TOKENS].astype(int).tolist()
+        (tmp / "heldout_snippet.json").write_text(json.dumps({"source": "first tokens of the held-out stream",
+                                                              "ids": snippet}) + "\n")
+        files = {n: tmp / n for n in ("loss_curve.png", "decay_spectrum.png", "training.json", "TRAINING.md",
+                                      "heldout_snippet.json")}
+        files.update({"DATA_FILES.txt": corpus.path / D.FILES_LIST, D.TOKENIZER: corpus.path / D.TOKENIZER,
+                      D.TOKENIZER_CONFIG: corpus.path / D.TOKENIZER_CONFIG})
+        save_hf(out, config_json=config_json, tensors=tensors, files=files)
+    report.write_sha256sums(out)
+    summary = {"command": "train", "out": str(out), "name": name, "steps": run.step, "total_steps": run.total_steps,
+               "stopped_by": run_json["progress"]["stopped_by"], "tokens_seen": tokens_seen,
+               "train_loss": run_json["final"]["train_loss"], "heldout_loss": heldout, "recall_accuracy": recall_acc,
+               "long_memory": spectrum["summary"], "seconds": round(time.time() - t_start, 1)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {out}: {run.step} steps, held-out loss {heldout:.4f}, "
+              f"long-memory summary {spectrum['summary']}, {summary['seconds']} s")
+    return 0
+
+
+def add_subcommands(subparsers) -> None:
+    """Registers ``train-data`` and ``train`` on an argparse subparsers object."""
+    p = subparsers.add_parser("train-data", help="prepare the training corpus (stdlib sources, BPE tokenizer, tokens)")
+    p.add_argument("--out", type=Path, default=Path("out/data"), help="output directory (default out/data)")
+    p.add_argument("--source", type=Path, help="standard-library directory (default: this interpreter's)")
+    p.add_argument("--python-version", help="version label for --source (default: this interpreter's, for its own stdlib)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--held-out-fraction", type=float, default=0.02)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_train_data)
+
+    p = subparsers.add_parser("train", help="train a small GDN or KDA model, export it with TRAINING.md")
+    p.add_argument("--arch", required=True, choices=("gdn", "kda"))
+    p.add_argument("--data", required=True, type=Path, help="directory written by `leapquant train-data`")
+    p.add_argument("--out", required=True, type=Path, help="checkpoint directory to create (HF format)")
+    p.add_argument("--name", help="model name (default: the --out directory's name)")
+    p.add_argument("--size", choices=("ship", "tiny"), help="model size (default ship; tiny for smoke runs)")
+    p.add_argument("--state-dir", type=Path, help="resumable training state (default out/train/NAME)")
+    p.add_argument("--minutes", type=float, help="wall-clock budget of the whole command")
+    p.add_argument("--steps", type=int, help="schedule length in steps")
+    p.add_argument("--batch", type=int, help="rows per step (default 16)")
+    p.add_argument("--seq-len", type=int, help="tokens per row (default 2048)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default 100)")
+    p.add_argument("--recall-fraction", type=float, help="share of rows carrying the recall task (default 0.25; 0 = none)")
+    p.add_argument("--recall-pairs", type=int, help="key-value pairs per recall row (default 32)")
+    p.add_argument("--recall-min-gap", type=int, help="fewest text tokens between pairs and queries (default 1024)")
+    p.add_argument("--recurrence", choices=("chunked", "recurrent"), help="linear-attention form (default chunked)")
+    p.add_argument("--chunk", type=int, help="chunk length of the chunked form (default 64)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--eval-every", type=int, help="steps between held-out evaluations (default 100)")
+    p.add_argument("--eval-windows", type=int, help="held-out windows per periodic evaluation (default 32)")
+    p.add_argument("--final-eval-windows", type=int, help="held-out windows of the final evaluation (default 128)")
+    p.add_argument("--spectrum-windows", type=int, help="held-out windows for the decay spectrum (default 16)")
+    p.add_argument("--reserve-seconds", type=float, help="part of --minutes kept for evaluation and export (default 120)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=run_train)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="leapquant")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
