@@ -1,4 +1,4 @@
-"""Kernel benchmark (DESIGN §6): correctness, variant sweep, then µs per token-step on one layer.
+"""Kernel benchmark (docs/design.md §6): correctness, variant sweep, then µs per token-step on one layer.
 
     python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
                             [--correctness full|ops|none] [--check-bits 8 6 4] [--long-decode TOKENS]

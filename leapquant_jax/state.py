@@ -1,4 +1,4 @@
-"""LeapQuant state types and configuration (DESIGN §4).
+"""LeapQuant state types and configuration (docs/design.md §4).
 
 The state is a pytree of separate arrays, batch and head axes leading:
 

@@ -1,4 +1,4 @@
-"""Trace files: one linear-attention layer's decode inputs, saved as ``.npz`` (DESIGN §5).
+"""Trace files: one linear-attention layer's decode inputs, saved as ``.npz`` (docs/design.md §5).
 
 Keys (all float32): ``q``, ``k`` ``[T, Hk, dk]``, ``v`` ``[T, H, dv]``, ``beta`` ``[T, H]``,
 ``g`` ``[T, H]`` (GDN) or ``[T, H, dk]`` (KDA); optional ``s0`` ``[H, dk, dv]`` initial state.

@@ -44,7 +44,7 @@ Forward
       ``[B, T, ...]`` float32 with the recurrence inputs exactly as the state method sees
       them: ``q``, ``k`` ``[B, T, H, dk]`` (L2-normalised, ``q`` scaled by ``dk**-0.5``, key
       heads already expanded to the ``H`` value heads), ``v [B, T, H, dv]``, ``beta [B, T, H]``,
-      ``g [B, T, H]`` (GDN) or ``[B, T, H, dk]`` (KDA). These are the trace files of DESIGN §5.
+      ``g [B, T, H]`` (GDN) or ``[B, T, H, dk]`` (KDA). These are the trace files of docs/design.md §5.
 
 ``forward`` must be traceable with ``config``, ``method``, ``mode`` and ``record`` static, so
 the decode loop can ``jit`` it and run it inside ``lax.while_loop``.

@@ -38,7 +38,7 @@ PROMPT_BUCKET = 16
 
 
 def make_state_method(name: str, **options):
-    """A state method by its DESIGN §5 name (``fp32``, ``bf16``, ..., ``leapquant``);
+    """A state method by its docs/design.md §5 name (``fp32``, ``bf16``, ..., ``leapquant``);
     ``None``-valued options keep the method's defaults."""
     return leapquant_jax.make_method(name, **{k: v for k, v in options.items() if v is not None})
 
@@ -228,7 +228,7 @@ def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bo
 
 def write_traces(out_dir, traces: dict) -> list[Path]:
     """Writes ``traces[layer]`` (a list of per-row dicts, or a dict of ``[B, T, ...]`` arrays)
-    as DESIGN §5 trace files: ``layer{NN}.npz``, or ``layer{NN}_b{b}.npz`` for batches."""
+    as docs/design.md §5 trace files: ``layer{NN}.npz``, or ``layer{NN}_b{b}.npz`` for batches."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -13,7 +13,7 @@
 
 What the kernels take: integer residuals at 8, 6 or 4 bits (no ``residual_format`` override),
 ``fit="subspace"`` (the exact SVD fit stays in the reference), ``dk`` and ``dv`` in
-{16, 32, 64, 128} (``dk`` divisible by 4 at 6 bits), a power-of-two window from 2 to 32 and
+{16, 32, 64, 128} (``dk`` a multiple of 64 at 6 bits and of 32 at 4 bits: code planes of at least 16 rows), a power-of-two window from 2 to 32 and
 ``r <= 8`` Compensator Tokens.
 """
 

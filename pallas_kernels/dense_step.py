@@ -1,4 +1,4 @@
-"""Dense per-step GDN/KDA decode step, state in fp32 or bf16: the baselines (DESIGN §2, §6).
+"""Dense per-step GDN/KDA decode step, state in fp32 or bf16: the baselines (docs/design.md §2, §6).
 
 Why: the per-step baselines must run as Pallas kernels too, so the LeapQuant kernels are
 compared Pallas against Pallas as well as against FLA's fp32 ``fused_recurrent`` kernels.

@@ -1,4 +1,4 @@
-"""LeapQuant window flush (DESIGN §3, §6): reconstruct ``S_p``, fit, smooth, quantize, write.
+"""LeapQuant window flush (docs/design.md §3, §6): reconstruct ``S_p``, fit, smooth, quantize, write.
 
 Why: once per window the state is materialised in fp32 and rounded once into the next
 checkpoint. Two implementations with one contract (``impl``):

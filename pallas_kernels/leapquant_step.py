@@ -1,4 +1,4 @@
-"""LeapQuant decode step inside a window (DESIGN §3, §6): GDN (scalar decay) and KDA (per-channel).
+"""LeapQuant decode step inside a window (docs/design.md §3, §6): GDN (scalar decay) and KDA (per-channel).
 
 Why: a step inside a window writes no state, only its record, and reads the quantized
 checkpoint instead of an fp32 state. The step's cost is the bytes it reads, so the kernel

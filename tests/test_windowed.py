@@ -154,7 +154,7 @@ def test_checkpoint_layout_and_bytes():
     assert ck.residual.scale.shape == (2, 3, 128) and ck.smooth.shape == (2, 3, 128)
     assert ck.comp_k.shape == (2, 3, 4, 128) and ck.comp_k.dtype == jnp.float16
     from leapquant_jax.quantizers import tree_bytes
-    assert tree_bytes(ck) == 2 * 3 * 19456           # DESIGN §4: 19,456 bytes per head
+    assert tree_bytes(ck) == 2 * 3 * 19456           # docs/design.md §4: 19,456 bytes per head
     assert state.buffer.k.shape == (2, 3, 16, 128) and state.pos.shape == (2,)
 
 
