@@ -5,6 +5,7 @@ windows of ``p`` tokens; inside a window the tokens are buffered as high-precisi
 (paper: "LeapQuant: Efficient Linear Attention with Accurate Recurrent State Quantization").
 """
 
+from .chunked import chunk_delta_rule
 from .compensators import cholesky_qr2, fit_subspace, fit_svd, smoothing_scales
 from .methods import METHOD_NAMES, PerStepMethod, WindowedMethod, make_method
 from .quantizers import FloatFormat, Fp8Format, IntFormat, get_format, pack_codes, unpack_codes
@@ -26,6 +27,7 @@ __all__ = [
     "WindowBuffer",
     "WindowedMethod",
     "cholesky_qr2",
+    "chunk_delta_rule",
     "delta_rule_token",
     "expand_heads",
     "fit_subspace",

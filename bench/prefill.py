@@ -1,0 +1,395 @@
+"""Prefill benchmark: tokens/s of the chunkwise-parallel delta rule against FLA's chunk kernels.
+
+    python -m bench.prefill [--tokens 4096 16384 65536] [--batches 1 8] [--heads 32] [--dim 128]
+                            [--chunk 64] [--group 64] [--precisions highest default]
+                            [--check-tokens 4096] [--serial-tokens 16384] [--commit HASH]
+                            [--out bench/results] [--tiny]
+
+One layer of ``--heads`` heads, ``dk = dv = --dim``, GDN and KDA, fp32 inputs (L2-normalised keys
+with a few outlier channels, decays near 1, ``beta`` in (0, 1), as in ``bench.kernels``), every
+``(T, batch)`` in one run. In this order:
+
+1. FLA, in a child process (so that PyTorch and JAX never compete for GPU memory): its fp32
+   ``chunk_gated_delta_rule`` / ``chunk_kda`` (``scale=1``, gates in log space, keys already
+   normalised, ``output_final_state=True``, under ``torch.inference_mode``) on the correctness
+   inputs, then timed per case (CUDA events via ``triton.testing.do_bench``, median after
+   warm-up). Without ``fla`` or CUDA this step reports "fla unavailable".
+2. Correctness (``--check-tokens`` tokens, batch 1, with an initial state): ours (each
+   precision) and FLA against the token-serial fp32 ``recurrent_scan``, and ours against FLA:
+   ``||a - b|| / ||b||`` on the outputs and the final state.
+3. Ours, ``jax.jit(chunk_delta_rule)`` at each precision (``highest``: fp32 matmuls, the default
+   of the function; ``default``: TF32 on the GPU, the math FLA's fp32 kernels use), timed with the
+   host clock around back-to-back calls after warm-up (``block_until_ready``), median over
+   repeats; and the token-serial ``recurrent_scan`` at batch 1, ``--serial-tokens`` tokens.
+
+A case that does not fit in memory is skipped and marked so (never a crash), and so are the
+timings left when ``--time-budget`` seconds have passed (the default run is meant to end well
+inside a 10-minute limit; the first precision is timed over every case before the second).
+Results go to ``<out>/prefill-<UTC time>.json`` and ``.md`` (date, GPU, versions, commit,
+command), saved after every case. ``--tiny`` runs a small configuration on the CPU as a smoke
+test. FLA comes from the ``fla-core`` package (0.6.0 was used when this was written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FLA's child process needs the GPU too
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.kernels import environment, git_commit, random_sequence, rel, time_loop
+from leapquant_jax.chunked import chunk_delta_rule
+from leapquant_jax.recurrence import recurrent_scan
+
+PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
+MODES = ("GDN", "KDA")
+
+
+def _oom(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemory" in text
+
+
+def _short(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err)[:300]}"
+
+
+def _peak_gb():
+    """Peak device memory of this process so far (GB), where the backend reports it."""
+    try:
+        return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9 or None
+    except Exception:
+        return None
+
+
+def check_inputs(seed, t, h, dk, dv):
+    """Host (NumPy) inputs of both modes for the correctness check, batch 1, with ``s0``."""
+    out = {}
+    for kda in (False, True):
+        x = random_sequence(jax.random.PRNGKey(seed + kda), 1, t, h, dk, dv, kda)
+        x = {n: np.asarray(a, np.float32) for n, a in x.items()}
+        x["s0"] = np.asarray(jax.random.normal(jax.random.PRNGKey(seed + 7), (1, h, dk, dv)) * 0.3, np.float32)
+        out[MODES[kda]] = x
+    return out
+
+
+# ----------------------------------------------------------------------------- FLA (child process)
+
+
+def fla_worker(spec_path: str) -> None:
+    """Runs in the child process: FLA on the check inputs, then per-case timings; results are
+    rewritten to ``spec["out"]`` after every step."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    res = dict(check={}, timings=[], error=None)
+
+    def save():
+        with open(spec["out"], "w") as f:
+            json.dump(res, f)
+
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.kda import chunk_kda
+        from triton.testing import do_bench
+    except Exception as err:  # reported in the results
+        res["error"] = f"fla unavailable: {_short(err)}"
+        save()
+        return
+    fns = {"GDN": chunk_gated_delta_rule, "KDA": chunk_kda}
+
+    def call(mode, x, h0):
+        with torch.inference_mode():
+            return fns[mode](q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], scale=1.0,
+                             initial_state=h0, output_final_state=True)
+
+    data = np.load(spec["check_npz"])
+    outs = {}
+    for mode in MODES:
+        x = {n: torch.from_numpy(data[f"{mode}_{n}"]).cuda() for n in ("q", "k", "v", "g", "beta")}
+        h0 = torch.from_numpy(data[f"{mode}_s0"]).cuda()
+        try:
+            o, s = call(mode, x, h0)
+            outs[f"{mode}_o"], outs[f"{mode}_s"] = o.float().cpu().numpy(), s.float().cpu().numpy()
+        except Exception as err:
+            res["check"][mode] = _short(err)
+        del x, h0
+    np.savez(spec["check_out"], **outs)
+    save()
+
+    for t, bsz in spec["cases"]:
+        for mode in MODES:
+            row = dict(mode=mode, tokens=t, batch=bsz, impl="FLA fp32 chunk")
+            try:
+                row["seconds"] = _time_fla(torch, do_bench, call, spec, mode, bsz, t)
+            except Exception as err:
+                row["skipped"] = "out of memory" if _oom(err) else _short(err)
+            torch.cuda.empty_cache()
+            res["timings"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+
+
+def _time_fla(torch, do_bench, call, spec, mode, bsz, t):
+    """Seconds per call of FLA (median of CUDA-event timings after warm-up)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = _torch_inputs(torch, gen, bsz, t, spec["heads"], spec["dim"], spec["dim"], mode == "KDA")
+    ms = do_bench(lambda: call(mode, x, None), warmup=spec["warmup_ms"], rep=spec["rep_ms"], return_mode="median")
+    return ms * 1e-3
+
+
+def _torch_inputs(torch, gen, bsz, t, h, dk, dv, kda):
+    """``random_sequence``'s distribution, drawn on the GPU by PyTorch."""
+    chan = torch.ones(dk, device="cuda")
+    chan[[3, 17, dk - 5]] = 6.0
+    k = torch.nn.functional.normalize(torch.randn(bsz, t, h, dk, device="cuda", generator=gen) * chan, dim=-1)
+    q = torch.nn.functional.normalize(torch.randn(bsz, t, h, dk, device="cuda", generator=gen) * chan, dim=-1) / dk ** 0.5
+    v = torch.randn(bsz, t, h, dv, device="cuda", generator=gen)
+    gshape = (bsz, t, h, dk) if kda else (bsz, t, h)
+    g = -torch.nn.functional.softplus(torch.randn(*gshape, device="cuda", generator=gen) - 4.0)
+    beta = torch.sigmoid(torch.randn(bsz, t, h, device="cuda", generator=gen))
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def run_fla(args, cases, check, log):
+    """FLA in a child process; returns its results (``error`` set when it could not run)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = dict(cases=cases, heads=args.heads, dim=args.dim, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                    check_npz=os.path.join(tmp, "check.npz"), check_out=os.path.join(tmp, "fla_check.npz"),
+                    out=os.path.join(tmp, "fla.json"))
+        np.savez(spec["check_npz"], **{f"{m}_{n}": a for m, x in check.items() for n, a in x.items()})
+        with open(os.path.join(tmp, "spec.json"), "w") as f:
+            json.dump(spec, f)
+        res = dict(check={}, timings=[], error=None)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "bench.prefill", "--fla-worker", os.path.join(tmp, "spec.json")],
+                                  timeout=args.fla_timeout)
+            if proc.returncode:
+                res["error"] = f"FLA child process exited with {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            res["error"] = f"FLA child process timed out after {args.fla_timeout} s"
+        if os.path.exists(spec["out"]):
+            with open(spec["out"]) as f:
+                got = json.load(f)
+            res.update(check=got["check"], timings=got["timings"], error=got["error"] or res["error"])
+        outs = {}
+        if os.path.exists(spec["check_out"]):
+            with np.load(spec["check_out"]) as z:
+                outs = {n: z[n] for n in z.files}
+        res["outputs"] = outs
+    if res["error"]:
+        log(res["error"])
+    return res
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def ours(chunk, group, precision):
+    return jax.jit(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=chunk, group=group, precision=precision))
+
+
+def check_correctness(args, check, fla_out, log):
+    rows = []
+    scan = jax.jit(lambda x, s0: recurrent_scan(s0, **x))
+    for mode in MODES:
+        host = check[mode]
+        x = {n: jnp.asarray(host[n]) for n in ("q", "k", "v", "g", "beta")}
+        s0 = jnp.asarray(host["s0"])
+        o_ref, s_ref = (np.asarray(a) for a in scan(x, s0))
+        fla = (fla_out.get(f"{mode}_o"), fla_out.get(f"{mode}_s"))
+        for pname in args.precisions:
+            o, s = (np.asarray(a) for a in ours(args.chunk, args.group, PRECISIONS[pname])(x, s0))
+            row = dict(mode=mode, tokens=host["v"].shape[1], check=f"ours ({pname}) vs recurrent_scan",
+                       o_rel_err=rel(o, o_ref), state_rel_err=rel(s, s_ref), finite=bool(np.isfinite(o).all()))
+            rows.append(row)
+            log(row)
+            if fla[0] is not None:
+                row = dict(mode=mode, tokens=host["v"].shape[1], check=f"ours ({pname}) vs FLA chunk",
+                           o_rel_err=rel(o, fla[0]), state_rel_err=rel(s, fla[1]))
+                rows.append(row)
+                log(row)
+        if fla[0] is not None:
+            row = dict(mode=mode, tokens=host["v"].shape[1], check="FLA chunk vs recurrent_scan",
+                       o_rel_err=rel(fla[0], o_ref), state_rel_err=rel(fla[1], s_ref))
+            rows.append(row)
+            log(row)
+        del x, s0
+    return rows
+
+
+def time_ours(fn, bsz, t, h, dk, dv, kda, *, repeats, min_seconds):
+    """Seconds per call (median), or raises."""
+    x = jax.jit(random_sequence, static_argnums=(1, 2, 3, 4, 5, 6))(jax.random.PRNGKey(0), bsz, t, h, dk, dv, kda)
+    s0 = jnp.zeros((bsz, h, dk, dv), jnp.float32)
+    return time_loop(lambda c: fn(x, s0), None, min_seconds=min_seconds, repeats=repeats) * 1e-6
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--group", type=int, default=64, help="chunk_delta_rule's group (chunks in parallel at a time)")
+    ap.add_argument("--precisions", nargs="+", choices=sorted(PRECISIONS), default=["highest", "default"])
+    ap.add_argument("--check-tokens", type=int, default=4096)
+    ap.add_argument("--serial-tokens", type=int, default=16384, help="token-serial recurrent_scan at batch 1 (0: skip)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-seconds", type=float, default=0.25, help="host-clock time per repeat (JAX)")
+    ap.add_argument("--warmup-ms", type=int, default=200, help="FLA warm-up (do_bench)")
+    ap.add_argument("--rep-ms", type=int, default=1000, help="FLA timed time (do_bench)")
+    ap.add_argument("--fla-timeout", type=int, default=240, help="seconds for the FLA child process")
+    ap.add_argument("--time-budget", type=int, default=500,
+                    help="seconds after which the remaining timings are skipped (and marked so)")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="small CPU smoke test")
+    ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--fla-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.fla_worker:
+        return fla_worker(args.fla_worker)
+    if args.tiny:
+        args.tokens, args.batches, args.heads, args.dim = [100, 256], [1, 2], 2, 32
+        args.chunk, args.check_tokens, args.serial_tokens = 16, 130, 256
+        args.repeats, args.min_seconds = 2, 0.05
+
+    def log(x):
+        print(json.dumps(x) if isinstance(x, dict) else x, flush=True)
+
+    start = time.perf_counter()
+    env = environment(args.commit or git_commit())
+    env["command"] = " ".join([os.path.basename(sys.executable), "-m", "bench.prefill"] + sys.argv[1:])
+    log(env)
+    cases = sorted(((t, b) for t in args.tokens for b in args.batches), key=lambda c: (c[0] * c[1], c[0]))
+    results = dict(environment=env, config=dict(heads=args.heads, dk=args.dim, dv=args.dim, chunk=args.chunk,
+                                                group=args.group, cases=cases, precisions=args.precisions),
+                   correctness=[], timings=[], notes=[])
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"prefill-{stamp}")
+
+    def save():  # after every case, so that a run cut short still leaves its tables
+        for r in results["timings"]:
+            if "seconds" in r:
+                r["tokens_per_s"] = r["batch"] * r["tokens"] / r["seconds"]
+        results["ratios"] = ratios(results["timings"])
+        with open(base + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+        with open(base + ".md", "w") as f:
+            f.write(markdown(results))
+
+    check = check_inputs(0, args.check_tokens, args.heads, args.dim, args.dim)
+    fla = dict(check={}, timings=[], outputs={}, error="not run (--no-fla)")
+    if not args.no_fla:
+        t0 = time.perf_counter()
+        fla = run_fla(args, cases, check, log)
+        results["notes"].append(f"FLA child process: {time.perf_counter() - t0:.0f} s")
+    if fla["error"]:
+        results["notes"].append(fla["error"])
+    for mode, err in fla["check"].items():
+        results["notes"].append(f"FLA {mode} on the check inputs failed: {err}")
+    results["timings"] += fla["timings"]
+    results["correctness"] = check_correctness(args, check, fla["outputs"], log)
+    save()
+
+    h, dk, dv = args.heads, args.dim, args.dim
+
+    def timed(row, fn, bsz, t, kda, repeats):
+        if time.perf_counter() - start > args.time_budget:
+            row["skipped"] = f"time budget ({args.time_budget} s) spent"
+        else:
+            try:
+                row["seconds"] = time_ours(fn, bsz, t, h, dk, dv, kda, repeats=repeats, min_seconds=args.min_seconds)
+            except Exception as err:  # a case that does not fit is reported, not fatal
+                row["skipped"] = "out of memory" if _oom(err) else _short(err)
+        row["peak_gb_so_far"] = _peak_gb()
+        results["timings"].append(row)
+        log(row)
+        save()
+
+    # The first precision over every case first, so that a run cut short keeps the headline.
+    for i, pname in enumerate(args.precisions):
+        for t, bsz in cases:
+            for mode in MODES:
+                timed(dict(mode=mode, tokens=t, batch=bsz, impl=f"ours chunk_delta_rule ({pname})"),
+                      ours(args.chunk, args.group, PRECISIONS[pname]), bsz, t, mode == "KDA", args.repeats)
+        if i == 0 and args.serial_tokens:
+            scan = jax.jit(lambda x, s0: recurrent_scan(s0, **x))
+            for mode in MODES:
+                timed(dict(mode=mode, tokens=args.serial_tokens, batch=1, impl="token-serial recurrent_scan"),
+                      scan, 1, args.serial_tokens, mode == "KDA", max(2, args.repeats // 2))
+    save()
+    log(markdown(results))
+    return results
+
+
+def ratios(timings):
+    """Per case and mode: our tokens/s over FLA's, per precision."""
+    fla = {(r["mode"], r["tokens"], r["batch"]): r for r in timings if r["impl"].startswith("FLA") and "seconds" in r}
+    out = []
+    for r in timings:
+        key = (r["mode"], r["tokens"], r["batch"])
+        if r["impl"].startswith("ours") and "seconds" in r and key in fla:
+            out.append(dict(mode=r["mode"], tokens=r["tokens"], batch=r["batch"], impl=r["impl"],
+                            ratio_vs_fla=fla[key]["seconds"] / r["seconds"]))
+    return out
+
+
+def markdown(results) -> str:
+    env, cfg = results["environment"], results["config"]
+    out = [f"# Prefill benchmark ({env.get('gpu') or env['devices']})", "",
+           f"date {env['date']}; jax {env['jax']}; torch {env.get('torch')}; triton {env.get('triton')}; "
+           f"fla-core {env.get('fla')}; commit {env.get('commit')}; command `{env['command']}`", "",
+           f"One layer, {cfg['heads']} heads, dk = {cfg['dk']}, dv = {cfg['dv']}, fp32 inputs; ours: chunk "
+           f"{cfg['chunk']}, group {cfg['group']}. Tokens/s = batch x T / time of one whole-sequence call "
+           "(median).", ""]
+    if results["correctness"]:
+        out += ["## Correctness (batch 1, with an initial state)", "",
+                "| mode | T | check | o rel err | state rel err |", "| --- | --- | --- | --- | --- |"]
+        for r in results["correctness"]:
+            out.append(f"| {r['mode']} | {r['tokens']} | {r['check']} | {r['o_rel_err']:.2e} | {r['state_rel_err']:.2e} |")
+        out.append("")
+    rows = results["timings"]
+    if rows:
+        out += ["## Throughput", "", "| mode | T | batch | impl | ms | tokens/s | x FLA |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        ratio = {(r["mode"], r["tokens"], r["batch"], r["impl"]): r["ratio_vs_fla"] for r in results.get("ratios", [])}
+        for r in sorted(rows, key=lambda r: (r["mode"], r["tokens"], r["batch"], r["impl"])):
+            if "seconds" not in r:
+                out.append(f"| {r['mode']} | {r['tokens']} | {r['batch']} | {r['impl']} | skipped: {r.get('skipped')} | | |")
+                continue
+            x = ratio.get((r["mode"], r["tokens"], r["batch"], r["impl"]))
+            tps = r["batch"] * r["tokens"] / r["seconds"]
+            out.append(f"| {r['mode']} | {r['tokens']} | {r['batch']} | {r['impl']} | {r['seconds'] * 1e3:.2f} | "
+                       f"{tps:,.0f} | {'-' if x is None else f'{x:.2f}'} |")
+        out.append("")
+        for impl in sorted({r["impl"] for r in results.get("ratios", [])}):
+            xs = sorted(r["ratio_vs_fla"] for r in results["ratios"] if r["impl"] == impl)
+            met = sum(x >= 0.5 for x in xs)
+            out.append(f"- {impl}: {xs[0]:.2f} to {xs[-1]:.2f} x FLA's tokens/s (median {xs[len(xs) // 2]:.2f}) "
+                       f"over {len(xs)} cases; the target of 0.5x is met in {met}.")
+        out.append("")
+    for n in results.get("notes", []):
+        out.append(f"- {n}")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The chunkwise-parallel form of the gated delta rule (GDN and KDA), for training and prefill.
+
+The token-serial recurrence (``recurrence.recurrent_scan``) is exact but serial in ``T``. Here
+the sequence is cut into chunks of ``C`` tokens. With ``G_i`` the cumulative log-decay from the
+chunk start to token ``i`` (inclusive; scalar for GDN, per key channel for KDA) and ``S0`` the
+state at the chunk start, the state after ``i`` tokens of the chunk is
+
+    S_i = Diag(e^{G_i}) S0 + sum_{j<=i} Diag(e^{G_i - G_j}) k_j u_j^T,
+
+and the corrections ``u_i = beta_i (v_i - S_{i-1}^T (alpha_i * k_i))`` solve a unit
+lower-triangular system ``(I + A) U = diag(beta) (V - Ktil S0)`` with
+``A_ij = beta_i k_i^T (e^{G_i - G_j} * k_j)`` (``j < i``) and ``Ktil_i = e^{G_i} * k_i``.
+Its inverse ``T = (I + A)^{-1}`` gives the WY / UT-transform representation
+
+    W = T diag(beta) Ktil,   Uv = T diag(beta) V,   U = Uv - W S0,
+
+all computed with matmuls for every chunk at once. The chunk's final state is then an affine
+map of its initial one, ``S_C = Diag(e^{G_C}) S0 + sum_j (e^{G_C - G_j} * k_j) u_j^T = M S0 + D``
+with ``M = Diag(e^{G_C}) - Khat^T W`` and ``D = Khat^T Uv`` (``Khat_j = e^{G_C - G_j} * k_j``),
+so the ``lax.scan`` over chunks, the only serial part, is one ``[dk, dk] x [dk, dv]`` matmul per
+chunk. The corrections ``U = Uv - W S0`` and the outputs
+``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again,
+off the serial path. Long sequences run ``group`` chunks at a time (bounded memory).
+
+Numerics: every exponent is a difference ``G_i - G_j`` with ``j <= i`` (or a decay from the
+chunk start), so it is ``<= 0``; differences of the wrong sign are masked *before* ``exp``
+(neither the value nor its gradient can overflow), and no product of decays is ever divided
+by. For KDA the pairwise decay is per channel, so ``A`` and ``q k^T`` are not plain matmuls:
+pairs within a sub-chunk of 16 tokens are reduced directly from ``e^{G_i - G_j}``, and pairs
+across sub-chunks factor through the sub-chunk boundaries into two factors that are each
+``<= 1`` (FLA's ``chunk_kda`` uses the same split). Log-decays are clamped at ``-104``, below
+which ``exp`` is exactly 0 in fp32, so the recurrence's decay is unchanged while cumulative sums
+stay small. Pair decays are differences of cumulative sums within a chunk: after a token with
+log-decay ``-x`` earlier in the same chunk they carry an absolute error of about ``x * 2^-24``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .recurrence import check_sequence, expand_heads
+
+Array = jax.Array
+HI = jax.lax.Precision.HIGHEST
+
+# exp(x) rounds to 0 in fp32 (subnormals included) for x < -103.97: clamping log-decays here
+# leaves every decay of the recurrence unchanged and keeps a chunk's cumulative sums small.
+LOG_DECAY_FLOOR = -104.0
+
+# KDA: token pairs inside a sub-chunk of this many tokens are reduced elementwise.
+SUB_CHUNK = 16
+
+
+def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
+    """``(I + a)^{-1}`` for strictly lower-triangular ``a [..., n, n]``, ``n`` a power of two.
+
+    Recursive 2x2 block inversion, ``[[L11, 0], [L21, L22]]^{-1} =
+    [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]]``, from 1x1 blocks up: only matmuls, and every
+    intermediate is a block of the final inverse (no Neumann-series powers that can grow).
+    """
+    n = a.shape[-1]
+    lead = a.shape[:-2]
+    inv = jnp.ones(lead + (n, 1, 1), a.dtype)                     # inverses of the 1x1 diagonal blocks
+    b = 1
+    while b < n:
+        m = n // (2 * b)
+        blocks = a.reshape(lead + (m, 2 * b, m, 2 * b))
+        diag = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)   # [..., m, 2b, 2b]
+        low = diag[..., b:, :b]                                                # L21 [..., m, b, b]
+        pair = inv.reshape(lead + (m, 2, b, b))
+        i11, i22 = pair[..., 0, :, :], pair[..., 1, :, :]
+        off = -jnp.matmul(jnp.matmul(i22, low, precision=precision), i11, precision=precision)
+        zero = jnp.zeros_like(i11)
+        inv = jnp.concatenate([jnp.concatenate([i11, zero], -1), jnp.concatenate([off, i22], -1)], -2)
+        b *= 2
+    return inv.reshape(lead + (n, n))
+
+
+def _masked_exp(x: Array, mask: Array) -> Array:
+    """``exp(x)`` where ``mask``, 0 elsewhere; the argument is masked first, so a large positive
+    ``x`` outside the mask overflows neither the value nor the gradient."""
+    return jnp.exp(jnp.where(mask, x, -jnp.inf))
+
+
+def _pair_scores_gdn(q: Array, k: Array, G: Array, precision) -> Array:
+    """GDN: ``[k_i . k_j, q_i . k_j] * e^{G_i - G_j}`` for ``j <= i``, 0 above.
+
+    q, k ``[..., C, dk]``; G ``[..., C]``. Returns ``[..., 2, C, C]`` (``k k^T`` then ``q k^T``).
+    """
+    c = G.shape[-1]
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    decay = _masked_exp(G[..., :, None] - G[..., None, :], causal)
+    scores = jnp.einsum("...xic,...jc->...xij", jnp.stack([k, q], axis=-3), k, precision=precision)
+    return scores * decay[..., None, :, :]
+
+
+def _pair_scores_kda(q: Array, k: Array, g: Array, precision) -> tuple[Array, Array]:
+    """KDA: ``sum_c [k_ic, q_ic] k_jc e^{G_ic - G_jc}`` for ``j <= i`` and the cumulative log-decay.
+
+    q, k, g ``[..., C, dk]`` (g the per-token log-decay). Returns ``[..., 2, C, C]`` (``k k^T``
+    then ``q k^T``, decayed) and the chunk-relative cumulative log-decay ``G [..., C, dk]``.
+
+    With sub-chunks of ``s`` tokens: local cumulative sums ``L`` inside each sub-chunk, totals
+    ``tot`` per sub-chunk. For ``i`` in sub-chunk ``a`` and ``j`` in an earlier one ``b``,
+    ``G_i - G_j = L_i + (sum of totals strictly between b and a) + (tot_b - L_j)``: three
+    non-positive terms, so ``(k_i e^{L_i}) . (k_j e^{tot_b - L_j + between})`` is a matmul of
+    factors <= 1. Pairs inside one sub-chunk use ``e^{L_i - L_j}`` directly: an elementwise
+    product reduced over ``dk`` (one reduction for both rows, so XLA fuses it and never
+    materialises ``[s, s, dk]``).
+    """
+    *lead, c, dk = k.shape
+    lead = tuple(lead)
+    s = min(SUB_CHUNK, c)
+    n = c // s
+    split = lambda x: x.reshape(lead + (n, s, dk))               # noqa: E731
+    ks, gs = split(k), split(g)
+    rows = jnp.stack([ks, split(q)], axis=-4)                    # [.., 2, n, s, dk]
+    L = jnp.cumsum(gs, axis=-2)                                  # [.., n, s, dk] local inclusive
+    tot = L[..., -1, :]                                          # [.., n, dk]
+    ctot = jnp.cumsum(tot, axis=-2)                              # through the end of sub-chunk a
+    start = jnp.concatenate([jnp.zeros_like(ctot[..., :1, :]), ctot[..., :-1, :]], axis=-2)   # before a
+    G = (start[..., :, None, :] + L).reshape(lead + (c, dk))
+
+    # within a sub-chunk
+    causal = jnp.tril(jnp.ones((s, s), bool))[..., None]
+    decay = _masked_exp(L[..., :, None, :] - L[..., None, :, :], causal)                # [.., n, s, s, dk]
+    inner = jnp.sum(rows[..., :, None, :] * (ks[..., None, :, :] * decay)[..., None, :, :, :, :], axis=-1)
+    scores = jnp.einsum("...xaij,ab->...xaibj", inner, jnp.eye(n, dtype=k.dtype))       # [.., 2, n, s, n, s]
+    if n > 1:
+        # across sub-chunks: sub-chunk a (rows) reads an earlier sub-chunk b (columns)
+        between = start[..., :, None, :] - ctot[..., None, :, :]                         # [.., a, b, dk]
+        earlier = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :])[:, :, None, None]   # [a, b, 1, 1]
+        right = ks[..., None, :, :, :] * _masked_exp(
+            between[..., :, :, None, :] + (tot[..., :, None, :] - L)[..., None, :, :, :], earlier)   # [.., a, b, s, dk]
+        scores = scores + jnp.einsum("...xaic,...abjc->...xaibj", rows * jnp.exp(L)[..., None, :, :, :], right,
+                                     precision=precision)
+    return scores.reshape(lead + (2, c, c)), G
+
+
+def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision):
+    """Everything about a chunk that does not depend on its initial state ``S0``.
+
+    q, k ``[..., C, dk]``; v ``[..., C, dv]``; g ``[..., C]`` (GDN) or ``[..., C, dk]`` (KDA);
+    beta ``[..., C]``. Returns ``(w, uv, trans, drive, q_start, p)`` with ``U = uv - w S0``
+    ``[..., C, dv]``, the chunk as an affine map of its initial state
+    ``S_C = trans S0 + drive`` (``trans = Diag(e^{G_C}) - k_end^T w`` ``[..., dk, dk]``,
+    ``drive = k_end^T uv`` ``[..., dk, dv]``, ``k_end_j = e^{G_C - G_j} * k_j``) and the outputs
+    ``o = q_start S0 + p U``.
+    """
+    c, dk = k.shape[-2:]
+    if g.ndim == k.ndim:
+        scores, G = _pair_scores_kda(q, k, g, precision)
+        G_end = G[..., -1:, :]
+    else:
+        G = jnp.cumsum(g, axis=-1)
+        scores = _pair_scores_gdn(q, k, G, precision)
+        G, G_end = G[..., None], G[..., -1:, None]
+    kk, p = scores[..., 0, :, :], scores[..., 1, :, :]
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    t = unit_lower_inverse(jnp.where(strict, beta[..., :, None] * kk, 0.0), precision=precision)
+    w = jnp.matmul(t, (beta[..., None] * jnp.exp(G)) * k, precision=precision)
+    uv = jnp.matmul(t, beta[..., None] * v, precision=precision)
+    k_end = k * jnp.exp(G_end - G)
+    decay = jnp.broadcast_to(jnp.exp(G_end[..., 0, :]), k.shape[:-2] + (dk,))
+    trans = decay[..., :, None] * jnp.eye(dk, dtype=k.dtype) - jnp.einsum("...ck,...cj->...kj", k_end, w,
+                                                                          precision=precision)
+    drive = jnp.einsum("...ck,...cv->...kv", k_end, uv, precision=precision)
+    return w, uv, trans, drive, q * jnp.exp(G), p
+
+
+def _chunk_layout(x: Array, groups: int, per_group: int, chunk: int) -> Array:
+    """``[B, T', H, ...] -> [groups, per_group, B, H, C, ...]`` (``T' = groups * per_group * C``)."""
+    b, _, h = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.reshape((b, groups, per_group, chunk, h) + rest)
+    return jnp.moveaxis(x, (1, 2, 4), (0, 1, 3))
+
+
+def chunk_delta_rule(
+    *,
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    initial_state: Optional[Array] = None,
+    lengths: Optional[Array] = None,
+    chunk: int = 64,
+    group: int = 64,
+    precision=HI,
+) -> tuple[Array, Array]:
+    """The GDN/KDA delta rule over a sequence in chunkwise-parallel form (same result as
+    ``recurrent_scan`` up to fp32 round-off), differentiable and jit-able.
+
+    Args (keyword-only):
+      q, k: ``[B, T, Hk, dk]``, L2-normalised, ``q`` carrying its scale; GVA when ``Hk < H``
+        (value head ``j`` reads key head ``j // (H // Hk)``).
+      v: ``[B, T, H, dv]``; g: ``[B, T, H]`` (GDN) or ``[B, T, H, dk]`` (KDA) log-decays ``<= 0``;
+        beta: ``[B, T, H]``.
+      initial_state: ``[B, H, dk, dv]`` or ``None`` (zeros).
+      lengths: ``[B]`` integers in ``[0, T]`` or ``None`` (all ``T``): valid tokens of right-padded
+        rows. Row ``b``'s final state is the state after its first ``lengths[b]`` tokens; its
+        outputs past ``lengths[b]`` are unspecified (finite for finite inputs).
+      chunk: tokens per chunk, a power of two (``T`` need not be a multiple: it is padded).
+      group: chunks whose intra-chunk work runs in parallel at a time (bounds the memory of
+        long sequences; the state is carried from group to group).
+      precision: of the matmuls. ``HIGHEST`` (default) is fp32; ``DEFAULT`` lets a GPU use TF32
+        (faster, about 1e-3 relative error).
+    Returns ``(o [B, T, H, dv] fp32, final_state [B, H, dk, dv] fp32)``.
+    """
+    bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
+    dk, dv = q.shape[-1], v.shape[-1]
+    if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk!r}")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive number of chunks, got {group!r}")
+    if initial_state is None:
+        initial_state = jnp.zeros((bsz, h, dk, dv), jnp.float32)
+    elif initial_state.shape != (bsz, h, dk, dv):
+        raise ValueError(f"initial_state must be [B, H, dk, dv] = {(bsz, h, dk, dv)}, got {initial_state.shape}")
+    f32 = jnp.float32
+    q = expand_heads(q, h, axis=2, name="q").astype(f32)
+    k = expand_heads(k, h, axis=2, name="k").astype(f32)
+    v, beta = v.astype(f32), beta.astype(f32)
+    g = jnp.maximum(g.astype(f32), LOG_DECAY_FLOOR)
+    if lengths is not None:
+        lengths = jnp.asarray(lengths)
+        if lengths.shape != (bsz,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"lengths must be [B] = ({bsz},) integers, got shape {lengths.shape} dtype {lengths.dtype}")
+        try:
+            values = np.asarray(lengths)
+        except jax.errors.TracerArrayConversionError:
+            values = None                  # traced under jit: the values are not known here
+        if values is not None and values.size and (values.min() < 0 or values.max() > t):
+            raise ValueError(f"lengths must lie in [0, T] = [0, {t}], got {values.tolist()}")
+        # A padded token with beta = 0 and g = 0 leaves the state exactly unchanged; k and v are
+        # zeroed too so that non-finite padding cannot reach the state through 0 * inf.
+        valid = jnp.arange(t)[None, :] < lengths[:, None]                                   # [B, T]
+        k, v = (jnp.where(valid[:, :, None, None], x, 0.0) for x in (k, v))
+        beta = jnp.where(valid[:, :, None], beta, 0.0)
+        g = jnp.where(valid.reshape(valid.shape + (1,) * (g.ndim - 2)), g, 0.0)
+
+    n_chunks = max(1, -(-t // chunk))
+    groups = -(-n_chunks // group)
+    per_group = -(-n_chunks // groups)
+    padded = groups * per_group * chunk
+    if padded != t:                      # zero tokens (beta = 0, g = 0) leave the state unchanged
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2))   # noqa: E731
+        q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
+    xs = tuple(_chunk_layout(x, groups, per_group, chunk) for x in (q, k, v, g, beta))   # [Ng, Npg, B, H, C, ...]
+
+    def run_group(state, xs):
+        # Leading axes flattened: fewer dimensions compile faster (and XLA:CPU in JAX 0.10 crashes
+        # on the gradient of the KDA pair reduction with six leading dimensions).
+        lead = xs[0].shape[:3]                                                             # [Npg, B, H]
+        flat = tuple(x.reshape((-1,) + x.shape[3:]) for x in xs)
+        terms = _chunk_terms(*flat, precision)
+        w, uv, trans, drive, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
+
+        def step(s, maps):                 # the serial part: one matmul per chunk
+            a, b = maps
+            return jnp.matmul(a, s, precision=precision) + b, s
+
+        # unrolled: on a GPU, fewer loop iterations (each has a fixed cost) for small batches
+        state, starts = jax.lax.scan(step, state, (trans, drive), unroll=min(4, trans.shape[0]))   # [Npg, B, H, dk, dv]
+        u = uv - jnp.matmul(w, starts, precision=precision)
+        o = jnp.matmul(q_start, starts, precision=precision) + jnp.matmul(p, u, precision=precision)
+        return state, o                                                                    # o [Npg, B, H, C, dv]
+
+    state, o = jax.lax.scan(run_group, initial_state.astype(f32), xs)
+    o = jnp.moveaxis(o, (0, 1, 3), (1, 2, 4)).reshape(bsz, padded, h, dv)
+    return o[:, :t], state
+
+
+__all__ = ["LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "unit_lower_inverse"]
