@@ -40,9 +40,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .recurrence import check_sequence, expand_heads
+from .recurrence import check_lengths, check_sequence, expand_heads
 
 Array = jax.Array
 HI = jax.lax.Precision.HIGHEST
@@ -228,15 +227,8 @@ def chunk_delta_rule(
     v, beta = v.astype(f32), beta.astype(f32)
     g = jnp.maximum(g.astype(f32), LOG_DECAY_FLOOR)
     if lengths is not None:
+        check_lengths(lengths, bsz, t)
         lengths = jnp.asarray(lengths)
-        if lengths.shape != (bsz,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-            raise ValueError(f"lengths must be [B] = ({bsz},) integers, got shape {lengths.shape} dtype {lengths.dtype}")
-        try:
-            values = np.asarray(lengths)
-        except jax.errors.TracerArrayConversionError:
-            values = None                  # traced under jit: the values are not known here
-        if values is not None and values.size and (values.min() < 0 or values.max() > t):
-            raise ValueError(f"lengths must lie in [0, T] = [0, {t}], got {values.tolist()}")
         # A padded token with beta = 0 and g = 0 leaves the state exactly unchanged; k and v are
         # zeroed too so that non-finite padding cannot reach the state through 0 * inf.
         valid = jnp.arange(t)[None, :] < lengths[:, None]                                   # [B, T]

@@ -1,4 +1,4 @@
-"""The ``leapquant`` command line: replay, studies and memory (models add generate/score/convert).
+"""The ``leapquant`` command line: replay, studies and memory; the models add convert, generate, score, eval, train-data and train.
 
 Every command that reports numbers takes ``--json`` and then prints one JSON object on stdout.
 """
@@ -85,14 +85,17 @@ def float_in(low: float, high: float = math.inf, *, low_open: bool = False):
     return parse
 
 
-def add_method_options(parser: argparse.ArgumentParser, *, flag: str = "--method", default: Optional[str] = None) -> None:
+def add_method_options(parser: argparse.ArgumentParser, *, flag: Optional[str] = "--method",
+                       default: Optional[str] = None) -> None:
     """The state-method option and the LeapQuant options, for every command that picks a state
     method (``replay --method``, ``generate``/``score --state``). The method is stored as
-    ``args.method`` whatever ``flag`` is; ``default=None`` makes it required."""
+    ``args.method`` whatever ``flag`` is; ``default=None`` makes it required. ``flag=None`` adds
+    the LeapQuant options alone (``eval`` takes a list of methods)."""
     from .methods import METHOD_NAMES
 
-    parser.add_argument(flag, dest="method", metavar="METHOD", choices=METHOD_NAMES, required=default is None,
-                        default=default, help="state method: %(choices)s")
+    if flag is not None:
+        parser.add_argument(flag, dest="method", metavar="METHOD", choices=METHOD_NAMES, required=default is None,
+                            default=default, help="state method: %(choices)s")
     parser.add_argument("--bits", type=int, choices=(8, 6, 4), help="residual bits (leapquant; default 8)")
     parser.add_argument("--window", type=int_at_least(1), help="records per window p (windowed methods; default 16)")
     parser.add_argument("--rank", type=int_at_least(0),
@@ -287,6 +290,13 @@ def cmd_memory(args) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
+def _add_plot_options(p: argparse.ArgumentParser, plot: str) -> None:
+    """``--out-dir``, ``--plot`` (default ``plot``) and ``--json`` of the studies that draw."""
+    p.add_argument("--out-dir", default="out", help="folder for the plot, created if missing (default: %(default)s)")
+    p.add_argument("--plot", default=plot, help="plot file name inside --out-dir, '' to skip (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``leapquant`` argument parser."""
     parser = ArgumentParser(prog="leapquant", description=__doc__.splitlines()[0].replace("``", ""))
@@ -311,10 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int_at_least(1), default=16, help="window p of the windowed methods")
     p.add_argument("--kda", action="store_true", help="per-channel decays (KDA) instead of scalar (GDN)")
     p.add_argument("--methods", help="comma-separated subset of the study's methods (default: all)")
-    p.add_argument("--out-dir", default="out", help="folder for the plot, created if missing (default: %(default)s)")
-    p.add_argument("--plot", default="study_errors.png",
-                   help="plot file name inside --out-dir, '' to skip (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _add_plot_options(p, "study_errors.png")
     p.set_defaults(func=cmd_study_errors)
 
     p = study.add_parser("freeze", help="fraction of bf16/fp16 values that alpha * x rounds back to")
@@ -331,10 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int_at_least(0), default=0, help="synthetic seed (without --trace)")
     p.add_argument("--rank", type=int_at_least(0), default=4, help="Compensator Tokens r, at most min(dk, dv)")
     p.add_argument("--head", type=int_at_least(0), help="head to detail (default: most outlier-heavy)")
-    p.add_argument("--out-dir", default="out", help="folder for the plot, created if missing (default: %(default)s)")
-    p.add_argument("--plot", default="study_outliers.png",
-                   help="plot file name inside --out-dir, '' to skip (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _add_plot_options(p, "study_outliers.png")
     p.set_defaults(func=cmd_study_outliers)
 
     p = sub.add_parser("memory", help="bytes of checkpoints and live streams, measured on the pytrees")

@@ -26,7 +26,7 @@ import numpy as np
 from . import windowed
 from .chunked import chunk_delta_rule
 from .quantizers import QTensor, get_format
-from .recurrence import Token, check_sequence, delta_rule_token, recurrent_step_general, time_major
+from .recurrence import Token, check_lengths, check_sequence, delta_rule_token, recurrent_step_general, time_major
 from .state import LeapQuantConfig, LeapQuantState
 
 Array = jax.Array
@@ -60,18 +60,6 @@ def _check_token(state_shape: tuple, token: Token, active: Optional[Array]) -> N
                          f"(q/k {tuple(token.w.shape)} after GVA, v {tuple(token.v.shape)})")
     if active is not None and (jnp.shape(active) != (b,) or jnp.asarray(active).dtype != jnp.bool_):
         raise ValueError(f"active must be bool [B] = ({b},), got {jnp.asarray(active).dtype} {jnp.shape(active)}")
-
-
-def _check_lengths(lengths, bsz: int, t: int) -> None:
-    arr = jnp.asarray(lengths)
-    if arr.shape != (bsz,) or not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"lengths must be integers [B] = ({bsz},), got {arr.dtype} {arr.shape}")
-    try:
-        values = np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:
-        return  # traced under jit: the values are not known here
-    if values.min() < 0 or values.max() > t:
-        raise ValueError(f"lengths must lie in [0, T] = [0, {t}], got {values.tolist()}")
 
 
 class _Runner:
@@ -124,7 +112,7 @@ class _Runner:
         dk, dv = q.shape[-1], v.shape[-1]
         per_channel = g.ndim == 4
         if lengths is not None:
-            _check_lengths(lengths, bsz, t)
+            check_lengths(lengths, bsz, t)
         lengths = jnp.full((bsz,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         if state is None:
             state = self.init(bsz, h, dk, dv, per_channel_decay=per_channel)

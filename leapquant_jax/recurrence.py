@@ -26,6 +26,7 @@ from typing import Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -176,6 +177,20 @@ def check_sequence(*, q: Array, k: Array, v: Array, g: Array, beta: Array) -> tu
             f"g must be [B, T, H] (GDN) or [B, T, H, dk] (KDA) = {(bsz, t, h)} or {(bsz, t, h, q.shape[-1])}, got {g.shape}"
         )
     return bsz, t, h
+
+
+def check_lengths(lengths, bsz: int, t: int) -> None:
+    """Raises ``ValueError`` unless ``lengths`` is integer ``[B]`` with values in ``[0, T]``
+    (the values are checked only when known, i.e. not traced under ``jit``)."""
+    arr = jnp.asarray(lengths)
+    if arr.shape != (bsz,) or not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"lengths must be integers [B] = ({bsz},), got {arr.dtype} {arr.shape}")
+    try:
+        values = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if values.size and (values.min() < 0 or values.max() > t):
+        raise ValueError(f"lengths must lie in [0, T] = [0, {t}], got {values.tolist()}")
 
 
 def time_major(x: Array) -> Array:

@@ -16,6 +16,7 @@ written into a temporary sibling directory that is renamed into place at the end
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -169,13 +170,27 @@ def _check_output_dir(out_dir: Path) -> None:
         raise FileExistsError(f"{out_dir} exists and is not an empty directory; not overwriting it")
 
 
-def save_converted(out_dir, *, config_json: Mapping[str, Any], params, copy_from=None) -> Path:
-    """Writes our checkpoint atomically: a temporary sibling directory renamed into place."""
+@contextlib.contextmanager
+def _atomic_dir(out_dir):
+    """Yields a temporary sibling of ``out_dir`` to fill; renames it into place on success and
+    removes it on any failure, so an existing ``out_dir`` (which must be empty) is never half-written."""
     out_dir = Path(out_dir)
     _check_output_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
+        yield tmp
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_converted(out_dir, *, config_json: Mapping[str, Any], params, copy_from=None) -> Path:
+    """Writes our checkpoint atomically: a temporary sibling directory renamed into place."""
+    with _atomic_dir(out_dir) as tmp:
         flat = {k: np.ascontiguousarray(v) for k, v in flatten_params(params).items()}
         save_file(flat, str(tmp / PARAMS_FILE))
         meta = {"format": FORMAT, "version": VERSION, "model_type": config_json["model_type"], "hf_config": dict(config_json)}
@@ -185,13 +200,7 @@ def save_converted(out_dir, *, config_json: Mapping[str, Any], params, copy_from
             for name in COPIED_FILES:
                 if (Path(copy_from) / name).exists():
                     shutil.copyfile(Path(copy_from) / name, tmp / name)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return Path(out_dir)
 
 
 def save_hf(out_dir, *, config_json: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
@@ -200,24 +209,14 @@ def save_hf(out_dir, *, config_json: Mapping[str, Any], tensors: Mapping[str, np
     ``config.json``, ``model.safetensors`` with ``tensors`` (HF names, e.g. from
     ``models.export.to_hf_tensors``) in their own dtypes, and ``files`` (file name -> source
     path to copy). Refuses a non-empty ``out_dir``."""
-    out_dir = Path(out_dir)
-    _check_output_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with _atomic_dir(out_dir) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         with open(tmp / "config.json", "w") as f:
             json.dump(dict(config_json), f, indent=2)
         for name, src in dict(files).items():
             shutil.copyfile(src, tmp / name)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return Path(out_dir)
 
 
 def convert_checkpoint(hf_dir, out_dir) -> Path:

@@ -69,9 +69,9 @@ def _check_output(path, flag: str, *, folder: bool) -> None:
         raise IsADirectoryError(f"{flag} {path} is a folder; give a file name")
 
 
-def _load_ids(path: Path) -> np.ndarray:
-    """``--ids-file``: a ``.npy`` integer array ``[B, T]`` (or ``[T]``, one row), read without
-    pickle; every problem is reported against the flag."""
+def _load_ids(path: Path, flag: str = "--ids-file") -> np.ndarray:
+    """``--ids-file`` (or ``flag``): a ``.npy`` integer array ``[B, T]`` (or ``[T]``, one row),
+    read without pickle; every problem is reported against the flag."""
     try:
         with open(path, "rb") as f:
             is_npy = f.read(6) == b"\x93NUMPY"
@@ -81,22 +81,22 @@ def _load_ids(path: Path) -> np.ndarray:
                 read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
                 shape, _, dtype = read_header(f)
     except OSError as err:
-        raise type(err)(f"--ids-file {path}: {err.strerror or err}") from None
+        raise type(err)(f"{flag} {path}: {err.strerror or err}") from None
     except ValueError as err:
-        raise ValueError(f"--ids-file {path}: unreadable .npy header ({err})") from None
+        raise ValueError(f"{flag} {path}: unreadable .npy header ({err})") from None
     if not is_npy:
-        raise ValueError(f"--ids-file {path} is not a .npy file (save the ids with numpy.save)")
+        raise ValueError(f"{flag} {path} is not a .npy file (save the ids with numpy.save)")
     # Checked on the header, before loading: an object array would need pickle.
     if len(shape) not in (1, 2) or not np.issubdtype(dtype, np.integer):
-        raise ValueError(f"--ids-file {path} must hold integer ids [B, T] or [T], got {dtype} {shape}")
+        raise ValueError(f"{flag} {path} must hold integer ids [B, T] or [T], got {dtype} {shape}")
     try:
         ids = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
-        raise ValueError(f"--ids-file {path}: unreadable .npy file ({err})") from None
+        raise ValueError(f"{flag} {path}: unreadable .npy file ({err})") from None
     if ids.ndim == 1:
         ids = ids[None]
     if ids.size == 0:
-        raise ValueError(f"--ids-file {path} holds no tokens (shape {ids.shape})")
+        raise ValueError(f"{flag} {path} holds no tokens (shape {ids.shape})")
     return ids
 
 
@@ -221,6 +221,10 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--out", required=True, type=Path, help=".npy float32 logits [B, T, vocab]")
     _add_state_options(p)
     p.set_defaults(func=run_score)
+
+    from models.evaluate import add_subcommand as add_eval_subcommand
+
+    add_eval_subcommand(subparsers)  # eval
 
     from models.training.cli import add_subcommands as add_training_subcommands
 
