@@ -3,7 +3,9 @@
 ``LeapQuantConfig.impl`` decides: ``"reference"`` always runs ``windowed``'s reference;
 ``"pallas"`` runs the kernels and fails with the kernels' reason where they cannot run
 (never a silent fallback); ``"auto"`` runs the kernels on a GPU when they support the
-shapes and the reference everywhere else. Both paths have the same signatures.
+shapes and the reference everywhere else. On a GPU, ``"auto"`` with a kernels package that
+fails to import is an error, not a quiet switch to the (much slower) reference. Both paths
+have the same signatures.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ def resolve_impl(config: LeapQuantConfig, state: LeapQuantState) -> str:
         if why is not None:
             raise ValueError(f"impl='pallas' cannot run here: {why}")
         return "pallas"
-    return "pallas" if why is None and jax.default_backend() == "gpu" else "reference"
+    on_gpu = jax.default_backend() == "gpu"
+    if api is None and on_gpu:
+        raise RuntimeError(f"impl='auto' on a GPU, but {why}; fix the installation or pass impl='reference'")
+    return "pallas" if why is None and on_gpu else "reference"
 
 
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token):
