@@ -1,38 +1,45 @@
 """Prefill benchmark: tokens/s of the chunkwise-parallel delta rule against FLA's chunk kernels.
 
     python -m bench.prefill [--tokens 4096 16384 65536] [--batches 1 8] [--heads 32] [--dim 128]
-                            [--chunk 64] [--group 64] [--precisions highest default]
+                            [--chunk 64] [--group 64]
+                            [--variants serial:default associative:default auto:highest]
                             [--check-tokens 4096] [--serial-tokens 16384] [--commit HASH]
                             [--out bench/results] [--tiny]
 
 One layer of ``--heads`` heads, ``dk = dv = --dim``, GDN and KDA, fp32 inputs (L2-normalised keys
 with a few outlier channels, decays near 1, ``beta`` in (0, 1), as in ``bench.kernels``), every
-``(T, batch)`` in one run. In this order:
+``(T, batch)`` in one run. Ours is ``jax.jit(chunk_delta_rule)`` in each ``--variants`` entry
+``INTER:PRECISION``: ``inter`` how the state crosses chunks (``serial``, ``associative``, or
+``auto``, the function's default), ``precision`` of its matmuls (``highest``: fp32, the function's
+default; ``default``: TF32 on the GPU, the math FLA's fp32 kernels use, so the like-for-like
+comparison). In this order:
 
-1. FLA, in a child process (so that PyTorch and JAX never compete for GPU memory): its fp32
+1. Ours compiled for every case and variant, ``--compile-threads`` at a time, before anything is
+   timed (compilation dominates the run's length otherwise).
+2. FLA, in a child process (so that PyTorch and JAX never compete for GPU memory): its fp32
    ``chunk_gated_delta_rule`` / ``chunk_kda`` (``scale=1``, gates in log space, keys already
    normalised, ``output_final_state=True``, under ``torch.inference_mode``) on the correctness
    inputs, then timed per case (CUDA events via ``triton.testing.do_bench``, median after
-   warm-up). Without ``fla`` or CUDA this step reports "fla unavailable".
-2. Correctness (``--check-tokens`` tokens, batch 1, with an initial state): ours (each
-   precision) and FLA against the token-serial fp32 ``recurrent_scan``, and ours against FLA:
+   warm-up, its autotuning included in the warm-up). Without ``fla`` or CUDA this step reports
+   "fla unavailable".
+3. Correctness (``--check-tokens`` tokens, batch 1, with an initial state): ours (each variant)
+   and FLA against the token-serial fp32 ``recurrent_scan``, and ours against FLA:
    ``||a - b|| / ||b||`` on the outputs and the final state.
-3. Ours, ``jax.jit(chunk_delta_rule)`` at each precision (``highest``: fp32 matmuls, the default
-   of the function; ``default``: TF32 on the GPU, the math FLA's fp32 kernels use), timed with the
-   host clock around back-to-back calls after warm-up (``block_until_ready``), median over
-   repeats; and the token-serial ``recurrent_scan`` at batch 1, ``--serial-tokens`` tokens.
+4. Ours timed with the host clock around back-to-back calls after warm-up
+   (``block_until_ready``), median over repeats, every case of the first variant first; and the
+   token-serial ``recurrent_scan`` at batch 1, ``--serial-tokens`` tokens.
 
 A case that does not fit in memory is skipped and marked so (never a crash), and so are the
 timings left when ``--time-budget`` seconds have passed (the default run is meant to end well
-inside a 10-minute limit; the first precision is timed over every case before the second).
-Results go to ``<out>/prefill-<UTC time>.json`` and ``.md`` (date, GPU, versions, commit,
-command), saved after every case. ``--tiny`` runs a small configuration on the CPU as a smoke
-test. FLA comes from the ``fla-core`` package (0.6.0 was used when this was written).
+inside a 10-minute limit). Results go to ``<out>/prefill-<UTC time>.json`` and ``.md`` (date, GPU,
+versions, commit, command), saved after every case. ``--tiny`` runs a small configuration on the
+CPU as a smoke test. FLA comes from the ``fla-core`` package (0.6.0 was used when this was written).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -48,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels import environment, git_commit, random_sequence, rel, time_loop
-from leapquant_jax.chunked import chunk_delta_rule
+from leapquant_jax.chunked import ASSOCIATIVE_MAX_STREAMS, INTER_CHUNK, chunk_delta_rule
 from leapquant_jax.recurrence import recurrent_scan
 
 PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
@@ -197,8 +204,49 @@ def run_fla(args, cases, check, log):
 # ----------------------------------------------------------------------------- ours
 
 
-def ours(chunk, group, precision):
-    return jax.jit(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=chunk, group=group, precision=precision))
+def parse_variant(text: str) -> tuple[str, str]:
+    """``"INTER:PRECISION"`` (``serial:default``) -> ``(inter, precision)``, checked."""
+    inter, _, pname = text.partition(":")
+    if inter not in INTER_CHUNK or pname not in PRECISIONS:
+        raise argparse.ArgumentTypeError(f"a variant is INTER:PRECISION with INTER in {INTER_CHUNK} and PRECISION in "
+                                         f"{sorted(PRECISIONS)}, got {text!r}")
+    return inter, pname
+
+
+def variant_label(inter: str, pname: str) -> str:
+    return f"ours chunk_delta_rule {inter} ({pname})"
+
+
+def ours(chunk, group, precision, inter="auto"):
+    return jax.jit(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=chunk, group=group,
+                                                  precision=precision, inter=inter))
+
+
+def compile_ahead(jobs: dict, threads: int, log) -> dict:
+    """Compiles every ``{key: (jitted, bsz, t, h, dk, dv, kda)}`` for its input shapes, ``threads``
+    at a time (XLA compiles outside the GIL); returns ``{key: compiled or the error}``. Done before
+    anything is timed, so that compilation never runs beside a timing."""
+    def one(job):
+        fn, bsz, t, h, dk, dv, kda = job
+        gshape = (bsz, t, h, dk) if kda else (bsz, t, h)
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)   # noqa: E731
+        x = dict(q=f32(bsz, t, h, dk), k=f32(bsz, t, h, dk), v=f32(bsz, t, h, dv), g=f32(*gshape), beta=f32(bsz, t, h))
+        t0 = time.perf_counter()
+        try:
+            compiled = fn.lower(x, f32(bsz, h, dk, dv)).compile()
+        except Exception as err:                     # reported with the case, never fatal
+            return err, time.perf_counter() - t0
+        return compiled, time.perf_counter() - t0
+
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        futures = {pool.submit(one, job): key for key, job in jobs.items()}
+        for fut in concurrent.futures.as_completed(futures):
+            key = futures[fut]
+            out[key], seconds = fut.result()
+            log(dict(compiled=list(key), seconds=round(seconds, 1),
+                     error=None if not isinstance(out[key], Exception) else _short(out[key])))
+    return out
 
 
 def check_correctness(args, check, fla_out, log):
@@ -210,14 +258,15 @@ def check_correctness(args, check, fla_out, log):
         s0 = jnp.asarray(host["s0"])
         o_ref, s_ref = (np.asarray(a) for a in scan(x, s0))
         fla = (fla_out.get(f"{mode}_o"), fla_out.get(f"{mode}_s"))
-        for pname in args.precisions:
-            o, s = (np.asarray(a) for a in ours(args.chunk, args.group, PRECISIONS[pname])(x, s0))
-            row = dict(mode=mode, tokens=host["v"].shape[1], check=f"ours ({pname}) vs recurrent_scan",
+        for inter, pname in args.variants:
+            o, s = (np.asarray(a) for a in ours(args.chunk, args.group, PRECISIONS[pname], inter)(x, s0))
+            name = f"ours {inter} ({pname})"
+            row = dict(mode=mode, tokens=host["v"].shape[1], check=f"{name} vs recurrent_scan",
                        o_rel_err=rel(o, o_ref), state_rel_err=rel(s, s_ref), finite=bool(np.isfinite(o).all()))
             rows.append(row)
             log(row)
             if fla[0] is not None:
-                row = dict(mode=mode, tokens=host["v"].shape[1], check=f"ours ({pname}) vs FLA chunk",
+                row = dict(mode=mode, tokens=host["v"].shape[1], check=f"{name} vs FLA chunk",
                            o_rel_err=rel(o, fla[0]), state_rel_err=rel(s, fla[1]))
                 rows.append(row)
                 log(row)
@@ -237,6 +286,41 @@ def time_ours(fn, bsz, t, h, dk, dv, kda, *, repeats, min_seconds):
     return time_loop(lambda c: fn(x, s0), None, min_seconds=min_seconds, repeats=repeats) * 1e-6
 
 
+def breakdown(args, t, bsz, log) -> list[dict]:
+    """Where a case's time goes: ``chunk_delta_rule``'s parts timed alone on the same number of
+    chunks (``bsz * heads * t / chunk`` chunk-heads at once, TF32): the pair scores, the unit
+    lower-triangular inverse, every state-independent term (scores, inverse, ``w``, ``uv``), and
+    the whole call per ``inter`` form."""
+    from leapquant_jax import chunked as C
+
+    h, d, c = args.heads, args.dim, args.chunk
+    n = bsz * h * (t // c)
+    rows = []
+    for mode in MODES:
+        kda = mode == "KDA"
+        key = jax.random.PRNGKey(1)
+        x = jax.jit(random_sequence, static_argnums=(1, 2, 3, 4, 5, 6))(key, n, c, 1, d, d, kda)
+        x = {name: a[:, :, 0] for name, a in x.items()}                 # [n, C, ...]: one chunk per row
+        lower = jnp.tril(jax.random.normal(key, (n, c, c)) * 0.05, -1)
+        prec = PRECISIONS["default"]
+        parts = {
+            "pair scores": (jax.jit(lambda x: C._pair_scores_kda(x["q"], x["k"], x["g"], prec)[0] if kda else
+                                    C._pair_scores_gdn(x["q"], x["k"], jnp.cumsum(x["g"], -1), prec)), x),
+            "unit lower inverse": (jax.jit(lambda a: C.unit_lower_inverse(a, precision=prec)), lower),
+            "state-independent terms": (jax.jit(lambda x: C._chunk_terms(x["q"], x["k"], x["v"], x["g"], x["beta"], prec)), x),
+        }
+        for name, (fn, arg) in parts.items():
+            row = dict(mode=mode, tokens=t, batch=bsz, part=name, chunk_heads=n)
+            try:
+                row["seconds"] = time_loop(lambda _: fn(arg), None, min_seconds=args.min_seconds, repeats=3) * 1e-6
+            except Exception as err:
+                row["skipped"] = "out of memory" if _oom(err) else _short(err)
+            rows.append(row)
+            log(row)
+        del x, lower
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -248,16 +332,22 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--group", type=int, default=64, help="chunk_delta_rule's group (chunks in parallel at a time)")
-    ap.add_argument("--precisions", nargs="+", choices=sorted(PRECISIONS), default=["highest", "default"])
+    ap.add_argument("--variants", nargs="+", type=parse_variant,
+                    default=[parse_variant(v) for v in ("serial:default", "associative:default", "auto:highest")],
+                    help="INTER:PRECISION of ours, each timed on every case (inter: chunk_delta_rule's, "
+                         "precision: highest = fp32 matmuls, default = TF32 on the GPU, the math of FLA's fp32 kernels)")
+    ap.add_argument("--compile-threads", type=int, default=8, help="compilations of ours at a time, before any timing")
     ap.add_argument("--check-tokens", type=int, default=4096)
     ap.add_argument("--serial-tokens", type=int, default=16384, help="token-serial recurrent_scan at batch 1 (0: skip)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=0.25, help="host-clock time per repeat (JAX)")
     ap.add_argument("--warmup-ms", type=int, default=200, help="FLA warm-up (do_bench)")
     ap.add_argument("--rep-ms", type=int, default=1000, help="FLA timed time (do_bench)")
-    ap.add_argument("--fla-timeout", type=int, default=240, help="seconds for the FLA child process")
+    ap.add_argument("--fla-timeout", type=int, default=270, help="seconds for the FLA child process")
     ap.add_argument("--time-budget", type=int, default=500,
                     help="seconds after which the remaining timings are skipped (and marked so)")
+    ap.add_argument("--breakdown", type=int, nargs=2, metavar=("T", "BATCH"), default=[16384, 8],
+                    help="time chunk_delta_rule's parts alone on this case (T 0: skip)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke test")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
@@ -268,8 +358,8 @@ def main(argv=None):
         return fla_worker(args.fla_worker)
     if args.tiny:
         args.tokens, args.batches, args.heads, args.dim = [100, 256], [1, 2], 2, 32
-        args.chunk, args.check_tokens, args.serial_tokens = 16, 130, 256
-        args.repeats, args.min_seconds = 2, 0.05
+        args.chunk, args.check_tokens, args.serial_tokens, args.breakdown = 16, 130, 256, [64, 2]
+        args.repeats, args.min_seconds, args.compile_threads = 2, 0.05, 2
 
     def log(x):
         print(json.dumps(x) if isinstance(x, dict) else x, flush=True)
@@ -280,7 +370,9 @@ def main(argv=None):
     log(env)
     cases = sorted(((t, b) for t in args.tokens for b in args.batches), key=lambda c: (c[0] * c[1], c[0]))
     results = dict(environment=env, config=dict(heads=args.heads, dk=args.dim, dv=args.dim, chunk=args.chunk,
-                                                group=args.group, cases=cases, precisions=args.precisions),
+                                                group=args.group, cases=cases,
+                                                variants=[f"{i}:{p}" for i, p in args.variants],
+                                                associative_max_streams=ASSOCIATIVE_MAX_STREAMS),
                    correctness=[], timings=[], notes=[])
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     os.makedirs(args.out, exist_ok=True)
@@ -296,6 +388,20 @@ def main(argv=None):
         with open(base + ".md", "w") as f:
             f.write(markdown(results))
 
+    h, dk, dv = args.heads, args.dim, args.dim
+    jobs = {(mode, t, bsz, variant_label(inter, pname)): (ours(args.chunk, args.group, PRECISIONS[pname], inter),
+                                                          bsz, t, h, dk, dv, mode == "KDA")
+            for inter, pname in args.variants for t, bsz in cases for mode in MODES}
+    if args.serial_tokens:
+        scan = jax.jit(lambda x, s0: recurrent_scan(s0, **x))
+        for mode in MODES:
+            jobs[(mode, args.serial_tokens, 1, "token-serial recurrent_scan")] = (scan, 1, args.serial_tokens, h, dk, dv,
+                                                                                 mode == "KDA")
+    t0 = time.perf_counter()
+    compiled = compile_ahead(jobs, args.compile_threads, log)
+    results["notes"].append(f"compiling ours ({len(jobs)} programs, {args.compile_threads} at a time): "
+                            f"{time.perf_counter() - t0:.0f} s")
+
     check = check_inputs(0, args.check_tokens, args.heads, args.dim, args.dim)
     fla = dict(check={}, timings=[], outputs={}, error="not run (--no-fla)")
     if not args.no_fla:
@@ -310,32 +416,27 @@ def main(argv=None):
     results["correctness"] = check_correctness(args, check, fla["outputs"], log)
     save()
 
-    h, dk, dv = args.heads, args.dim, args.dim
-
-    def timed(row, fn, bsz, t, kda, repeats):
-        if time.perf_counter() - start > args.time_budget:
+    # Every case of the first variant before the next, so that a run cut short keeps the headline.
+    for key, fn in sorted(compiled.items(), key=lambda kv: (list(jobs).index(kv[0]),)):
+        mode, t, bsz, impl = key
+        row = dict(mode=mode, tokens=t, batch=bsz, impl=impl)
+        if isinstance(fn, Exception):
+            row["skipped"] = "out of memory" if _oom(fn) else _short(fn)
+        elif time.perf_counter() - start > args.time_budget:
             row["skipped"] = f"time budget ({args.time_budget} s) spent"
         else:
             try:
-                row["seconds"] = time_ours(fn, bsz, t, h, dk, dv, kda, repeats=repeats, min_seconds=args.min_seconds)
+                repeats = args.repeats if impl.startswith("ours") else max(2, args.repeats // 2)
+                row["seconds"] = time_ours(fn, bsz, t, h, dk, dv, mode == "KDA", repeats=repeats,
+                                           min_seconds=args.min_seconds)
             except Exception as err:  # a case that does not fit is reported, not fatal
                 row["skipped"] = "out of memory" if _oom(err) else _short(err)
         row["peak_gb_so_far"] = _peak_gb()
         results["timings"].append(row)
         log(row)
         save()
-
-    # The first precision over every case first, so that a run cut short keeps the headline.
-    for i, pname in enumerate(args.precisions):
-        for t, bsz in cases:
-            for mode in MODES:
-                timed(dict(mode=mode, tokens=t, batch=bsz, impl=f"ours chunk_delta_rule ({pname})"),
-                      ours(args.chunk, args.group, PRECISIONS[pname]), bsz, t, mode == "KDA", args.repeats)
-        if i == 0 and args.serial_tokens:
-            scan = jax.jit(lambda x, s0: recurrent_scan(s0, **x))
-            for mode in MODES:
-                timed(dict(mode=mode, tokens=args.serial_tokens, batch=1, impl="token-serial recurrent_scan"),
-                      scan, 1, args.serial_tokens, mode == "KDA", max(2, args.repeats // 2))
+    if args.breakdown[0] and time.perf_counter() - start < args.time_budget:
+        results["breakdown"] = breakdown(args, *args.breakdown, log)
     save()
     log(markdown(results))
     return results
@@ -359,8 +460,10 @@ def markdown(results) -> str:
            f"date {env['date']}; jax {env['jax']}; torch {env.get('torch')}; triton {env.get('triton')}; "
            f"fla-core {env.get('fla')}; commit {env.get('commit')}; command `{env['command']}`", "",
            f"One layer, {cfg['heads']} heads, dk = {cfg['dk']}, dv = {cfg['dv']}, fp32 inputs; ours: chunk "
-           f"{cfg['chunk']}, group {cfg['group']}. Tokens/s = batch x T / time of one whole-sequence call "
-           "(median).", ""]
+           f"{cfg['chunk']}, group {cfg['group']}; `inter='auto'` takes the associative form up to "
+           f"{cfg.get('associative_max_streams')} rows x heads. Tokens/s = batch x T / time of one "
+           "whole-sequence call (median). FLA's fp32 kernels multiply in TF32 (Triton's default for "
+           "fp32 `tl.dot`), as ours does at precision `default`.", ""]
     if results["correctness"]:
         out += ["## Correctness (batch 1, with an initial state)", "",
                 "| mode | T | check | o rel err | state rel err |", "| --- | --- | --- | --- | --- |"]
@@ -385,6 +488,13 @@ def markdown(results) -> str:
             met = sum(x >= 0.5 for x in xs)
             out.append(f"- {impl}: {xs[0]:.2f} to {xs[-1]:.2f} x FLA's tokens/s (median {xs[len(xs) // 2]:.2f}) "
                        f"over {len(xs)} cases; the target of 0.5x is met in {met}.")
+        out.append("")
+    if results.get("breakdown"):
+        out += ["## Where the time goes (parts timed alone, TF32)", "",
+                "| mode | T | batch | chunk-heads | part | ms |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in results["breakdown"]:
+            ms = f"{r['seconds'] * 1e3:.2f}" if "seconds" in r else f"skipped: {r.get('skipped')}"
+            out.append(f"| {r['mode']} | {r['tokens']} | {r['batch']} | {r['chunk_heads']} | {r['part']} | {ms} |")
         out.append("")
     for n in results.get("notes", []):
         out.append(f"- {n}")

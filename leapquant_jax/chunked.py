@@ -14,13 +14,14 @@ Its inverse ``T = (I + A)^{-1}`` gives the WY / UT-transform representation
 
     W = T diag(beta) Ktil,   Uv = T diag(beta) V,   U = Uv - W S0,
 
-all computed with matmuls for every chunk at once. The chunk's final state is then an affine
-map of its initial one, ``S_C = Diag(e^{G_C}) S0 + sum_j (e^{G_C - G_j} * k_j) u_j^T = M S0 + D``
-with ``M = Diag(e^{G_C}) - Khat^T W`` and ``D = Khat^T Uv`` (``Khat_j = e^{G_C - G_j} * k_j``),
-so the ``lax.scan`` over chunks, the only serial part, is one ``[dk, dk] x [dk, dv]`` matmul per
-chunk. The corrections ``U = Uv - W S0`` and the outputs
-``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again,
-off the serial path. Long sequences run ``group`` chunks at a time (bounded memory).
+all computed with matmuls for every chunk at once. The chunk's final state is
+``S_C = Diag(e^{G_C}) S0 + Khat^T U`` (``Khat_j = e^{G_C - G_j} * k_j``), an affine map of its initial one, ``S_C = M S0 + D`` with ``M = Diag(e^{G_C}) - Khat^T W`` and
+``D = Khat^T Uv``. Crossing chunks is the only serial part, in one of two forms (``inter``):
+a ``lax.scan`` with two ``C x dk x dv`` matmuls per chunk (``U = Uv - W S0``, then the state),
+or a parallel prefix (``lax.associative_scan``) over the maps ``(M, D)``, log-depth in the
+number of chunks. The outputs
+``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again, off the serial path. Long sequences run ``group`` chunks at a time (bounded
+memory).
 
 Numerics: every exponent is a difference ``G_i - G_j`` with ``j <= i`` (or a decay from the
 chunk start), so it is ``<= 0``; differences of the wrong sign are masked *before* ``exp``
@@ -52,6 +53,13 @@ LOG_DECAY_FLOOR = -104.0
 
 # KDA: token pairs inside a sub-chunk of this many tokens are reduced elementwise.
 SUB_CHUNK = 16
+
+# How the state crosses chunks (``chunk_delta_rule(inter=...)``).
+INTER_CHUNK = ("auto", "serial", "associative")
+# ``inter="auto"`` takes the parallel prefix up to this many rows x heads: below it a serial step
+# per chunk cannot fill the GPU, above it the prefix's extra dk x dk products cost more than the
+# steps' latency (bench/results/prefill-*.md measures both).
+ASSOCIATIVE_MAX_STREAMS = 64
 
 
 def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
@@ -144,11 +152,11 @@ def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision)
     """Everything about a chunk that does not depend on its initial state ``S0``.
 
     q, k ``[..., C, dk]``; v ``[..., C, dv]``; g ``[..., C]`` (GDN) or ``[..., C, dk]`` (KDA);
-    beta ``[..., C]``. Returns ``(w, uv, trans, drive, q_start, p)`` with ``U = uv - w S0``
-    ``[..., C, dv]``, the chunk as an affine map of its initial state
-    ``S_C = trans S0 + drive`` (``trans = Diag(e^{G_C}) - k_end^T w`` ``[..., dk, dk]``,
-    ``drive = k_end^T uv`` ``[..., dk, dv]``, ``k_end_j = e^{G_C - G_j} * k_j``) and the outputs
-    ``o = q_start S0 + p U``.
+    beta ``[..., C]``. Returns ``(w, uv, k_end, decay, q_start, p)``: the corrections
+    ``U = uv - w S0`` (``w [..., C, dk]``, ``uv [..., C, dv]``), the final state
+    ``S_C = Diag(decay) S0 + k_end^T U`` (``k_end_j = e^{G_C - G_j} * k_j`` ``[..., C, dk]``,
+    ``decay = e^{G_C}`` ``[..., dk]``) and the outputs ``o = q_start S0 + p U``
+    (``q_start [..., C, dk]``, ``p [..., C, C]``).
     """
     c, dk = k.shape[-2:]
     if g.ndim == k.ndim:
@@ -165,10 +173,53 @@ def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision)
     uv = jnp.matmul(t, beta[..., None] * v, precision=precision)
     k_end = k * jnp.exp(G_end - G)
     decay = jnp.broadcast_to(jnp.exp(G_end[..., 0, :]), k.shape[:-2] + (dk,))
-    trans = decay[..., :, None] * jnp.eye(dk, dtype=k.dtype) - jnp.einsum("...ck,...cj->...kj", k_end, w,
+    return w, uv, k_end, decay, q * jnp.exp(G), p
+
+
+def _affine_maps(w: Array, uv: Array, k_end: Array, decay: Array, precision) -> tuple[Array, Array]:
+    """A chunk as an affine map of its initial state, ``S_C = trans S0 + drive``:
+    ``trans = Diag(decay) - k_end^T w`` ``[..., dk, dk]``, ``drive = k_end^T uv`` ``[..., dk, dv]``."""
+    dk = w.shape[-1]
+    trans = decay[..., :, None] * jnp.eye(dk, dtype=w.dtype) - jnp.einsum("...ck,...cj->...kj", k_end, w,
                                                                           precision=precision)
     drive = jnp.einsum("...ck,...cv->...kv", k_end, uv, precision=precision)
-    return w, uv, trans, drive, q * jnp.exp(G), p
+    return trans, drive
+
+
+def _starts_serial(state: Array, w, uv, k_end, decay, precision):
+    """Chunk after chunk: ``U_n = uv_n - w_n S_n``, ``S_{n+1} = Diag(decay_n) S_n + k_end_n^T U_n``.
+
+    Inputs ``[N, ...]`` (chunks first), state ``[..., dk, dv]``. Returns ``(S_N, starts [N, ..., dk, dv],
+    U [N, ..., C, dv])``. Two matmuls of ``C x dk x dv`` per chunk, and nothing of size
+    ``dk x dk`` is ever formed: the form with the least memory traffic when many heads and rows
+    share each step.
+    """
+    def step(s, xs):
+        w_n, uv_n, k_n, d_n = xs
+        u = uv_n - jnp.matmul(w_n, s, precision=precision)
+        s_next = d_n[..., :, None] * s + jnp.einsum("...ck,...cv->...kv", k_n, u, precision=precision)
+        return s_next, (s, u)
+
+    state, (starts, u) = jax.lax.scan(step, state, (w, uv, k_end, decay), unroll=min(2, w.shape[0]))
+    return state, starts, u
+
+
+def _starts_associative(state: Array, w, uv, k_end, decay, precision):
+    """The same as ``_starts_serial`` by a parallel prefix over the chunks' affine maps
+    ``S -> trans S + drive`` (``jax.lax.associative_scan``): log-depth instead of one dependent
+    step per chunk, at the cost of ``dk x dk`` products. The form for few heads and rows (a
+    single long prompt), where a serial step per chunk leaves the GPU idle."""
+    trans, drive = _affine_maps(w, uv, k_end, decay, precision)
+
+    def compose(first, then):          # apply `first`, then `then`
+        (a1, b1), (a2, b2) = first, then
+        return jnp.matmul(a2, a1, precision=precision), jnp.matmul(a2, b1, precision=precision) + b2
+
+    a, b = jax.lax.associative_scan(compose, (trans, drive), axis=0)
+    ends = jnp.matmul(a, state, precision=precision) + b                      # state after each chunk
+    starts = jnp.concatenate([state[None], ends[:-1]], axis=0)
+    u = uv - jnp.matmul(w, starts, precision=precision)
+    return ends[-1], starts, u
 
 
 def _chunk_layout(x: Array, groups: int, per_group: int, chunk: int) -> Array:
@@ -191,6 +242,7 @@ def chunk_delta_rule(
     chunk: int = 64,
     group: int = 64,
     precision=HI,
+    inter: str = "auto",
 ) -> tuple[Array, Array]:
     """The GDN/KDA delta rule over a sequence in chunkwise-parallel form (same result as
     ``recurrent_scan`` up to fp32 round-off), differentiable and jit-able.
@@ -209,6 +261,10 @@ def chunk_delta_rule(
         long sequences; the state is carried from group to group).
       precision: of the matmuls. ``HIGHEST`` (default) is fp32; ``DEFAULT`` lets a GPU use TF32
         (faster, about 1e-3 relative error).
+      inter: how the state crosses chunks. ``"serial"``: one dependent step per chunk (least
+        memory traffic); ``"associative"``: a parallel prefix over the chunks' affine maps
+        (log-depth, more arithmetic); ``"auto"``: associative when at most
+        ``ASSOCIATIVE_MAX_STREAMS`` rows x heads share a step, serial otherwise.
     Returns ``(o [B, T, H, dv] fp32, final_state [B, H, dk, dv] fp32)``.
     """
     bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
@@ -217,6 +273,10 @@ def chunk_delta_rule(
         raise ValueError(f"chunk must be a power of two, got {chunk!r}")
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be a positive number of chunks, got {group!r}")
+    if inter not in INTER_CHUNK:
+        raise ValueError(f"inter must be one of {INTER_CHUNK}, got {inter!r}")
+    if inter == "auto":
+        inter = "associative" if bsz * h <= ASSOCIATIVE_MAX_STREAMS else "serial"
     if initial_state is None:
         initial_state = jnp.zeros((bsz, h, dk, dv), jnp.float32)
     elif initial_state.shape != (bsz, h, dk, dv):
@@ -245,21 +305,16 @@ def chunk_delta_rule(
         q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
     xs = tuple(_chunk_layout(x, groups, per_group, chunk) for x in (q, k, v, g, beta))   # [Ng, Npg, B, H, C, ...]
 
+    starts_of = _starts_associative if inter == "associative" else _starts_serial
+
     def run_group(state, xs):
         # Leading axes flattened: fewer dimensions compile faster (and XLA:CPU in JAX 0.10 crashes
         # on the gradient of the KDA pair reduction with six leading dimensions).
         lead = xs[0].shape[:3]                                                             # [Npg, B, H]
         flat = tuple(x.reshape((-1,) + x.shape[3:]) for x in xs)
         terms = _chunk_terms(*flat, precision)
-        w, uv, trans, drive, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
-
-        def step(s, maps):                 # the serial part: one matmul per chunk
-            a, b = maps
-            return jnp.matmul(a, s, precision=precision) + b, s
-
-        # unrolled: on a GPU, fewer loop iterations (each has a fixed cost) for small batches
-        state, starts = jax.lax.scan(step, state, (trans, drive), unroll=min(4, trans.shape[0]))   # [Npg, B, H, dk, dv]
-        u = uv - jnp.matmul(w, starts, precision=precision)
+        w, uv, k_end, decay, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
+        state, starts, u = starts_of(state, w, uv, k_end, decay, precision)               # [Npg, B, H, ...]
         o = jnp.matmul(q_start, starts, precision=precision) + jnp.matmul(p, u, precision=precision)
         return state, o                                                                    # o [Npg, B, H, C, dv]
 
@@ -268,4 +323,4 @@ def chunk_delta_rule(
     return o[:, :t], state
 
 
-__all__ = ["LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "unit_lower_inverse"]
+__all__ = ["ASSOCIATIVE_MAX_STREAMS", "INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "unit_lower_inverse"]

@@ -37,6 +37,7 @@ def _inputs(seed, *, batch, tokens, heads, dk, dv, kda, key_heads=None):
     return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
 
 
+@pytest.mark.parametrize("inter", ["serial", "associative"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize(
     "tokens, chunk, group, dk, dv, key_heads, use_s0, lengths",
@@ -47,11 +48,12 @@ def _inputs(seed, *, batch, tokens, heads, dk, dv, kda, key_heads=None):
         (130, 64, 2, 32, 24, None, False, (130, 64)),
     ],
 )
-def test_chunked_matches_recurrence(kda, tokens, chunk, group, dk, dv, key_heads, use_s0, lengths):
+def test_chunked_matches_recurrence(kda, tokens, chunk, group, dk, dv, key_heads, use_s0, lengths, inter):
     x = _inputs(10 + tokens + kda, batch=2, tokens=tokens, heads=4, dk=dk, dv=dv, kda=kda, key_heads=key_heads)
     s0 = jnp.asarray(np.random.default_rng(tokens).standard_normal((2, 4, dk, dv)) * 0.3, jnp.float32) if use_s0 else None
     lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
-    run = jax.jit(lambda x, s0, lens: chunk_delta_rule(**x, initial_state=s0, lengths=lens, chunk=chunk, group=group))
+    run = jax.jit(lambda x, s0, lens: chunk_delta_rule(**x, initial_state=s0, lengths=lens, chunk=chunk, group=group,
+                                                                     inter=inter))
     o, s = run(x, s0, lens)
     assert o.shape == x["v"].shape and o.dtype == jnp.float32
     assert s.shape == (2, 4, dk, dv) and s.dtype == jnp.float32
@@ -68,10 +70,11 @@ def test_chunked_matches_recurrence(kda, tokens, chunk, group, dk, dv, key_heads
         assert rel(s[b], s_row[0]) < TOL
 
 
+@pytest.mark.parametrize("inter", ["serial", "associative"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_gradients_match_recurrence(kda):
+def test_gradients_match_recurrence(kda, inter):
     """Gradients w.r.t. every input and the initial state, through a fully decayed head, an
-    alpha = 0.99999 head, GVA and padding (T = 70 in chunks of 64, one chunk per group)."""
+    alpha = 0.99999 head, GVA and padding (T = 70 in chunks of 16, three chunks per group)."""
     x = _inputs(3 + kda, batch=2, tokens=70, heads=4, dk=16, dv=8, kda=kda, key_heads=2)
     rng = np.random.default_rng(9)
     s0 = jnp.asarray(rng.standard_normal((2, 4, 16, 8)) * 0.3, jnp.float32)
@@ -84,7 +87,8 @@ def test_gradients_match_recurrence(kda):
             return jnp.sum(o * wo) + jnp.sum(s * ws)
         return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
-    gx, gs = grad(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=64, group=1))(x, s0)
+    gx, gs = grad(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=16, group=3,
+                                                                inter=inter))(x, s0)
     rx, rs = grad(lambda x, s0: recurrent_scan(s0, **x))(x, s0)
     for name in x:
         assert bool(jnp.all(jnp.isfinite(gx[name]))), name
@@ -106,6 +110,7 @@ def test_unit_lower_inverse_inverts():
     [
         (dict(chunk=24), "chunk must be a power of two"),
         (dict(group=0), "group must be"),
+        (dict(inter="parallel"), "inter must be one of"),
         (dict(initial_state=jnp.zeros((2, 4, 8, 7))), "initial_state must be"),
         (dict(lengths=jnp.array([3], jnp.int32)), "lengths must be"),
         (dict(lengths=jnp.array([3.0, 4.0])), "lengths must be"),
