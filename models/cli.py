@@ -1,4 +1,4 @@
-"""``leapquant convert | generate | score``: the model commands of the ``leapquant`` CLI.
+"""``leapquant convert | generate | score | eval | recall | train-data | train``: the model commands of the ``leapquant`` CLI.
 
 ``add_subcommands(subparsers)`` registers them on an ``argparse`` subparsers object; each sets
 ``func`` to a handler taking the parsed namespace and returning an exit code. ``main`` runs
@@ -192,8 +192,9 @@ def run_score(args) -> int:
 
 
 def add_subcommands(subparsers) -> None:
-    """Registers ``convert``, ``generate``, ``score`` (and, from ``models.training.cli``,
-    ``train-data`` and ``train``) on an argparse subparsers object."""
+    """Registers ``convert``, ``generate``, ``score``, ``eval`` (``models.evaluate``), ``recall``
+    (``models.recall``), ``train-data`` and ``train`` (``models.training.cli``) on an argparse
+    subparsers object."""
     p = subparsers.add_parser("convert", help="convert an HF safetensors directory into a leapquant checkpoint")
     p.add_argument("hf_dir", type=Path, help="HF directory: config.json and *.safetensors")
     p.add_argument("out_dir", type=Path, help="checkpoint directory to create (must not exist, or be empty)")
@@ -225,6 +226,10 @@ def add_subcommands(subparsers) -> None:
     from models.evaluate import add_subcommand as add_eval_subcommand
 
     add_eval_subcommand(subparsers)  # eval
+
+    from models.recall import add_subcommand as add_recall_subcommand
+
+    add_recall_subcommand(subparsers)  # recall
 
     from models.training.cli import add_subcommands as add_training_subcommands
 
