@@ -2,15 +2,15 @@
 
     python -m bench.prefill [--tokens 4096 16384 65536] [--batches 1 8] [--heads 32] [--dim 128]
                             [--chunk 64] [--group 64]
-                            [--variants serial:default associative:default auto:highest]
+                            [--variants serial:default associative:default serial:highest]
                             [--check-tokens 4096] [--serial-tokens 16384] [--commit HASH]
                             [--out bench/results] [--tiny]
 
 One layer of ``--heads`` heads, ``dk = dv = --dim``, GDN and KDA, fp32 inputs (L2-normalised keys
 with a few outlier channels, decays near 1, ``beta`` in (0, 1), as in ``bench.kernels``), every
 ``(T, batch)`` in one run. Ours is ``jax.jit(chunk_delta_rule)`` in each ``--variants`` entry
-``INTER:PRECISION``: ``inter`` how the state crosses chunks (``serial``, ``associative``, or
-``auto``, the function's default), ``precision`` of its matmuls (``highest``: fp32, the function's
+``INTER:PRECISION``: ``inter`` how the state crosses chunks (``serial``, the function's default,
+or ``associative``), ``precision`` of its matmuls (``highest``: fp32, the function's
 default; ``default``: TF32 on the GPU, the math FLA's fp32 kernels use, so the like-for-like
 comparison). In this order:
 
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels import environment, git_commit, random_sequence, rel, time_loop
-from leapquant_jax.chunked import ASSOCIATIVE_MAX_STREAMS, INTER_CHUNK, chunk_delta_rule
+from leapquant_jax.chunked import INTER_CHUNK, chunk_delta_rule
 from leapquant_jax.recurrence import recurrent_scan
 
 PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
@@ -217,7 +217,7 @@ def variant_label(inter: str, pname: str) -> str:
     return f"ours chunk_delta_rule {inter} ({pname})"
 
 
-def ours(chunk, group, precision, inter="auto"):
+def ours(chunk, group, precision, inter="serial"):
     return jax.jit(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=chunk, group=group,
                                                   precision=precision, inter=inter))
 
@@ -333,7 +333,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--group", type=int, default=64, help="chunk_delta_rule's group (chunks in parallel at a time)")
     ap.add_argument("--variants", nargs="+", type=parse_variant,
-                    default=[parse_variant(v) for v in ("serial:default", "associative:default", "auto:highest")],
+                    default=[parse_variant(v) for v in ("serial:default", "associative:default", "serial:highest")],
                     help="INTER:PRECISION of ours, each timed on every case (inter: chunk_delta_rule's, "
                          "precision: highest = fp32 matmuls, default = TF32 on the GPU, the math of FLA's fp32 kernels)")
     ap.add_argument("--compile-threads", type=int, default=8, help="compilations of ours at a time, before any timing")
@@ -371,8 +371,7 @@ def main(argv=None):
     cases = sorted(((t, b) for t in args.tokens for b in args.batches), key=lambda c: (c[0] * c[1], c[0]))
     results = dict(environment=env, config=dict(heads=args.heads, dk=args.dim, dv=args.dim, chunk=args.chunk,
                                                 group=args.group, cases=cases,
-                                                variants=[f"{i}:{p}" for i, p in args.variants],
-                                                associative_max_streams=ASSOCIATIVE_MAX_STREAMS),
+                                                variants=[f"{i}:{p}" for i, p in args.variants]),
                    correctness=[], timings=[], notes=[])
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     os.makedirs(args.out, exist_ok=True)
@@ -460,8 +459,7 @@ def markdown(results) -> str:
            f"date {env['date']}; jax {env['jax']}; torch {env.get('torch')}; triton {env.get('triton')}; "
            f"fla-core {env.get('fla')}; commit {env.get('commit')}; command `{env['command']}`", "",
            f"One layer, {cfg['heads']} heads, dk = {cfg['dk']}, dv = {cfg['dv']}, fp32 inputs; ours: chunk "
-           f"{cfg['chunk']}, group {cfg['group']}; `inter='auto'` takes the associative form up to "
-           f"{cfg.get('associative_max_streams')} rows x heads. Tokens/s = batch x T / time of one "
+           f"{cfg['chunk']}, group {cfg['group']}. Tokens/s = batch x T / time of one "
            "whole-sequence call (median). FLA's fp32 kernels multiply in TF32 (Triton's default for "
            "fp32 `tl.dot`), as ours does at precision `default`.", ""]
     if results["correctness"]:

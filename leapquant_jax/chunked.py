@@ -55,11 +55,7 @@ LOG_DECAY_FLOOR = -104.0
 SUB_CHUNK = 16
 
 # How the state crosses chunks (``chunk_delta_rule(inter=...)``).
-INTER_CHUNK = ("auto", "serial", "associative")
-# ``inter="auto"`` takes the parallel prefix up to this many rows x heads: below it a serial step
-# per chunk cannot fill the GPU, above it the prefix's extra dk x dk products cost more than the
-# steps' latency (bench/results/prefill-*.md measures both).
-ASSOCIATIVE_MAX_STREAMS = 64
+INTER_CHUNK = ("serial", "associative")
 
 
 def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
@@ -242,7 +238,7 @@ def chunk_delta_rule(
     chunk: int = 64,
     group: int = 64,
     precision=HI,
-    inter: str = "auto",
+    inter: str = "serial",
 ) -> tuple[Array, Array]:
     """The GDN/KDA delta rule over a sequence in chunkwise-parallel form (same result as
     ``recurrent_scan`` up to fp32 round-off), differentiable and jit-able.
@@ -261,10 +257,10 @@ def chunk_delta_rule(
         long sequences; the state is carried from group to group).
       precision: of the matmuls. ``HIGHEST`` (default) is fp32; ``DEFAULT`` lets a GPU use TF32
         (faster, about 1e-3 relative error).
-      inter: how the state crosses chunks. ``"serial"``: one dependent step per chunk (least
-        memory traffic); ``"associative"``: a parallel prefix over the chunks' affine maps
-        (log-depth, more arithmetic); ``"auto"``: associative when at most
-        ``ASSOCIATIVE_MAX_STREAMS`` rows x heads share a step, serial otherwise.
+      inter: how the state crosses chunks. ``"serial"`` (default): one dependent step per chunk,
+        the least memory traffic; ``"associative"``: a parallel prefix over the chunks' affine
+        maps, log-depth in the number of chunks but with ``dk x dk`` products (meant for a few
+        long rows of few heads; ``python -m bench.prefill`` times both).
     Returns ``(o [B, T, H, dv] fp32, final_state [B, H, dk, dv] fp32)``.
     """
     bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
@@ -275,8 +271,6 @@ def chunk_delta_rule(
         raise ValueError(f"group must be a positive number of chunks, got {group!r}")
     if inter not in INTER_CHUNK:
         raise ValueError(f"inter must be one of {INTER_CHUNK}, got {inter!r}")
-    if inter == "auto":
-        inter = "associative" if bsz * h <= ASSOCIATIVE_MAX_STREAMS else "serial"
     if initial_state is None:
         initial_state = jnp.zeros((bsz, h, dk, dv), jnp.float32)
     elif initial_state.shape != (bsz, h, dk, dv):
@@ -323,4 +317,4 @@ def chunk_delta_rule(
     return o[:, :t], state
 
 
-__all__ = ["ASSOCIATIVE_MAX_STREAMS", "INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "unit_lower_inverse"]
+__all__ = ["INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "unit_lower_inverse"]
