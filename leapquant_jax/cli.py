@@ -1,5 +1,5 @@
 """The ``leapquant`` command line: replay, studies and memory; the models add convert, generate, score, eval, recall,
-train-data and train.
+train-data, train and demo.
 
 Every command that reports numbers takes ``--json`` and then prints one JSON object on stdout.
 """
