@@ -18,6 +18,23 @@ reference. Per method:
   of the final state, mean over rows and heads, after replaying that layer's recorded fp32
   inputs (the traces of the fp32 run) with the method. Every layer sees the same inputs, so the
   number is the state format's own error, not compounded through earlier layers.
+
+Each entry also holds ``per_row``: the same five numbers for every row (``[B]`` lists; the state
+error there is the mean over layers and heads). Rows are disjoint segments of the data, so their
+spread is the segment-to-segment spread. ``perplexity`` is ``exp`` of the mean NLL over every
+scored position, which equals ``exp`` of the mean of the per-row ``log`` perplexities (every row
+scores as many positions); the other means are the means of the per-row values.
+
+With ``error_every = N`` the replay also records the dense state every ``N`` decoded tokens (one
+scan, as ``studies.errors.trajectory``), and each entry gains ``state_error_curve``:
+``{"tokens": [N, 2N, ..., decoded], "per_layer": {layer: [...]}, "mean": [...]}``, the relative
+state error at those points (mean over rows and heads, then over layers for ``mean``); its last
+point is the final state, so it equals ``state_rel_error``. ``tokens`` counts decode steps after
+the prefill, and a last point at the end of the row is added when ``N`` does not divide them.
+
+``reference_run`` computes what every method is compared with (fp32's logits, continuation,
+traces and replayed states) once; ``score_method`` scores one method against it; ``evaluate``
+is the two together.
 """
 
 from __future__ import annotations
@@ -47,26 +64,45 @@ DEFAULT_STATES = "fp32,bf16,int8,bf16-w,int8-w,leapquant,leapquant-b6,leapquant-
 class EvalConfig:
     """context: tokens per row; prefill: leading tokens of each row through the exact fp32
     prefill (the rest one decode step each); batch: rows (disjoint segments of the data);
-    greedy_tokens: length of the greedy continuation compared with fp32's."""
+    greedy_tokens: length of the greedy continuation compared with fp32's; error_every: decoded
+    tokens between the recorded states of ``state_error_curve`` (``None``: no curve)."""
 
     context: int = 512
     prefill: int = 0
     batch: int = 1
     greedy_tokens: int = 16
+    error_every: Optional[int] = None
 
     def __post_init__(self):
-        for name, low in (("context", 2), ("prefill", 0), ("batch", 1), ("greedy_tokens", 1)):
+        checks = [("context", 2), ("prefill", 0), ("batch", 1), ("greedy_tokens", 1)]
+        for name, low in checks + ([("error_every", 1)] if self.error_every is not None else []):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.prefill > self.context - 2:
             raise ValueError(f"prefill ({self.prefill}) must leave at least one scored decode step in the "
                              f"context ({self.context}): prefill <= context - 2")
+        if self.error_every is not None and self.error_every > self.decoded_per_row:
+            raise ValueError(f"error_every ({self.error_every}) is more than the {self.decoded_per_row} tokens "
+                             f"decoded per row (context {self.context} - prefill {self.prefill})")
 
     @property
     def scored_per_row(self) -> int:
         """Next-token predictions made by decode steps in each row."""
         return self.context - 1 - self.prefill
+
+    @property
+    def decoded_per_row(self) -> int:
+        """Tokens of each row that go through decode steps (the rest through the prefill)."""
+        return self.context - self.prefill
+
+    @property
+    def curve_tokens(self) -> list:
+        """Decoded tokens at the points of ``state_error_curve`` (empty without ``error_every``)."""
+        if self.error_every is None:
+            return []
+        n, every = self.decoded_per_row, self.error_every
+        return list(range(every, n + 1, every)) + ([n] if n % every else [])
 
 
 def build_methods(labels: Sequence[str], options: Optional[dict] = None) -> dict:
@@ -137,25 +173,30 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def next_token_metrics(logits: np.ndarray, ref_logits: np.ndarray, targets: np.ndarray, *,
-                       chunk_elements: int = 1 << 24) -> dict:
+                       chunk_elements: int = 1 << 24, per_row: bool = False) -> dict:
     """Perplexity, mean KL to the reference and top-1 agreement with it.
 
     logits, ref_logits: ``[B, N, vocab]``, each position predicting ``targets [B, N]``;
-    chunk_elements: logits held in float64 at a time.
+    chunk_elements: logits held in float64 at a time. Returns floats over all ``B x N``
+    positions; with ``per_row``, also ``"per_row": {name: [B] float64}`` of each row's own
+    ``N`` positions (the overall numbers are the sums of the same per-row float64 sums).
     """
     b, n, vocab = logits.shape
-    nll = kl = agree = 0.0
+    nll, kl, agree = np.zeros(b), np.zeros(b), np.zeros(b)
     # float64 copies a few positions at a time: a long context of a large vocabulary would not fit twice.
     step = max(1, chunk_elements // max(1, b * vocab))
     for i in range(0, n, step):
         x, ref = logits[:, i:i + step], ref_logits[:, i:i + step]
         logp, logq = _log_softmax(x), _log_softmax(ref)
-        nll += -np.take_along_axis(logp, targets[:, i:i + step, None].astype(np.int64), axis=-1).sum()
-        kl += np.sum(np.exp(logq) * (logq - logp))
-        agree += np.sum(np.argmax(x, axis=-1) == np.argmax(ref, axis=-1))
+        nll -= np.take_along_axis(logp, targets[:, i:i + step, None].astype(np.int64), axis=-1).sum(axis=(1, 2))
+        kl += np.sum(np.exp(logq) * (logq - logp), axis=(1, 2))
+        agree += np.sum(np.argmax(x, axis=-1) == np.argmax(ref, axis=-1), axis=1)
     count = b * n
-    return {"perplexity": float(np.exp(nll / count)), "kl_to_fp32": float(kl / count),
-            "top1_agreement": float(agree / count)}
+    out = {"perplexity": float(np.exp(nll.sum() / count)), "kl_to_fp32": float(kl.sum() / count),
+           "top1_agreement": float(agree.sum() / count)}
+    if per_row:
+        out["per_row"] = {"perplexity": np.exp(nll / n), "kl_to_fp32": kl / n, "top1_agreement": agree / n}
+    return out
 
 
 def greedy_match(logits: np.ndarray, continuation: np.ndarray) -> np.ndarray:
@@ -168,19 +209,72 @@ def greedy_match(logits: np.ndarray, continuation: np.ndarray) -> np.ndarray:
     return np.where(same.all(axis=1), same.shape[1], np.argmin(same, axis=1))
 
 
-@functools.partial(jax.jit, static_argnames=("method", "prefill"))
-def _final_state(inputs: dict, *, method, prefill: int):
-    # inputs [N, T, H, ...]: the model's prefill (exact fp32, rounded once), then a step per token.
-    b, t, h, dv = inputs["v"].shape
-    dk = inputs["k"].shape[-1]
+@functools.partial(jax.jit, static_argnames=("method", "prefill", "every"))
+def _replay(inputs: dict, state, *, method, prefill: int, every: Optional[int]):
+    # inputs [N, T, H, ...]: the model's prefill (exact fp32, rounded once), then a step per token;
+    # state: the zero state when there is no prefill (an argument, not built in here: XLA would
+    # spend seconds constant-folding the quantization of a constant zero state at compile time).
+    b, t = inputs["v"].shape[:2]
     head = {n: x[:, :prefill] for n, x in inputs.items()}
     tail = {n: x[:, prefill:] for n, x in inputs.items()}
     if prefill:
         _, state = method.prefill(**head)
-    else:
-        state = method.init(b, h, dk, dv, per_channel_decay=inputs["g"].ndim == 4)
-    _, state = method.decode(state, **tail)
-    return method.to_dense(state)
+    if every is None:
+        _, state = method.decode(state, **tail)
+        return method.to_dense(state), None
+    # One scan over blocks of `every` tokens, the dense state kept after each (studies.errors.trajectory),
+    # then the tokens left over; the final state is the scan's own carry.
+    n = t - prefill
+    full = n // every * every
+    blocks = {name: jnp.moveaxis(x[:, :full].reshape((b, n // every, every) + x.shape[2:]), 1, 0)
+              for name, x in tail.items()}
+
+    def body(state, xs):
+        _, state = method.decode(state, **xs)
+        return state, method.to_dense(state)
+
+    state, snapshots = jax.lax.scan(body, state, blocks)
+    if full < n:
+        _, state = method.decode(state, **{name: x[:, full:] for name, x in tail.items()})
+        snapshots = jnp.concatenate([snapshots, method.to_dense(state)[None]], axis=0)
+    return method.to_dense(state), snapshots
+
+
+def replay_states(method, traces: dict, *, prefill: int, every: Optional[int] = None) -> tuple[dict, Optional[dict]]:
+    """Replays each layer's traces ``{layer: {name: [B, T, ...]}}`` with ``method`` (layers folded
+    into the batch: one compiled replay for all of them).
+
+    Returns ``(final, snapshots)``: final dense states ``{layer: [B, H, dk, dv]}``, and with
+    ``every`` the dense states after every ``every`` decoded tokens ``{layer: [S, B, H, dk, dv]}``
+    (``EvalConfig.curve_tokens`` gives the points; the last is the final state), else ``None``.
+    """
+    if every is not None and (isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1):
+        raise ValueError(f"every must be an integer >= 1 or None, got {every!r}")
+    layers = sorted(traces)
+    names = ("q", "k", "v", "g", "beta")
+    stacked = {n: np.concatenate([traces[layer][n] for layer in layers], axis=0) for n in names}
+    b, _, h, dv = stacked["v"].shape
+    state = None if prefill else method.init(b, h, stacked["k"].shape[-1], dv, per_channel_decay=stacked["g"].ndim == 4)
+    dense, snaps = _replay({n: jnp.asarray(x) for n, x in stacked.items()}, state, method=method, prefill=prefill,
+                           every=every)
+    final = dict(zip(layers, np.split(np.asarray(dense), len(layers), axis=0)))
+    if snaps is None:
+        return final, None
+    return final, dict(zip(layers, np.split(np.asarray(snaps), len(layers), axis=1)))
+
+
+def final_states(method, traces: dict, *, prefill: int) -> dict:
+    """Final dense states ``{layer: [B, H, dk, dv]}`` after replaying each layer's traces with
+    ``method`` (layers folded into the batch: one compiled replay for all of them)."""
+    return replay_states(method, traces, prefill=prefill)[0]
+
+
+def relative_state_errors(states: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """``||S - S_ref||_F / ||S_ref||_F`` per head: ``[..., H, dk, dv]`` twice -> ``[..., H]``."""
+    lead = reference.shape[:-2]
+    num = np.linalg.norm((states - reference).reshape(lead + (-1,)), axis=-1)
+    den = np.linalg.norm(reference.reshape(lead + (-1,)), axis=-1)
+    return num / np.maximum(den, np.finfo(np.float32).tiny)
 
 
 def state_errors(method, traces: dict, reference: dict, *, prefill: int) -> dict:
@@ -191,23 +285,86 @@ def state_errors(method, traces: dict, reference: dict, *, prefill: int) -> dict
     ``{layer: mean over rows and heads of ||S - S_ref||_F / ||S_ref||_F}``.
     """
     finals = final_states(method, traces, prefill=prefill)
-    out = {}
-    for layer, s in finals.items():
-        ref = reference[layer]
-        num = np.linalg.norm((s - ref).reshape(ref.shape[:2] + (-1,)), axis=-1)
-        den = np.linalg.norm(ref.reshape(ref.shape[:2] + (-1,)), axis=-1)
-        out[layer] = float(np.mean(num / np.maximum(den, np.finfo(np.float32).tiny)))
-    return out
+    return {layer: float(np.mean(relative_state_errors(s, reference[layer]))) for layer, s in finals.items()}
 
 
-def final_states(method, traces: dict, *, prefill: int) -> dict:
-    """Final dense states ``{layer: [B, H, dk, dv]}`` after replaying each layer's traces with
-    ``method`` (layers folded into the batch: one compiled replay for all of them)."""
-    layers = sorted(traces)
-    names = ("q", "k", "v", "g", "beta")
-    stacked = {n: np.concatenate([traces[layer][n] for layer in layers], axis=0) for n in names}
-    dense = np.asarray(_final_state({n: jnp.asarray(x) for n, x in stacked.items()}, method=method, prefill=prefill))
-    return dict(zip(layers, np.split(dense, len(layers), axis=0)))
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reference:
+    """What every method is compared with, from one fp32 run (``reference_run``).
+
+    rows ``[B, T]`` and ids ``[B, T + G]`` (the rows, then fp32's greedy continuation
+    ``continuation [B, G]``); logits ``[B, T + G, vocab]``; traces ``{layer: {name: [B, T, ...]}}``
+    (the recorded inputs of the context); final ``{layer: [B, H, dk, dv]}`` and, with
+    ``cfg.error_every``, snapshots ``{layer: [S, B, H, dk, dv]}`` of the fp32 replay.
+    """
+
+    cfg: EvalConfig
+    method: object
+    rows: np.ndarray
+    continuation: np.ndarray
+    ids: np.ndarray
+    logits: np.ndarray
+    traces: dict
+    final: dict
+    snapshots: Optional[dict]
+
+
+def reference_run(arch, params, config, rows: np.ndarray, cfg: EvalConfig, *, method=None) -> Reference:
+    """The fp32 reference (``method``, default ``fp32``) on ``rows [B, context]`` int32: greedy
+    continuation, teacher-forced logits through the decode path with recorded traces, and the
+    per-layer replay of those traces."""
+    from models.decode import generate, score
+
+    method = make_method("fp32") if method is None else method
+    rows = np.asarray(rows)
+    if rows.shape != (cfg.batch, cfg.context):
+        raise ValueError(f"rows must be [batch, context] = {[cfg.batch, cfg.context]}, got {list(rows.shape)}")
+    p, t = cfg.prefill, cfg.context
+    gen = generate(arch, params, config, list(rows), method=method, max_new_tokens=cfg.greedy_tokens)
+    continuation = np.asarray(gen.tokens, np.int32)          # [B, G]: stop ids are off
+    ids = np.concatenate([rows, continuation], axis=1)        # [B, T + G]
+    logits, traces = score(arch, params, config, ids, method=method, prefill_len=p, record=True)
+    traces = {layer: {n: x[:, :t] for n, x in tr.items()} for layer, tr in traces.items()}  # the context
+    final, snapshots = replay_states(method, traces, prefill=p, every=cfg.error_every)
+    return Reference(cfg=cfg, method=method, rows=rows, continuation=continuation, ids=ids, logits=logits,
+                     traces=traces, final=final, snapshots=snapshots)
+
+
+def score_method(arch, params, config, ref: Reference, method, *, label: str = "method") -> dict:
+    """One method's entry of ``evaluate``'s ``methods`` (see the module docstring) against ``ref``;
+    ``label`` names it in errors. The reference's own method reuses the reference's logits."""
+    from models.decode import score
+
+    cfg = ref.cfg
+    p, t, g = cfg.prefill, cfg.context, cfg.greedy_tokens
+    if method == ref.method:
+        logits = ref.logits
+    else:
+        logits, _ = score(arch, params, config, ref.ids, method=method, prefill_len=p)
+    entry = next_token_metrics(logits[:, p:t - 1], ref.logits[:, p:t - 1], ref.rows[:, p + 1:], per_row=True)
+    per_row = entry.pop("per_row")
+    greedy = greedy_match(logits[:, t - 1:t - 1 + g], ref.continuation)       # [B]
+    entry["greedy_match_tokens"] = float(greedy.mean())
+    final, snapshots = replay_states(method, ref.traces, prefill=p, every=cfg.error_every)
+    errors = {layer: relative_state_errors(s, ref.final[layer]) for layer, s in final.items()}   # [B, H]
+    entry["state_rel_error"] = {str(layer): float(np.mean(e)) for layer, e in errors.items()}
+    checks = [(k, entry[k]) for k in ("perplexity", "kl_to_fp32", "top1_agreement")] + \
+        [(f"state_rel_error of layer {layer}", err) for layer, err in entry["state_rel_error"].items()]
+    if snapshots is not None:
+        # each point reduced as the final error is ([B, H] -> mean), so the last point equals it exactly
+        curves = {str(layer): np.array([np.mean(e) for e in relative_state_errors(s, ref.snapshots[layer])], np.float64)
+                  for layer, s in snapshots.items()}                              # [S] per layer
+        entry["state_error_curve"] = {"tokens": cfg.curve_tokens,
+                                      "per_layer": {k: [float(x) for x in c] for k, c in curves.items()},
+                                      "mean": [float(x) for x in np.mean(list(curves.values()), axis=0)]}
+        checks += [(f"state_error_curve of layer {k}", float(np.max(c))) for k, c in curves.items()]
+    per_row["greedy_match_tokens"] = greedy
+    per_row["state_rel_error"] = np.mean([e.mean(axis=-1, dtype=np.float64) for e in errors.values()], axis=0)  # [B]
+    entry["per_row"] = {k: [float(x) if k != "greedy_match_tokens" else int(x) for x in v] for k, v in per_row.items()}
+    for key, value in checks:
+        if not np.isfinite(value):
+            raise FloatingPointError(f"method {label}: {key} is {value} (non-finite logits or states)")
+    return entry
 
 
 def evaluate(arch, params, config, rows: np.ndarray, methods: dict, cfg: EvalConfig, *,
@@ -216,40 +373,21 @@ def evaluate(arch, params, config, rows: np.ndarray, methods: dict, cfg: EvalCon
     ``[B, context]`` int32 (see the module docstring). Returns the JSON object of ``leapquant
     eval``: ``{"methods": {label: {...}}, "context", "tokens"}``, ``tokens`` being the number of
     scored next-token predictions per method."""
-    from models.decode import generate, score
-
     labels = list(methods)
     if not labels or labels[0] != "fp32":
         raise ValueError(f"methods must start with the fp32 reference, got {labels}")
     rows = np.asarray(rows)
     if rows.shape != (cfg.batch, cfg.context):
         raise ValueError(f"rows must be [batch, context] = {[cfg.batch, cfg.context]}, got {list(rows.shape)}")
-    p, t, g = cfg.prefill, cfg.context, cfg.greedy_tokens
     results = {}
     bar = progress(labels, desc="eval")
     for label in bar:
-        method = methods[label]
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(label)
         if label == "fp32":
-            gen = generate(arch, params, config, list(rows), method=method, max_new_tokens=g)
-            continuation = np.asarray(gen.tokens, np.int32)          # [B, G]: stop ids are off
-            ids = np.concatenate([rows, continuation], axis=1)        # [B, T + G]
-        logits, traces = score(arch, params, config, ids, method=method, prefill_len=p, record=label == "fp32")
-        if label == "fp32":
-            ref_logits = logits
-            ref_traces = {layer: {n: x[:, :t] for n, x in tr.items()} for layer, tr in traces.items()}  # the context
-            ref_states = final_states(method, ref_traces, prefill=p)
-        entry = next_token_metrics(logits[:, p:t - 1], ref_logits[:, p:t - 1], rows[:, p + 1:])
-        entry["greedy_match_tokens"] = float(greedy_match(logits[:, t - 1:t - 1 + g], continuation).mean())
-        errors = state_errors(method, ref_traces, ref_states, prefill=p)
-        entry["state_rel_error"] = {str(layer): err for layer, err in errors.items()}
-        for key, value in [(k, entry[k]) for k in ("perplexity", "kl_to_fp32", "top1_agreement")] + \
-                [(f"state_rel_error of layer {layer}", err) for layer, err in errors.items()]:
-            if not np.isfinite(value):
-                raise FloatingPointError(f"method {label}: {key} is {value} (non-finite logits or states)")
-        results[label] = entry
-    return {"methods": results, "context": t, "tokens": cfg.batch * cfg.scored_per_row}
+            ref = reference_run(arch, params, config, rows, cfg, method=methods[label])
+        results[label] = score_method(arch, params, config, ref, methods[label], label=label)
+    return {"methods": results, "context": cfg.context, "tokens": cfg.batch * cfg.scored_per_row}
 
 
 def format_table(result: dict) -> str:
@@ -262,6 +400,11 @@ def format_table(result: dict) -> str:
         lines.append(f"{label:<16}{m['perplexity']:>12.4f}{m['kl_to_fp32']:>12.2e}{m['top1_agreement']:>12.4f}"
                      f"{m['greedy_match_tokens']:>8.1f}{np.mean(errs):>26.2e} / {np.max(errs):.2e}")
     lines.append(f"({result['tokens']} scored tokens, context {result['context']})")
+    for label, m in result["methods"].items():
+        if "state_error_curve" in m:
+            curve = m["state_error_curve"]
+            points = ", ".join(f"{n}: {x:.2e}" for n, x in zip(curve["tokens"], curve["mean"]))
+            lines.append(f"state error of {label} after decoded tokens (mean over layers): {points}")
     return "\n".join(lines)
 
 
@@ -301,7 +444,8 @@ def run_eval(args) -> int:
     from models.cli import _check_checkpoint, _load, _tokenizer
     from models.decode import check_token_ids
 
-    cfg = EvalConfig(context=args.context, prefill=args.prefill, batch=args.batch, greedy_tokens=args.greedy_tokens)
+    cfg = EvalConfig(context=args.context, prefill=args.prefill, batch=args.batch, greedy_tokens=args.greedy_tokens,
+                     error_every=args.error_every)
     options = {k: getattr(args, k) for k in _LEAPQUANT_OPTIONS}
     methods = build_methods(args.states.split(","), options)
     _check_checkpoint(args.checkpoint)
@@ -312,7 +456,8 @@ def run_eval(args) -> int:
     result = evaluate(arch, params, config, rows, methods, cfg,
                       progress=lambda it, desc: _progress(it, desc=desc, enabled=True, total=len(methods)))
     result.update(checkpoint=str(args.checkpoint), data=str(args.data), prefill=cfg.prefill, batch=cfg.batch,
-                  greedy_tokens=cfg.greedy_tokens, state_options={k: v for k, v in options.items() if v is not None},
+                  greedy_tokens=cfg.greedy_tokens, error_every=cfg.error_every,
+                  state_options={k: v for k, v in options.items() if v is not None},
                   seconds=round(time.time() - t0, 3))
     print(json.dumps(result) if args.json else format_table(result))
     return 0
@@ -333,6 +478,8 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--batch", type=int_at_least(1), default=1, help="rows: disjoint segments of the data")
     p.add_argument("--greedy-tokens", type=int_at_least(1), default=16,
                    help="greedy continuation after each row compared with fp32's")
+    p.add_argument("--error-every", type=int_at_least(1), default=None,
+                   help="also record the state error every N decoded tokens (state_error_curve; default off)")
     p.add_argument("--states", default=DEFAULT_STATES,
                    help=f"comma-separated methods ({', '.join(STUDY_METHODS)}); fp32, the reference, is always run")
     add_method_options(p, flag=None)
@@ -340,6 +487,6 @@ def add_subcommand(subparsers) -> None:
     p.set_defaults(func=run_eval)
 
 
-__all__ = ["DEFAULT_STATES", "EvalConfig", "add_subcommand", "build_methods", "evaluate", "final_states",
-           "format_table", "greedy_match", "load_data", "next_token_metrics", "run_eval", "segment_rows",
-           "state_errors"]
+__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "build_methods", "evaluate", "final_states",
+           "format_table", "greedy_match", "load_data", "next_token_metrics", "reference_run", "relative_state_errors",
+           "replay_states", "run_eval", "score_method", "segment_rows", "state_errors"]
