@@ -510,18 +510,16 @@ def plot_fig3(name: str, records: dict, path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from leapquant_jax.studies.errors import _FAMILY_STYLE, _colours, _family
+    from leapquant_jax.studies.errors import method_styles
 
     labels = [x for x in FIG3_LABELS if "state_error_curve" in records.get(x, {}).get("result", {})]
     if not labels:
         return False
-    colours = _colours(labels)
+    styles = method_styles(labels)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for label in labels:
         curve = records[label]["result"]["state_error_curve"]
-        style, marker = _FAMILY_STYLE[_family(label)]
-        ax.plot(curve["tokens"], np.maximum(curve["mean"], 1e-12), linestyle=style, marker=marker, markersize=3,
-                color=colours[label], linewidth=2.2 if _family(label) == "leapquant" else 1.5, label=label)
+        ax.plot(curve["tokens"], np.maximum(curve["mean"], 1e-12), markersize=3, label=label, **styles[label])
     ax.set_yscale("log")
     ax.set_xlabel("decoded tokens")
     ax.set_ylabel(r"relative state error  $\|S - S_{fp32}\|_F\, /\, \|S_{fp32}\|_F$")

@@ -202,25 +202,25 @@ def plot_demo(result: dict, memory: dict, path, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from leapquant_jax.studies.errors import _FAMILY_STYLE, _colours, _family
+    from leapquant_jax.studies.errors import method_styles
 
     labels = [m for m in result["methods"] if m != "fp32"]
-    colours = _colours(labels)
+    styles = method_styles(labels)
     fp32 = result["methods"]["fp32"]
     kib = 1024.0
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.4))
     for label in labels:
         r, mem = result["methods"][label], memory["methods"][label]
-        style, marker = _FAMILY_STYLE[_family(label)]
+        st = styles[label]
+        colour = st["color"]
         layers = list(r["state_rel_error"])
-        ax.plot(range(len(layers)), [r["state_rel_error"][k] for k in layers], linestyle=style, marker=marker,
-                color=colours[label], linewidth=2.2 if _family(label) == "leapquant" else 1.5,
-                label=f"{label}  ({mem['bytes'] / kib:,.0f} KiB per stream)")
+        ax.plot(range(len(layers)), [r["state_rel_error"][k] for k in layers],
+                label=f"{label}  ({mem['bytes'] / kib:,.0f} KiB per stream)", **st)
         kl = r["kl_to_fp32"]
-        bx.plot(mem["bytes"] / kib, kl, marker, color=colours[label], markersize=9)
+        bx.plot(mem["bytes"] / kib, kl, st["marker"], color=colour, markersize=9)
         delta = r["perplexity"] - fp32["perplexity"]
         bx.annotate(f"{label}\nppl {delta:+.4f}", (mem["bytes"] / kib, kl), textcoords="offset points",
-                    xytext=(8, 0), ha="left", va="center", fontsize=8, color=colours[label])
+                    xytext=(8, 0), ha="left", va="center", fontsize=8, color=colour)
     ax.set_xticks(range(len(layers)), layers)
     ax.set_yscale("log", nonpositive="mask")
     ax.set_xlabel("linear-attention layer")

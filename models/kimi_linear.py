@@ -574,11 +574,17 @@ def mla_layer(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, *, position
         kr = jax.lax.dynamic_update_slice(cache["k_rot"], k_rot.astype(cache["k_rot"].dtype), (0, 0, 0))
         k_nope = jnp.einsum("bsr,hnr->bshn", c, w_uk, precision=L.PRECISION)
         v = jnp.einsum("bsr,hvr->bshv", c, w_uv, precision=L.PRECISION)
-        scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=L.PRECISION)
-                  + jnp.einsum("bthd,bsd->bhts", q_rot, k_rot, precision=L.PRECISION)) * scale
-        # right padding: a valid query only sees earlier tokens of its own row, all valid
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], scores, -jnp.inf)
-        out = jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(scores, axis=-1), v, precision=L.PRECISION)
+        keys = jnp.arange(t)
+
+        def attend(xs, positions):  # a block of queries at `positions` [blk]
+            qn, qr = xs
+            scores = (jnp.einsum("bthn,bshn->bhts", qn, k_nope, precision=L.PRECISION)
+                      + jnp.einsum("bthd,bsd->bhts", qr, k_rot, precision=L.PRECISION)) * scale
+            # right padding: a valid query only sees earlier tokens of its own row, all valid
+            scores = jnp.where((positions[:, None] >= keys[None, :])[None, None], scores, -jnp.inf)
+            return jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(scores, axis=-1), v, precision=L.PRECISION)
+
+        out = L.query_blocks(attend, (q_nope, q_rot))
     else:
         rows, pos = jnp.arange(bsz), positions[:, 0]
         cc = cache["c"].at[rows, pos].set(c[:, 0].astype(cache["c"].dtype))

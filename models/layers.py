@@ -152,6 +152,50 @@ def apply_partial_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 # ----------------------------------------------------------------------------- attention
 
 
+# Prefill attends ``ATTENTION_QUERY_BLOCK`` queries at a time: a block's scores are
+# ``[B, H, block, T]``, so a long prompt never holds the ``[B, H, T, T]`` matrix (at T = 16K and
+# batch 3, four heads of it are 12 GB in fp32, and XLA keeps several such temporaries).
+ATTENTION_QUERY_BLOCK = 1024
+
+
+def query_blocks(fn, xs: tuple, *, block: int = ATTENTION_QUERY_BLOCK) -> Array:
+    """``fn`` over blocks of ``block`` queries, one block at a time (``lax.map``).
+
+    xs: arrays ``[B, T, ...]`` cut along ``T``; ``fn(xs_block, positions [block])`` returns
+    ``[B, block, ...]`` for the queries at ``positions``. Returns ``[B, T, ...]``. ``T`` need not be
+    a multiple of ``block``: the last block is padded and its padding rows dropped.
+    """
+    t = xs[0].shape[1]
+    if t <= block:
+        return fn(xs, jnp.arange(t))
+    n = -(-t // block)
+    pad = n * block - t
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((x.shape[0], n, block) + x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda a: fn(a[0], a[1]), (tuple(split(x) for x in xs), jnp.arange(n * block).reshape(n, block)))
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape((out.shape[0], n * block) + out.shape[3:])[:, :t]
+
+
+def causal_attention(q: Array, k: Array, v: Array, *, scale: float, block: int = ATTENTION_QUERY_BLOCK) -> Array:
+    """Causal grouped attention over a prompt: query ``t`` attends to keys ``0..t``.
+
+    q: ``[B, T, H, hd]``; k, v: ``[B, T, Hkv, hd]``. Returns ``[B, T, H, hd]``, computed
+    ``block`` queries at a time (``query_blocks``), so memory grows as ``block x T``, not ``T^2``.
+    """
+    keys = jnp.arange(k.shape[1])
+
+    def one(xs, positions):
+        (qb,) = xs
+        mask = jnp.broadcast_to(positions[:, None] >= keys[None, :], (qb.shape[0], qb.shape[1], keys.shape[0]))
+        return grouped_attention(qb, k, v, mask=mask, scale=scale)
+
+    return query_blocks(one, (q,), block=block)
+
+
 def grouped_attention(q: Array, k: Array, v: Array, *, mask: Array, scale: float) -> Array:
     """Softmax attention with grouped KV heads.
 
@@ -242,7 +286,10 @@ __all__ = [
     "gated_rms_norm_sigmoid",
     "gated_rms_norm_silu",
     "gdn_log_decay",
+    "ATTENTION_QUERY_BLOCK",
+    "causal_attention",
     "grouped_attention",
+    "query_blocks",
     "l2norm",
     "linear",
     "rms_norm",

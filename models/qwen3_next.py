@@ -452,8 +452,7 @@ def attention_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, po
         kc = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, 0, 0))
         vc = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, 0, 0))
         # right padding: a valid query only sees earlier tokens of its own row, all valid
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (bsz, t, t))
-        out = L.grouped_attention(q, k, v, mask=mask, scale=hd**-0.5)
+        out = L.causal_attention(q, k, v, scale=hd**-0.5)
     else:
         rows, pos = jnp.arange(bsz), positions[:, 0]
         kc = cache["k"].at[rows, pos].set(k[:, 0].astype(cache["k"].dtype))

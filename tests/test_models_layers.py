@@ -116,3 +116,22 @@ def test_split_interleaved_qkvz_matches_per_group_layout():
     assert out["z"][:, 0].tolist() == [code[("z", g, i)] for g in range(hk) for i in range(r * dv)]
     assert out["b"][:, 0].tolist() == [0, 1, 10, 11] and out["a"][:, 0].tolist() == [2, 3, 12, 13]
     assert d == out["qkv"].shape[1]
+
+
+@pytest.mark.parametrize("t, block", [(10, 4), (8, 4), (3, 4)])
+def test_causal_attention_in_query_blocks_equals_the_full_masked_softmax(t, block):
+    """Blocked prefill attention (T a multiple of the block or not, or shorter) against one
+    softmax over the whole causal [T, T] mask, with grouped KV heads."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((2, t, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, t, 2, 8)), jnp.float32) for _ in range(2))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (2, t, t))
+    full = L.grouped_attention(q, k, v, mask=mask, scale=8**-0.5)
+    blocked = L.causal_attention(q, k, v, scale=8**-0.5, block=block)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), rtol=1e-5, atol=1e-6)
+
+
+def test_query_blocks_passes_each_block_its_positions():
+    x = jnp.arange(2 * 7 * 3, dtype=jnp.float32).reshape(2, 7, 3)
+    out = L.query_blocks(lambda xs, pos: xs[0] * 10 + pos[None, :, None], (x,), block=3)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x * 10 + jnp.arange(7)[None, :, None]))

@@ -185,15 +185,22 @@ def _family(label: str) -> str:
     return "per-window" if label.endswith("-w") else "per-step"
 
 
-def _colours(labels: list[str]) -> dict[str, tuple]:
-    """One distinct colour per study label (tab10 and black), fixed by the label's place in
-    ``STUDY_METHODS`` so a subset keeps its colours; black goes to LeapQuant at 8 bits."""
+def method_styles(labels: list[str]) -> dict[str, dict]:
+    """Plot style per study label, the same in every figure of the project: ``{label: {"color",
+    "linestyle", "marker", "linewidth"}}``. The line style and marker follow the family (per
+    step, per window, one fix, LeapQuant); the colour (tab10 and black) is fixed by the label's
+    place in ``STUDY_METHODS`` so a subset keeps its colours, black for LeapQuant at 8 bits."""
     import matplotlib
 
     tab10 = matplotlib.colormaps["tab10"].colors
     palette = [tab10[i] for i in (0, 1, 8, 3, 4, 5, 6, 7)] + [(0.0, 0.0, 0.0), tab10[2], tab10[9]]
     order = [m for m in STUDY_METHODS if m != "fp32"]
-    return {m: palette[order.index(m)] for m in labels}
+    out = {}
+    for label in labels:
+        style, marker = _FAMILY_STYLE[_family(label)]
+        out[label] = dict(color=palette[order.index(label)], linestyle=style, marker=marker,
+                          linewidth=2.2 if _family(label) == "leapquant" else 1.5)
+    return out
 
 
 def _bytes_text(r: dict) -> str:
@@ -213,28 +220,28 @@ def plot_error_study(result: dict, path: str) -> None:
     from matplotlib.lines import Line2D
 
     labels = [m for m in result["methods"] if m != "fp32"]
-    colours = _colours(labels)
+    styles = method_styles(labels)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 6.2), gridspec_kw=dict(width_ratios=(1.35, 1)))
     handles = []
     for label in labels:
         r = result["methods"][label]
-        style, marker = _FAMILY_STYLE[_family(label)]
-        width = 2.2 if _family(label) == "leapquant" else 1.5
-        (line,) = ax.plot(result["tokens"], np.maximum(r["rel_state_error"], 1e-12), linestyle=style,
-                          color=colours[label], linewidth=width, label=f"{label}  ({_bytes_text(r)})")
+        st = styles[label]
+        colour, marker = st["color"], st["marker"]
+        (line,) = ax.plot(result["tokens"], np.maximum(r["rel_state_error"], 1e-12), linestyle=st["linestyle"],
+                          color=st["color"], linewidth=st["linewidth"], label=f"{label}  ({_bytes_text(r)})")
         handles.append(line)
         err = max(r["final_rel_state_error"], 1e-12)
         if r["windowed"]:
             # A windowed method holds between a bare checkpoint and a full window buffer per stream.
             bx.plot([r["checkpoint_bytes_per_element"], r["bytes_per_element"]], [err, err], "-",
-                    color=colours[label], linewidth=1, alpha=0.7)
-            bx.plot(r["checkpoint_bytes_per_element"], err, marker, color=colours[label], markerfacecolor="none", markersize=8)
-        bx.plot(r["bytes_per_element"], err, marker, color=colours[label], markersize=8)
+                    color=colour, linewidth=1, alpha=0.7)
+            bx.plot(r["checkpoint_bytes_per_element"], err, marker, color=colour, markerfacecolor="none", markersize=8)
+        bx.plot(r["bytes_per_element"], err, marker, color=colour, markersize=8)
         # Windowed labels sit left of the checkpoint marker, per-step ones right of theirs: fewer overlaps.
         at, offset, align = ((r["checkpoint_bytes_per_element"], -7, "right") if r["windowed"]
                              else (r["bytes_per_element"], 7, "left"))
         bx.annotate(label, (at, err), textcoords="offset points", xytext=(offset, 0), ha=align, va="center",
-                    fontsize=7, color=colours[label])
+                    fontsize=7, color=colour)
     fp32_bytes = 4.0 if "fp32" not in result["methods"] else result["methods"]["fp32"]["bytes_per_element"]
     bx.axvline(fp32_bytes, color="0.5", linestyle=(0, (1, 3)), linewidth=1.2)
     bx.annotate(f"fp32 reference\n(error 0, {fp32_bytes:.0f} B/el)", (fp32_bytes, 0.5), xycoords=("data", "axes fraction"),
@@ -285,6 +292,7 @@ __all__ = [
     "STUDY_METHODS",
     "build_method",
     "format_error_table",
+    "method_styles",
     "plot_error_study",
     "relative_errors",
     "run_error_study",
