@@ -10,8 +10,10 @@ A method is a frozen, hashable dataclass (a static argument to ``jit``) with
     o, state = method.prefill(q=, k=, v=, g=, beta=, lengths=, state=None)
 
 ``make_method(name, **options)`` builds one from a docs/design.md §5 name: per-step ``fp32``,
-``bf16``, ``fp16``, ``int8``, ``fp8`` (eq. 2: re-quantize after every token); windowed
-``bf16-w``, ``int8-w`` (no compensators, no smoothing) and ``leapquant``.
+``bf16``, ``fp16``, ``int8``, ``fp8``, ``int6``, ``int4`` and the formats of ``formats`` (eq. 2:
+re-quantize after every token), the stateful per-step methods of ``feedback``; windowed
+``bf16-w``, ``int8-w`` (no compensators, no smoothing) and ``leapquant``. The shared drivers
+(``decode``, ``prefill``) live in ``runner``.
 """
 
 from __future__ import annotations
@@ -21,133 +23,26 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import windowed
-from .chunked import chunk_delta_rule
-from .quantizers import QTensor, get_format
-from .recurrence import Token, check_lengths, check_sequence, delta_rule_token, recurrent_step_general, time_major
+from .feedback import METHODS as STATEFUL_PER_STEP
+from .formats import STATE_FORMAT_NAMES, get_state_format
+from .quantizers import QTensor
+from .recurrence import Token, recurrent_step_general
+from .runner import Runner, check_dense, check_dims, check_token
 from .state import LeapQuantConfig, LeapQuantState
 
 Array = jax.Array
 
-PER_STEP_METHODS = ("fp32", "bf16", "fp16", "int8", "fp8")
+# Every per-step format: the base ones first (their names and meanings fixed since the start).
+PER_STEP_METHODS = STATE_FORMAT_NAMES
 WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant")
-METHOD_NAMES = PER_STEP_METHODS + WINDOWED_METHODS
-
-
-def check_dims(batch: int, heads: int, dk: int, dv: int) -> None:
-    """Raises ``ValueError`` naming the first of ``batch, heads, dk, dv`` that is not a positive integer."""
-    for name, n in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
-
-
-def _check_dense(state: Array) -> tuple[int, int, int, int]:
-    if state.ndim != 4:
-        raise ValueError(f"state must be [B, H, dk, dv], got shape {state.shape}")
-    if not jnp.issubdtype(state.dtype, jnp.floating):
-        raise ValueError(f"state must be floating point, got dtype {state.dtype}")
-    check_dims(*state.shape)
-    return state.shape
-
-
-def _check_token(state_shape: tuple, token: Token, active: Optional[Array]) -> None:
-    b, h, dk = token.w.shape
-    got = (b, h, dk, token.v.shape[-1])
-    if tuple(state_shape) != got:
-        raise ValueError(f"the state holds [B, H, dk, dv] = {tuple(state_shape)} but the inputs give {got} "
-                         f"(q/k {tuple(token.w.shape)} after GVA, v {tuple(token.v.shape)})")
-    if active is not None and (jnp.shape(active) != (b,) or jnp.asarray(active).dtype != jnp.bool_):
-        raise ValueError(f"active must be bool [B] = ({b},), got {jnp.asarray(active).dtype} {jnp.shape(active)}")
-
-
-class _Runner:
-    """Sequence-level drivers shared by every method (built on ``step_token``/``from_dense``)."""
-
-    window: int = 1
-
-    def per_channel_state(self, state) -> bool:
-        """Whether ``state`` keeps per-channel (KDA) decays; per-step states keep no decays."""
-        return False
-
-    def with_decay_layout(self, state, per_channel: bool):
-        """``state`` ready for tokens with per-channel decays when ``per_channel`` (see the
-        windowed method); per-step states serve both decay kinds as they are."""
-        return state
-
-    def step(self, state, *, q: Array, k: Array, v: Array, g: Array, beta: Array, active: Optional[Array] = None):
-        """One decode step. q, k ``[B, Hk, dk]``; v ``[B, H, dv]``; g ``[B, H]`` or ``[B, H, dk]``;
-        beta ``[B, H]``; active ``[B]`` bool or ``None``. Returns ``(o [B, H, dv], state)``;
-        inactive sequences keep their state."""
-        return self.step_token(state, delta_rule_token(q=q, k=k, v=v, g=g, beta=beta), active=active)
-
-    def decode(self, state, *, q: Array, k: Array, v: Array, g: Array, beta: Array):
-        """Token-serial decode as a ``lax.scan``. Inputs ``[B, T, H, ...]``;
-        returns ``(o [B, T, H, dv], final state)``."""
-        check_sequence(q=q, k=k, v=v, g=g, beta=beta)
-        # Widened before the scan, whose carry must keep one structure.
-        state = self.with_decay_layout(state, g.ndim == 4)
-
-        def body(s, xs):
-            o, s = self.step(s, **dict(zip(("q", "k", "v", "g", "beta"), xs)))
-            return s, o
-
-        state, o = jax.lax.scan(body, state, tuple(time_major(x) for x in (q, k, v, g, beta)))
-        return time_major(o), state
-
-    def prefill(
-        self, *, q: Array, k: Array, v: Array, g: Array, beta: Array,
-        lengths: Optional[Array] = None, state=None,
-    ):
-        """Prompt processing (docs/design.md §3): exact fp32 up to each sequence's last window boundary
-        (``chunk_delta_rule``, chunkwise-parallel), rounded once there; the fewer than ``window``
-        tokens after it become records of the open window.
-
-        Inputs ``[B, T, H, ...]`` right-padded; lengths ``[B]`` int32 (default ``T``); state an
-        existing stream or ``None`` (zeros). Returns ``(o [B, T, H, dv], state)``; outputs of
-        padding positions are unspecified.
-        """
-        bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
-        dk, dv = q.shape[-1], v.shape[-1]
-        per_channel = g.ndim == 4
-        if lengths is not None:
-            check_lengths(lengths, bsz, t)
-        lengths = jnp.full((bsz,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        if state is None:
-            state = self.init(bsz, h, dk, dv, per_channel_decay=per_channel)
-        else:
-            state = self.with_decay_layout(state, per_channel)
-            per_channel = self.per_channel_state(state)
-        held = self.records_held(state)                                   # [B]
-        boundary = jnp.maximum((held + lengths) // self.window * self.window - held, 0)
-        # Exact fp32 up to each boundary in chunkwise-parallel form: the state after boundary[b] tokens.
-        o, at_boundary = chunk_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=self.to_dense(state),
-                                          lengths=boundary)
-        rounded = self.from_dense(at_boundary, per_channel_decay=per_channel)
-        state = windowed.select_batch(boundary > 0, rounded, state)
-        if self.window == 1:
-            return o, state
-
-        # Fewer than `window` tokens of each sequence follow its boundary: gather just those and
-        # step them token by token into the open window.
-        pos = boundary[:, None] + jnp.arange(self.window - 1)[None, :]             # [B, p-1]
-        active = pos < lengths[:, None]
-        rows = jnp.arange(bsz)[:, None]
-        tail = tuple(time_major(x[rows, jnp.minimum(pos, t - 1)]) for x in (q, k, v, g, beta))
-
-        def rest(s, xs):
-            *tok, act = xs
-            o_i, s = self.step(s, **dict(zip(("q", "k", "v", "g", "beta"), tok)), active=act)
-            return s, o_i
-
-        state, o_rest = jax.lax.scan(rest, state, tail + (time_major(active),))
-        # inactive slots point past the end and are dropped
-        return o.at[rows, jnp.where(active, pos, t)].set(time_major(o_rest), mode="drop"), state
+# Per-step methods whose state carries more than the rounded values (error feedback, stochastic rounding).
+METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + WINDOWED_METHODS
 
 
 @dataclasses.dataclass(frozen=True)
-class PerStepMethod(_Runner):
+class PerStepMethod(Runner):
     """Per-step baseline (eq. 2): the state lives in ``format`` and is re-quantized after every token."""
 
     format_name: str = "fp32"
@@ -167,20 +62,20 @@ class PerStepMethod(_Runner):
 
     def from_dense(self, state: Array, *, per_channel_decay: bool = False) -> QTensor:
         """Rounds ``[B, H, dk, dv]`` fp32 into the format."""
-        _check_dense(state)
-        return get_format(self.format_name).quantize(state)
+        check_dense(state)
+        return get_state_format(self.format_name).quantize(state)
 
     def to_dense(self, state: QTensor) -> Array:
         """``[B, H, dk, dv]`` fp32."""
-        return get_format(self.format_name).dequantize(state)
+        return get_state_format(self.format_name).dequantize(state)
 
     def records_held(self, state: QTensor) -> Array:
         return jnp.zeros((state.shape[0],), jnp.int32)
 
     def step_token(self, state: QTensor, token: Token, *, active: Optional[Array] = None):
         """General-form step: dequantize, dense fp32 update, re-quantize. Returns ``(o, state)``."""
-        _check_token(state.shape, token, active)
-        fmt = get_format(self.format_name)
+        check_token(state.shape, token, active)
+        fmt = get_state_format(self.format_name)
         o, dense = recurrent_step_general(fmt.dequantize(state), token)
         new = fmt.quantize(dense)
         if active is not None:
@@ -189,7 +84,7 @@ class PerStepMethod(_Runner):
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowedMethod(_Runner):
+class WindowedMethod(Runner):
     """The windowed recurrence with a ``LeapQuantConfig`` (``bf16-w``, ``int8-w``, ``leapquant``)."""
 
     config: LeapQuantConfig = LeapQuantConfig()
@@ -219,7 +114,7 @@ class WindowedMethod(_Runner):
     def from_dense(self, state: Array, *, per_channel_decay: bool = False) -> LeapQuantState:
         """Rounds ``[B, H, dk, dv]`` fp32 into a checkpoint with an empty window
         (``per_channel_decay`` as in ``init``)."""
-        _, _, dk, dv = _check_dense(state)
+        _, _, dk, dv = check_dense(state)
         self.config.check_head_size(dk, dv)
         return windowed.from_dense(self.config, state, per_channel_decay=per_channel_decay)
 
@@ -245,7 +140,7 @@ class WindowedMethod(_Runner):
         """Read, append the record, output; flush the sequences whose window filled."""
         from .dispatch import leapquant_maybe_flush, leapquant_step
 
-        _check_token(state.shape, token, active)
+        check_token(state.shape, token, active)
         if token.per_channel_decay:
             state = self.with_decay_layout(state, True)
         elif state.per_channel_decay:
@@ -275,10 +170,10 @@ def make_method(
     """
     opts = dict(bits=bits, window=window, rank=rank, compensators=compensators, smoothing=smoothing, **config_options)
     given = {k: v for k, v in opts.items() if v is not None}
-    if name in PER_STEP_METHODS:
+    if name in PER_STEP_METHODS or name in STATEFUL_PER_STEP:
         if given:
             raise ValueError(f"method {name!r} is per-step and takes no options, got {sorted(given)}")
-        return PerStepMethod(name)
+        return PerStepMethod(name) if name in PER_STEP_METHODS else STATEFUL_PER_STEP[name]()
     if name not in WINDOWED_METHODS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(METHOD_NAMES)}")
     fields = {f.name for f in dataclasses.fields(LeapQuantConfig)}

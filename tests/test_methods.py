@@ -26,7 +26,8 @@ def test_every_method_decodes_close_to_fp32_under_jit_and_vmap(name):
 
     o = jax.jit(jax.vmap(run))(x)
     o_ref, _ = recurrent_scan(None, **x)
-    bound = {"fp8": 0.3, "int8": 0.05}.get(name, 0.02)
+    # about three times the measured error of each rounding (int8 8e-3, int6 3e-2, int4 0.15, fp8 3e-2)
+    bound = {"fp8": 0.3, "int8": 0.05, "int6": 0.1, "int4": 0.4}.get(name, 0.02)
     assert rel(o, o_ref) < bound
     if name == "fp32":
         assert rel(o, o_ref) < 1e-6
