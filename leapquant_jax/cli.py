@@ -275,7 +275,7 @@ def cmd_study_outliers(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from .studies.memory import MemoryQuery, measure_memory
+    from .studies.memory import MemoryQuery, measure_memory, method_memory
 
     r = measure_memory(MemoryQuery(dk=args.dk, dv=args.dv, bits=args.bits, rank=args.rank, window=args.window,
                                    layers=args.layers, heads=args.heads))
@@ -284,6 +284,13 @@ def cmd_memory(args) -> int:
         rows.append(f"{k:<12}{b:>12.1f}{r['bytes_per_element'][k]:>12.4f}{r['model_bytes'][k] / 2**20:>12.2f}")
     q = r["query"]
     rows.append(f"({q['layers']} layers x {q['heads']} heads, dk={q['dk']} dv={q['dv']}, {q['bits']} bits, r={q['rank']}, p={q['window']})")
+    if args.methods:
+        names = "all" if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",")]
+        if names != "all" and (not names or not all(names)):
+            raise ValueError(f"--methods must be 'all' or a comma-separated list of methods, got {args.methods!r}")
+        r["methods"] = method_memory(names, dk=args.dk, dv=args.dv, heads=args.heads)
+        rows.append(f"\n{'method':<16}{'bits/value':>12}{'B/head':>12}   (live GDN stream, each method's defaults)")
+        rows += [f"{k:<16}{m['bits_per_value']:>12.3f}{m['bytes_per_head']:>12.1f}" for k, m in r["methods"].items()]
     _emit(args, r, "\n".join(rows))
     return 0
 
@@ -350,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int_at_least(1), default=16, help="window p")
     p.add_argument("--layers", type=int_at_least(1), default=48, help="linear-attention layers of the model")
     p.add_argument("--heads", type=int_at_least(1), default=32, help="heads per layer")
+    p.add_argument("--methods", default=None,
+                   help="also every state method's bits per value: 'all' or a comma-separated list of method names")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_memory)
 

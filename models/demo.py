@@ -315,7 +315,8 @@ def add_subcommand(subparsers) -> None:
                         "standard library)")
     p.add_argument("--context", type=int_at_least(2), default=DEFAULT_CONTEXT, help="tokens decoded")
     p.add_argument("--states", default=DEFAULT_STATES,
-                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}); fp32, the reference, is always run")
+                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
+                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
     add_method_options(p, flag=None)
     _add_plot_options(p, "demo.png")
     p.set_defaults(func=run_demo)

@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leapquant_jax.methods import PER_STEP_METHODS, make_method
-from leapquant_jax.studies.errors import STUDY_METHODS
+from leapquant_jax.methods import WINDOWED_METHODS, make_method
+from leapquant_jax.studies.errors import ALL_METHODS, STUDY_METHODS
 
 # The options of `add_method_options` and the method names they apply to: window and kernels to
 # every windowed method, the rest to LeapQuant alone.
@@ -106,8 +106,8 @@ class EvalConfig:
 
 
 def build_methods(labels: Sequence[str], options: Optional[dict] = None) -> dict:
-    """The state methods of ``labels`` (names of ``study errors``: ``fp32``, ``int8-w+ct``,
-    ``leapquant-b6``, ...), with ``options`` (``bits``, ``window``, ``rank``, ``compensators``,
+    """The state methods of ``labels`` (keys of ``studies.errors.ALL_METHODS``: ``fp32``,
+    ``int8-w+ct``, ``leapquant-b6``, ``mxfp4``, ...), with ``options`` (``bits``, ``window``, ``rank``, ``compensators``,
     ``smoothing``, ``impl``; ``None`` = the label's default) applied where they mean something.
 
     Returns ``{label: method}`` in the given order, fp32 first (added when missing: it is the
@@ -122,15 +122,15 @@ def build_methods(labels: Sequence[str], options: Optional[dict] = None) -> dict
     if not labels or any(not x for x in labels):
         raise ValueError(f"--states must be a comma-separated list of methods, got {','.join(labels)!r}")
     for label in labels:
-        if label not in STUDY_METHODS:
-            raise ValueError(f"--states: unknown method {label!r}; known: {', '.join(STUDY_METHODS)}")
+        if label not in ALL_METHODS:
+            raise ValueError(f"--states: unknown method {label!r}; known: {', '.join(ALL_METHODS)}")
     repeated = sorted({x for x in labels if labels.count(x) > 1})
     if repeated:
         raise ValueError(f"--states names {repeated[0]!r} more than once")
     methods = {}
     for label in ["fp32"] + [x for x in labels if x != "fp32"]:
-        name, fixed = STUDY_METHODS[label]
-        applies = () if name in PER_STEP_METHODS else (_LEAPQUANT_OPTIONS if name == "leapquant" else _WINDOW_OPTIONS)
+        name, fixed = ALL_METHODS[label]
+        applies = () if name not in WINDOWED_METHODS else (_LEAPQUANT_OPTIONS if name == "leapquant" else _WINDOW_OPTIONS)
         opts = dict(fixed)
         for key in applies:
             if key not in options:
@@ -481,7 +481,8 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--error-every", type=int_at_least(1), default=None,
                    help="also record the state error every N decoded tokens (state_error_curve; default off)")
     p.add_argument("--states", default=DEFAULT_STATES,
-                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}); fp32, the reference, is always run")
+                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
+                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
     add_method_options(p, flag=None)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_eval)

@@ -234,7 +234,8 @@ def add_subcommand(subparsers) -> None:
                    help="leading tokens of each row through the exact fp32 prefill, at most span + gap + skip - 1")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="where in the data the rows' pieces come from")
     p.add_argument("--states", default=DEFAULT_STATES,
-                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}); fp32, the reference, is always run")
+                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
+                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
     add_method_options(p, flag=None)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_recall)

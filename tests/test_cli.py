@@ -119,3 +119,17 @@ def test_memory_matches_the_design_table(capsys):
     assert main(["memory", "--json", "--bits", "4"]) == 0
     # 4-bit codes, fp32 column and smoothing scales, six fp16 Compensator Tokens.
     assert _json(capsys)["checkpoint_bytes_per_element"] == pytest.approx(0.5 + 2 * 512 / 16384 + 6 * 256 * 2 / 16384)
+
+
+def test_memory_lists_every_method_in_bits_per_value(capsys):
+    from leapquant_jax import METHOD_NAMES
+
+    assert main(["memory", "--json", "--heads", "4", "--methods", "all"]) == 0
+    methods = _json(capsys)["methods"]
+    assert list(methods) == list(METHOD_NAMES)
+    # int8 and int4: codes plus one fp32 scale per value column of 128 rows
+    assert methods["int8"]["bits_per_value"] == pytest.approx(8 + 32 / 128)
+    assert methods["int4"]["bytes_per_head"] == 128 * 128 / 2 + 4 * 128
+    assert methods["leapquant"]["bytes_per_head"] == pytest.approx(19456 + 16 * (128 + 128 + 1) * 2 + 4 / 4)
+    assert main(["memory", "--methods", "int8,nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err

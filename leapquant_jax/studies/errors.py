@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..methods import WINDOWED_METHODS, make_method
+from ..methods import METHOD_NAMES, WINDOWED_METHODS, make_method
 from ..quantizers import tree_bytes
 from ..state import LeapQuantState
 from ..synthetic import SyntheticSpec, synthetic_batch
@@ -39,6 +39,14 @@ STUDY_METHODS: dict[str, tuple[str, dict]] = {
     "leapquant": ("leapquant", dict(bits=8)),
     "leapquant-b6": ("leapquant", dict(bits=6)),
     "leapquant-b4": ("leapquant", dict(bits=4)),
+}
+
+# Every label the studies and `eval` accept: the lineup above (the default of `study errors`), then
+# each other per-step method under its own name (the rival formats: block floats, adapted KV-cache
+# methods, error feedback, stochastic rounding, ...).
+ALL_METHODS: dict[str, tuple[str, dict]] = {
+    **STUDY_METHODS,
+    **{n: (n, {}) for n in METHOD_NAMES if n not in WINDOWED_METHODS and n not in STUDY_METHODS},
 }
 
 
@@ -78,10 +86,10 @@ class ErrorStudyConfig:
 
 
 def build_method(label: str, window: int):
-    """The state method behind a study label."""
-    if label not in STUDY_METHODS:
-        raise ValueError(f"unknown study method {label!r}; known: {', '.join(STUDY_METHODS)}")
-    name, opts = STUDY_METHODS[label]
+    """The state method behind a study label (a key of ``ALL_METHODS``)."""
+    if label not in ALL_METHODS:
+        raise ValueError(f"unknown study method {label!r}; known: {', '.join(ALL_METHODS)}")
+    name, opts = ALL_METHODS[label]
     if name in WINDOWED_METHODS:
         opts = dict(opts, window=window)
     return make_method(name, **opts)
@@ -142,9 +150,9 @@ def run_error_study(
     methods = list(STUDY_METHODS) if methods is None else list(methods)
     if not methods:
         raise ValueError("methods: give at least one study method")
-    unknown = [m for m in methods if m not in STUDY_METHODS]
+    unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
-        raise ValueError(f"methods: unknown study method(s) {', '.join(map(repr, unknown))}; known: {', '.join(STUDY_METHODS)}")
+        raise ValueError(f"methods: unknown study method(s) {', '.join(map(repr, unknown))}; known: {', '.join(ALL_METHODS)}")
     spec = SyntheticSpec(tokens=config.tokens, heads=config.heads, dk=config.dk, dv=config.dv, per_channel_decay=config.kda)
     inputs = synthetic_batch(0, config.seeds, spec)
     run = jax.jit(trajectory, static_argnums=(0, 2))
@@ -161,7 +169,7 @@ def run_error_study(
             "rel_output_error": out_err,
             "bytes_per_element": nbytes["live"],
             "checkpoint_bytes_per_element": nbytes["checkpoint"],
-            "windowed": STUDY_METHODS[label][0] in WINDOWED_METHODS,
+            "windowed": ALL_METHODS[label][0] in WINDOWED_METHODS,
             "rel_state_error": [float(x) for x in curve],
         }
     return {
@@ -194,7 +202,9 @@ def method_styles(labels: list[str]) -> dict[str, dict]:
 
     tab10 = matplotlib.colormaps["tab10"].colors
     palette = [tab10[i] for i in (0, 1, 8, 3, 4, 5, 6, 7)] + [(0.0, 0.0, 0.0), tab10[2], tab10[9]]
-    order = [m for m in STUDY_METHODS if m != "fp32"]
+    # the rival formats cycle through tab20b after the lineup's own colours
+    palette += list(matplotlib.colormaps["tab20b"].colors) * (1 + len(ALL_METHODS) // 20)
+    order = [m for m in ALL_METHODS if m != "fp32"]
     out = {}
     for label in labels:
         style, marker = _FAMILY_STYLE[_family(label)]
@@ -288,6 +298,7 @@ def format_error_table(result: dict) -> str:
 
 
 __all__ = [
+    "ALL_METHODS",
     "ErrorStudyConfig",
     "STUDY_METHODS",
     "build_method",

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from ..methods import make_method
+from ..methods import METHOD_NAMES, make_method
 from ..quantizers import tree_bytes
 
 
@@ -60,4 +60,17 @@ def measure_memory(query: MemoryQuery) -> dict:
     }
 
 
-__all__ = ["MemoryQuery", "measure_memory"]
+def method_memory(names, *, dk: int = 128, dv: int = 128, heads: int = 32, kda: bool = False) -> dict:
+    """Per method of ``names`` (``make_method`` names with their defaults; ``"all"`` for every
+    one): ``{name: {"bits_per_value", "bytes_per_head"}}`` of a live stream of ``heads`` heads of
+    ``[dk, dv]`` (a windowed method's window buffer and position included, shared by the heads),
+    measured on the state pytree. Raises ``ValueError`` naming an unknown method."""
+    names = list(METHOD_NAMES) if names == "all" else list(names)
+    out = {}
+    for name in names:
+        per_head = tree_bytes(state_shapes(make_method(name), heads, dk, dv, kda)) / heads
+        out[name] = {"bits_per_value": 8 * per_head / (dk * dv), "bytes_per_head": per_head}
+    return out
+
+
+__all__ = ["MemoryQuery", "measure_memory", "method_memory"]
