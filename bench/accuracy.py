@@ -1,7 +1,7 @@
 """Accuracy benchmark: the paper's Tables 1-3 and Figures 3 and 6 in miniature, on trained checkpoints.
 
     python -m bench.accuracy --checkpoints models/checkpoints/stdlib-gdn models/checkpoints/stdlib-kda
-                             --data HELDOUT.npy [--context 16384] [--segments 3] [--workers 8]
+                             --data HELDOUT.npy [--context 16384] [--segments 3] [--workers 4]
                              [--time-budget 480] [--grace 60] [--error-every 512] [--greedy-tokens 16]
                              [--only LABELS] [--commit HASH] [--out bench/results] [--tiny]
 
@@ -576,7 +576,9 @@ def main(argv=None):
     ap.add_argument("--segments", type=int, default=3, help="disjoint consecutive segments (rows)")
     ap.add_argument("--greedy-tokens", type=int, default=16)
     ap.add_argument("--error-every", type=int, default=512, help="decoded tokens between Figure 3's points (0: off)")
-    ap.add_argument("--workers", type=int, default=8, help="worker processes, shared evenly by the checkpoints")
+    ap.add_argument("--workers", type=int, default=4,
+                    help="worker processes, shared evenly by the checkpoints (on the H200, eight compiling side by "
+                         "side had not finished an fp32 reference after 300 s; one or two took 60-90 s)")
     ap.add_argument("--time-budget", type=float, default=480,
                     help="seconds after the start when workers stop taking jobs (the rest: skipped: time budget)")
     ap.add_argument("--grace", type=float, default=60, help="seconds after the budget when running workers are stopped")

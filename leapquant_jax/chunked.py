@@ -132,7 +132,8 @@ def _pair_scores_kda(q: Array, k: Array, g: Array, precision) -> tuple[Array, Ar
     causal = jnp.tril(jnp.ones((s, s), bool))[..., None]
     decay = _masked_exp(L[..., :, None, :] - L[..., None, :, :], causal)                # [.., n, s, s, dk]
     inner = jnp.sum(rows[..., :, None, :] * (ks[..., None, :, :] * decay)[..., None, :, :, :, :], axis=-1)
-    scores = jnp.einsum("...xaij,ab->...xaibj", inner, jnp.eye(n, dtype=k.dtype))       # [.., 2, n, s, n, s]
+    # block-diagonal placement [.., 2, n, s, n, s]: elementwise, so no matmul rounds it
+    scores = inner[..., :, :, None, :] * jnp.eye(n, dtype=k.dtype)[:, None, :, None]
     if n > 1:
         # across sub-chunks: sub-chunk a (rows) reads an earlier sub-chunk b (columns)
         between = start[..., :, None, :] - ctot[..., None, :, :]                         # [.., a, b, dk]
