@@ -120,7 +120,8 @@ class FloatTensor:
 
 @flax.struct.dataclass
 class ScaledFloatTensor:
-    """A state in a scaled 8-bit float (fp8 e4m3): ``values [..., dk, dv]``, ``scale [..., dv]``."""
+    """A state in a scaled 8-bit float (fp8 e4m3): ``values [..., dk, dv]``, ``scale [..., dv]``
+    (one per value column), or ``[..., 1]`` (one per head, ``fp8-tensor``)."""
 
     values: Array
     scale: Array
@@ -135,7 +136,8 @@ class IntTensor:
     """Symmetric integer codes with one fp32 scale per value column.
 
     codes: packed bytes ``[..., packed_rows(dk, bits), dv]`` (int8 at 8 bits, uint8 below);
-    scale: ``[..., dv]``, dequantized value = ``(code - offset) * scale``.
+    scale: ``[..., dv]`` (one per value column), or ``[..., 1]`` (one per head, ``int8-tensor``);
+    dequantized value = ``(code - offset) * scale``.
     """
 
     codes: Array
