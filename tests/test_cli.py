@@ -133,3 +133,21 @@ def test_memory_lists_every_method_in_bits_per_value(capsys):
     assert methods["leapquant"]["bytes_per_head"] == pytest.approx(19456 + 16 * (128 + 128 + 1) * 2 + 4 / 4)
     assert main(["memory", "--methods", "int8,nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_study_errors_says_when_a_per_step_format_diverges(tmp_path, capsys):
+    """TurboQuant's 4-bit per-step state (its residual sketch adds noise that grows with the
+    state) overflows fp32 within 2,048 tokens here: the study names the token, keeps the JSON
+    free of NaN and still draws the plot; int8 stays finite."""
+    argv = ["study", "errors", "--tokens", "2048", "--heads", "2", "--seeds", "1", "--dk", "64", "--dv", "64",
+            "--every", "256", "--methods", "int8,turboquant-b4", "--out-dir", str(tmp_path), "--plot", "d.png"]
+    assert main(argv + ["--json"]) == 0
+    text = capsys.readouterr().out
+    assert "NaN" not in text and "Infinity" not in text
+    methods = json.loads(text)["methods"]
+    assert methods["int8"]["diverged_by_token"] is None and methods["int8"]["final_rel_state_error"] < 0.2
+    diverged = methods["turboquant-b4"]
+    assert diverged["diverged_by_token"] in range(256, 2049, 256) and diverged["final_rel_state_error"] is None
+    assert (tmp_path / "d.png").stat().st_size > 0
+    assert main(argv) == 0
+    assert f"diverged: the state overflowed fp32 by token {diverged['diverged_by_token']}" in capsys.readouterr().out

@@ -164,13 +164,18 @@ def run_error_study(
         o, states = run(method, inputs, config.every)
         curve, out_err = relative_errors(states, ref_states, o, ref_o)
         nbytes = state_bytes_per_element(method, config.heads, config.dk, config.dv, config.kda)
+        # A per-step format whose rounding noise grows with the state can diverge until fp32
+        # overflows: said so, with where, and the non-finite numbers left out (null in JSON).
+        bad = ~np.isfinite(curve)
+        finite = lambda x: float(x) if np.isfinite(x) else None       # noqa: E731
         results[label] = {
-            "final_rel_state_error": float(curve[-1]),
-            "rel_output_error": out_err,
+            "final_rel_state_error": finite(curve[-1]),
+            "rel_output_error": finite(out_err),
             "bytes_per_element": nbytes["live"],
             "checkpoint_bytes_per_element": nbytes["checkpoint"],
             "windowed": ALL_METHODS[label][0] in WINDOWED_METHODS,
-            "rel_state_error": [float(x) for x in curve],
+            "rel_state_error": [finite(x) for x in curve],
+            "diverged_by_token": int(config.every * (np.argmax(bad) + 1)) if bad.any() else None,
         }
     return {
         "tokens": list(range(config.every, config.tokens + 1, config.every)),
@@ -237,9 +242,12 @@ def plot_error_study(result: dict, path: str) -> None:
         r = result["methods"][label]
         st = styles[label]
         colour, marker = st["color"], st["marker"]
-        (line,) = ax.plot(result["tokens"], np.maximum(r["rel_state_error"], 1e-12), linestyle=st["linestyle"],
+        curve = np.asarray(r["rel_state_error"], dtype=float)        # null (diverged) -> nan: a gap
+        (line,) = ax.plot(result["tokens"], np.maximum(curve, 1e-12), linestyle=st["linestyle"],
                           color=st["color"], linewidth=st["linewidth"], label=f"{label}  ({_bytes_text(r)})")
         handles.append(line)
+        if r["final_rel_state_error"] is None:       # diverged: no final error to place
+            continue
         err = max(r["final_rel_state_error"], 1e-12)
         if r["windowed"]:
             # A windowed method holds between a bare checkpoint and a full window buffer per stream.
@@ -290,8 +298,11 @@ def format_error_table(result: dict) -> str:
             f"reference: {result['reference']} (error 0 by definition)",
             f"{'method':<16}{'B/el ckpt':>11}{'B/el live':>11}{'final rel. state err':>22}{'rel. output err':>18}"]
     for name, r in result["methods"].items():
-        rows.append(f"{name:<16}{r['checkpoint_bytes_per_element']:>11.3f}{r['bytes_per_element']:>11.3f}"
-                    f"{r['final_rel_state_error']:>22.3e}{r['rel_output_error']:>18.3e}")
+        head = f"{name:<16}{r['checkpoint_bytes_per_element']:>11.3f}{r['bytes_per_element']:>11.3f}"
+        if r.get("diverged_by_token") is not None:
+            rows.append(head + f"   diverged: the state overflowed fp32 by token {r['diverged_by_token']}")
+            continue
+        rows.append(head + f"{r['final_rel_state_error']:>22.3e}{r['rel_output_error']:>18.3e}")
     rows.append("B/el: bytes per state element, measured on the method's state pytree; ckpt = window-boundary "
                 "checkpoint, live = a decoding stream including its window buffer (equal for per-step methods)")
     return "\n".join(rows)
