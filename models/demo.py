@@ -302,8 +302,8 @@ def run_demo(args) -> int:
 
 def add_subcommand(subparsers) -> None:
     """Registers ``demo`` on an argparse subparsers object."""
-    from leapquant_jax.cli import _add_plot_options, add_method_options, int_at_least
-    from leapquant_jax.studies.errors import STUDY_METHODS
+    from leapquant_jax.cli import _add_plot_options, int_at_least
+    from models.evaluate import add_state_options
 
     p = subparsers.add_parser("demo", help="fp32 against LeapQuant and per-step state formats on the shipped "
                                            "GDN checkpoint's held-out text: table, memory per stream, plot")
@@ -314,10 +314,7 @@ def add_subcommand(subparsers) -> None:
                         f"(default: the held-out files of the checkpoint's {DATA_FILES} from this Python's "
                         "standard library)")
     p.add_argument("--context", type=int_at_least(2), default=DEFAULT_CONTEXT, help="tokens decoded")
-    p.add_argument("--states", default=DEFAULT_STATES,
-                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
-                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
-    add_method_options(p, flag=None)
+    add_state_options(p, DEFAULT_STATES)
     _add_plot_options(p, "demo.png")
     p.set_defaults(func=run_demo)
 

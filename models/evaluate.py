@@ -463,9 +463,20 @@ def run_eval(args) -> int:
     return 0
 
 
+def add_state_options(p, default: str) -> None:
+    """``--states`` (comma-separated methods, default ``default``) and the LeapQuant options: the
+    state options of ``eval``, ``recall`` and ``demo``."""
+    from leapquant_jax.cli import add_method_options
+
+    p.add_argument("--states", default=default,
+                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
+                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
+    add_method_options(p, flag=None)
+
+
 def add_subcommand(subparsers) -> None:
     """Registers ``eval`` on an argparse subparsers object."""
-    from leapquant_jax.cli import add_method_options, int_at_least
+    from leapquant_jax.cli import int_at_least
 
     p = subparsers.add_parser("eval", help="accuracy of state formats against fp32 on held-out text (decode path)")
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
@@ -480,14 +491,11 @@ def add_subcommand(subparsers) -> None:
                    help="greedy continuation after each row compared with fp32's")
     p.add_argument("--error-every", type=int_at_least(1), default=None,
                    help="also record the state error every N decoded tokens (state_error_curve; default off)")
-    p.add_argument("--states", default=DEFAULT_STATES,
-                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
-                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
-    add_method_options(p, flag=None)
+    add_state_options(p, DEFAULT_STATES)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_eval)
 
 
-__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "build_methods", "evaluate", "final_states",
+__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "add_state_options", "build_methods", "evaluate", "final_states",
            "format_table", "greedy_match", "load_data", "next_token_metrics", "reference_run", "relative_state_errors",
            "replay_states", "run_eval", "score_method", "segment_rows", "state_errors"]

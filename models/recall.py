@@ -29,7 +29,8 @@ from typing import Callable
 
 import numpy as np
 
-from models.evaluate import DEFAULT_STATES, _LEAPQUANT_OPTIONS, build_methods, load_data, next_token_metrics
+from models.evaluate import (DEFAULT_STATES, _LEAPQUANT_OPTIONS, add_state_options, build_methods, load_data,
+                             next_token_metrics)
 
 METRICS = ("copy_accuracy", "copy_nll", "recall_gain", "agreement_with_fp32")
 
@@ -218,8 +219,7 @@ def run_recall(args) -> int:
 
 def add_subcommand(subparsers) -> None:
     """Registers ``recall`` on an argparse subparsers object."""
-    from leapquant_jax.cli import add_method_options, int_at_least
-    from leapquant_jax.studies.errors import STUDY_METHODS
+    from leapquant_jax.cli import int_at_least
 
     p = subparsers.add_parser("recall", help="exact-copy recall of state formats against fp32 (decode path)")
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
@@ -233,10 +233,7 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--prefill", type=int_at_least(0), default=0,
                    help="leading tokens of each row through the exact fp32 prefill, at most span + gap + skip - 1")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="where in the data the rows' pieces come from")
-    p.add_argument("--states", default=DEFAULT_STATES,
-                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
-                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
-    add_method_options(p, flag=None)
+    add_state_options(p, DEFAULT_STATES)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_recall)
 
