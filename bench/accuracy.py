@@ -3,7 +3,8 @@
     python -m bench.accuracy --checkpoints models/checkpoints/stdlib-gdn models/checkpoints/stdlib-kda
                              --data HELDOUT.npy [--context 16384] [--segments 3] [--workers 4]
                              [--time-budget 480] [--grace 60] [--error-every 512] [--greedy-tokens 16]
-                             [--only LABELS] [--commit HASH] [--out bench/results] [--tiny]
+                             [--only LABELS | --groups formats,sweeps,rivals] [--damp-calibration FILE]
+                             [--commit HASH] [--out bench/results] [--tiny]
 
 ``--data`` holds held-out token ids ``[N]`` (``.npy``, any integer dtype); the rows are
 ``--segments`` disjoint consecutive segments of ``--context`` tokens (``evaluate.segment_rows``),
@@ -17,7 +18,16 @@ and its curve every ``--error-every`` decoded tokens, per segment. Jobs, most im
 2. Table 1 at 6 and 4 bits: ``leapquant-b6/-b4``, then the windowed integer state alone
    (``int6-w``), with Compensator Tokens (``int6-w+ct``) and with smoothing (``int6-w+smooth``);
 3. Table 3: LeapQuant 8-bit with window ``p`` in 4, 8, 32 (``leapquant-p4`` ...) and rank ``r``
-   in 2, 8, 16 (``leapquant-r2`` ...); ``p = 16, r = 4`` is ``leapquant`` itself.
+   in 2, 8, 16 (``leapquant-r2`` ...); ``p = 16, r = 4`` is ``leapquant`` itself;
+4. Table 6: every other per-step method (``TABLE6``: direct and block formats, the adapted
+   KVQuant/QuaRot/TurboQuant states, stochastic rounding, error feedback, fp8 tiles, int16 and
+   ``damp`` with the ``damp-calibration.json`` shipped in the checkpoint folder or
+   ``--damp-calibration``), at 8, 6 and 4 bits.
+
+The jobs form three groups (``--groups``): ``formats`` (1 and 2), ``sweeps`` (3) and ``rivals``
+(4, which also runs Table 1's per-step formats and LeapQuant so that Table 6 compares within one
+run); fp32 always runs. Under Table 6 the report lists, for LeapQuant at 8, 6 and 4 bits, the
+per-step methods at the same or fewer bytes per element that match or beat it on KL or state error.
 
 ``--workers`` processes (``python -m bench.accuracy --worker SPEC``) share the checkpoints evenly,
 each pinned to one, with ``XLA_PYTHON_CLIENT_MEM_FRACTION = 0.8 / workers`` and no preallocation:
@@ -31,11 +41,14 @@ worker of each checkpoint also runs Figure 6 on the fp32 final states of its ref
 
 The report, ``<out>/accuracy-<UTC>.md`` and ``.json``: header (date, GPU, JAX, commit, command),
 then per checkpoint Table 1 (methods by bit width, bytes per state element), Table 2 (the
-ablation ladders), Table 3 (window and rank sweeps), every cell ``mean ± spread`` over the
+ablation ladders), Table 3 (window and rank sweeps), Table 6 (rivals), every cell ``mean ± spread`` over the
 segments (spread = half the min-max range), the targets evaluated from those numbers, and the
 Figure 6 peak/median table. PNGs: ``accuracy-<UTC>-fig3-<checkpoint>.png`` (state error against
 decoded tokens) and ``accuracy-<UTC>-fig6-<checkpoint>.png`` (outlier heat maps). ``--tiny`` is a
-CPU smoke run of the whole pipeline (context 96, 2 segments, 2 workers, six jobs).
+CPU smoke run of the whole pipeline (context 96, 2 segments, 2 workers, six jobs). ``--merge A.json
+B.json ...`` runs nothing: it writes one report (``accuracy-<UTC>-merged.*``) from runs with the same
+data and settings, each row from the last run that finished it (a run cut short by its budget is
+completed by a second one with ``--only`` the rest).
 """
 
 from __future__ import annotations
@@ -56,36 +69,60 @@ from typing import Optional
 import numpy as np
 
 from leapquant_jax.methods import make_method
-from leapquant_jax.studies.errors import STUDY_METHODS
+from leapquant_jax.studies.errors import ALL_METHODS
 from models.evaluate import EvalConfig, segment_rows
 
 ROOT = Path(__file__).resolve().parents[1]
+# DAMP's calibration, shipped inside each checkpoint folder (``leapquant calibrate-damp``).
+DAMP_FILE = "damp-calibration.json"
 SHIPPED = (ROOT / "models" / "checkpoints" / "stdlib-gdn", ROOT / "models" / "checkpoints" / "stdlib-kda")
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One method configuration: ``label`` (a ``study errors`` name or one of this benchmark's),
-    the ``make_method`` name and options, and the residual ``bits`` it is grouped under
-    (32 and 16 for the float states)."""
+    the ``make_method`` name and options, the residual ``bits`` it is grouped under (32 and 16
+    for the float states, 10 for DAMP's 9.875) and its ``group`` (``GROUPS``)."""
 
     label: str
     name: str
     options: tuple
     bits: int
+    group: str = "formats"
 
-    def method(self):
-        """The state method (``impl`` left at its default: Pallas kernels on a GPU)."""
+    def method(self, damp_calibration: Optional[str] = None):
+        """The state method (``impl`` left at its default: Pallas kernels on a GPU); ``damp``
+        takes its calibration file ``damp_calibration``."""
+        if self.name == "damp":
+            if damp_calibration is None:
+                raise ValueError("damp: no calibration file (--damp-calibration, or damp-calibration.json in the "
+                                 "checkpoint; `leapquant calibrate-damp` makes one)")
+            return make_method("damp", calibration=damp_calibration)
         return make_method(self.name, **dict(self.options))
 
 
-def _study(label: str, bits: int) -> Job:
-    name, options = STUDY_METHODS[label]
-    return Job(label, name, tuple(sorted(options.items())), bits)
+# formats: Tables 1 and 2; sweeps: Table 3; rivals: Table 6 (every other per-step method).
+GROUPS = ("formats", "sweeps", "rivals")
 
 
-def _leapquant(label: str, bits: int = 8, **options) -> Job:
-    return Job(label, "leapquant", tuple(sorted(dict(options, bits=bits).items())), bits)
+def _study(label: str, bits: int, group: str = "formats") -> Job:
+    name, options = ALL_METHODS[label]
+    return Job(label, name, tuple(sorted(options.items())), bits, group)
+
+
+def _leapquant(label: str, bits: int = 8, group: str = "formats", **options) -> Job:
+    return Job(label, "leapquant", tuple(sorted(dict(options, bits=bits).items())), bits, group)
+
+
+# Table 6 rows by bit width: LeapQuant and the per-step methods of Table 1 with every rival.
+TABLE6 = {
+    16: ("bf16", "bf16+sr", "int16"),
+    10: ("damp",),
+    8: ("fp8", "fp8-channel", "fp8-tensor", "fp8-tile", "fp8-tile+sr", "int8", "int8-channel", "int8-tensor",
+        "int8+sr", "int8+ef", "int8+ef4", "mxfp8", "kvquant", "quarot", "turboquant", "leapquant"),
+    6: ("int6", "mxfp6", "nvfp6", "kvquant-b6", "quarot-b6", "turboquant-b6", "leapquant-b6"),
+    4: ("int4", "mxfp4", "nvfp4", "kvquant-b4", "quarot-b4", "turboquant-b4", "leapquant-b4"),
+}
 
 
 def all_jobs() -> list:
@@ -96,8 +133,10 @@ def all_jobs() -> list:
     for fix, options in (("", dict(compensators=False, smoothing=False)), ("+ct", dict(smoothing=False)),
                          ("+smooth", dict(compensators=False))):
         jobs += [_leapquant(f"int{b}-w{fix}", b, **options) for b in (6, 4)]
-    jobs += [_leapquant(f"leapquant-p{p}", window=p) for p in (4, 8, 32)]
-    jobs += [_leapquant(f"leapquant-r{r}", window=16, rank=r) for r in (2, 8, 16)]
+    jobs += [_leapquant(f"leapquant-p{p}", window=p, group="sweeps") for p in (4, 8, 32)]
+    jobs += [_leapquant(f"leapquant-r{r}", window=16, rank=r, group="sweeps") for r in (2, 8, 16)]
+    known = {j.label for j in jobs}
+    jobs += [_study(label, bits, "rivals") for bits, labels in TABLE6.items() for label in labels if label not in known]
     return jobs
 
 
@@ -107,12 +146,26 @@ FIG3_LABELS = ("bf16", "fp8", "int8", "bf16-w", "int8-w", "int8-w+ct", "int8-w+s
                "leapquant-b6", "leapquant-b4")
 
 
-def select_jobs(only: Optional[str], *, tiny: bool = False) -> list:
-    """The jobs to run, in priority order: ``only`` (comma-separated labels) or, without it, all
-    of them (``TINY_JOBS`` with ``tiny``). Raises ``ValueError`` naming an unknown or repeated label."""
+def select_jobs(only: Optional[str], *, tiny: bool = False, groups: Optional[str] = None) -> list:
+    """The jobs to run, in priority order: ``only`` (comma-separated labels) or, without it, those
+    of ``groups`` (comma-separated ``GROUPS``; default all; ``TINY_JOBS`` with ``tiny``). Raises
+    ``ValueError`` naming an unknown or repeated label or group."""
     jobs = all_jobs()
     if only is None:
-        return [j for j in jobs if j.label in TINY_JOBS] if tiny else jobs
+        if tiny:
+            return [j for j in jobs if j.label in TINY_JOBS]
+        if groups is None:
+            return jobs
+        picked = [x.strip() for x in groups.split(",")]
+        for g in picked:
+            if g not in GROUPS:
+                raise ValueError(f"--groups: unknown group {g!r}; known: {', '.join(GROUPS)}")
+        # fp32 is every table's reference and runs whatever the groups; Table 6 (rivals) also
+        # holds LeapQuant and the per-step formats of Table 1, measured in the same run.
+        table6 = {x for group in TABLE6.values() for x in group} if "rivals" in picked else set()
+        return [j for j in jobs if j.group in picked or j.label == "fp32" or j.label in table6]
+    if groups is not None:
+        raise ValueError("give --only or --groups, not both")
     labels = [x.strip() for x in only.split(",")]
     known = [j.label for j in jobs]
     for label in labels:
@@ -234,7 +287,7 @@ def run_worker(spec_path: str) -> int:
         t1 = time.time()
         record = {"kind": "job", "label": job.label, "method": job.name, "options": dict(job.options), "bits": job.bits}
         try:
-            method = job.method()
+            method = job.method(spec["damp_calibration"])
             record["result"] = score_method(arch, params, config, ref, method, label=job.label)
             record["bytes_per_element"] = state_bytes_per_element(method, heads, dk, dv, kda)
             record["head"] = {"heads": heads, "dk": dk, "dv": dv, "kda": kda}
@@ -269,7 +322,9 @@ def run_workers(args, cfg: EvalConfig, jobs: list, base: str, start: float, log)
             queue = os.path.join(tmp, f"queue-{c}")
             open(queue, "w").close()
             for w in range(per_ckpt):
+                damp = args.damp_calibration or (ckpt / DAMP_FILE if (ckpt / DAMP_FILE).is_file() else None)
                 spec = dict(checkpoint=str(ckpt), name=ckpt.name, data=str(args.data), cfg=dataclasses.asdict(cfg),
+                            damp_calibration=None if damp is None else str(damp),
                             jobs=[j.label for j in jobs], queue=queue, jsonl=base + ".jsonl", worker=w, start=start,
                             deadline=start + args.time_budget,
                             fig6=f"{base}-fig6-{ckpt.name}.png" if w == 0 else None)
@@ -372,8 +427,31 @@ def build_tables(records: dict, labels: list) -> dict:
     table2 = [row(x, step=step) for x, step in TABLE2]
     table3 = [row(x, sweep="window", window=p, rank=r) for x, p, r in TABLE3_WINDOW] + \
              [row(x, sweep="rank", window=p, rank=r) for x, p, r in TABLE3_RANK]
+    table6 = [row(x, bits=bits) for bits, group in TABLE6.items() for x in group]
     return {"table1": {"columns": cols, "rows": table1}, "table2": {"columns": cols, "rows": table2},
-            "table3": {"columns": cols, "rows": table3}}
+            "table3": {"columns": cols, "rows": table3}, "table6": {"columns": cols, "rows": table6}}
+
+
+def rival_verdicts(tables: dict) -> list:
+    """Table 6's question, per LeapQuant width: which per-step methods store as few or fewer bytes
+    per element (live stream) and match or beat LeapQuant on KL to fp32 or on state error.
+    Returns ``[{"leapquant", "bytes", "beaten_by": [{"label", "bytes", "kl_to_fp32", "state_rel_error"}],
+    "compared": n}]`` (methods not finished are left out of ``compared``)."""
+    rows = {r["label"]: r for r in tables["table6"]["rows"] if "cells" in r}
+    per_step = [r for label, r in rows.items() if not label.startswith("leapquant")]
+    out = []
+    for lq in ("leapquant", "leapquant-b6", "leapquant-b4"):
+        if lq not in rows:
+            continue
+        mine, b = rows[lq]["cells"], rows[lq]["bytes"]["live"]
+        rivals = [r for r in per_step if r["bytes"]["live"] <= b + 1e-9]
+        beaten = [{"label": r["label"], "bytes": r["bytes"]["live"],
+                   **{k: r["cells"][k]["mean"] for k in ("kl_to_fp32", "state_rel_error") if k in r["cells"]}}
+                  for r in rivals
+                  if any(k in r["cells"] and k in mine and r["cells"][k]["mean"] <= mine[k]["mean"]
+                         for k in ("kl_to_fp32", "state_rel_error"))]
+        out.append({"leapquant": lq, "bytes": b, "compared": len(rivals), "beaten_by": beaten})
+    return out
 
 
 
@@ -459,6 +537,11 @@ def markdown(results: dict) -> str:
            "each linear-attention layer's recorded fp32 inputs, mean over layers and heads. Bytes per state "
            "element (B/el) are measured on the method's state pytree for the checkpoint's heads "
            "(windowed: window-boundary checkpoint / live stream with its window buffer).", ""]
+    if results.get("runs"):
+        out += ["Merged from these runs (each row from the last run that finished it; `rows_from_run` in the "
+                "JSON says which):", ""]
+        out += [f"{i}. `{r['file']}`: {r['date']}, commit {r['commit']}, `{r['command']}`"
+                for i, r in enumerate(results["runs"])] + [""]
     for name, ck in results["checkpoints"].items():
         tables = ck["tables"]
         head = next((r["head"] for r in ck["jobs"].values() if "head" in r), None)
@@ -475,6 +558,19 @@ def markdown(results: dict) -> str:
         out += _md_table(tables["table3"], [("sweep", lambda r: r["sweep"]), ("p", lambda r: str(r["window"])),
                                             ("r", lambda r: str(r["rank"])), ("method", lambda r: r["label"]),
                                             ("B/el", _fmt_bytes)])
+        out += ["", "### Table 6: LeapQuant against every per-step format and rival method", ""]
+        out += _md_table(tables["table6"], [("method", lambda r: r["label"]),
+                                            ("bits", lambda r: "9.875" if r["bits"] == 10 else str(r["bits"])),
+                                            ("B/el", _fmt_bytes)])
+        verdicts = ck.get("rival_verdicts") or []
+        if verdicts:
+            out += ["", "Per-step methods at the same or fewer bytes per element (live stream) that match or beat "
+                        "LeapQuant on KL to fp32 or on state error:", ""]
+            for v in verdicts:
+                who = ", ".join(f"{r['label']} ({r['bytes']:.2f} B/el: KL {r.get('kl_to_fp32', float('nan')):.2e}, "
+                                f"state err {r.get('state_rel_error', float('nan')):.2e})" for r in v["beaten_by"])
+                out.append(f"- {v['leapquant']} ({v['bytes']:.2f} B/el), against {v['compared']} methods: "
+                           + (who if who else "none"))
         out += ["", "### Targets", ""]
         for t in ck["targets"]:
             word = {True: "met", False: "not met", None: "not evaluated"}[t["met"]]
@@ -556,11 +652,78 @@ def report(args, cfg: EvalConfig, jobs: list, base: str, notes: list, command: s
         tables = build_tables(records, labels)
         entry = {"path": str(ckpt), "reference_seconds": [e["seconds"] for e in mine if e["kind"] == "reference"],
                  "jobs": {x: records.get(x, {"status": "not finished"}) for x in labels},
-                 "tables": tables, "targets": targets(tables), "outliers": outliers, "fig3": None}
+                 "tables": tables, "targets": targets(tables), "rival_verdicts": rival_verdicts(tables),
+                 "outliers": outliers, "fig3": None}
         fig3 = f"{base}-fig3-{ckpt.name}.png"
         if cfg.error_every and plot_fig3(ckpt.name, records, fig3):
             entry["fig3"] = os.path.basename(fig3)
         results["checkpoints"][ckpt.name] = entry
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(results))
+    return results
+
+
+MERGE_KEYS = ("context", "segments", "greedy_tokens", "error_every")
+
+
+def merge_reports(paths: list, base: str) -> dict:
+    """One report from several runs' ``.json`` reports (``--merge``): the runs must share the
+    held-out file (by name), ``MERGE_KEYS`` and the checkpoints; each job's row comes from the last
+    run that finished it. Writes ``base.json``, ``base.md`` and the Figure 3 PNGs; the report lists
+    the runs (date, commit, command) and which rows each gave."""
+    parts = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                parts.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--merge {p}: not a readable report ({err})") from None
+        if not isinstance(parts[-1], dict) or "checkpoints" not in parts[-1] or "config" not in parts[-1]:
+            raise ValueError(f"--merge {p}: not a bench.accuracy report (no config or checkpoints)")
+    first = parts[0]["config"]
+    for p, part in zip(paths, parts):
+        c = part["config"]
+        diff = [k for k in MERGE_KEYS if c.get(k) != first.get(k)]
+        if os.path.basename(c.get("data", "")) != os.path.basename(first.get("data", "")):
+            diff.append("data")
+        if sorted(part["checkpoints"]) != sorted(parts[0]["checkpoints"]):
+            diff.append("checkpoints")
+        if diff:
+            raise ValueError(f"--merge: {p} differs from {paths[0]} in {', '.join(diff)}")
+    ran = {x for part in parts for x in part["config"]["jobs"]}
+    labels = [j.label for j in all_jobs() if j.label in ran]
+    env = dict(parts[-1]["environment"])
+    env.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               commit=", ".join(dict.fromkeys(str(part["environment"].get("commit")) for part in parts)),
+               command=" + ".join(f"`{part['environment']['command']}`" for part in parts).strip("`"))
+    runs = [{"file": os.path.basename(p), "date": part["environment"].get("date"),
+             "commit": part["environment"].get("commit"), "command": part["environment"].get("command")}
+            for p, part in zip(paths, parts)]
+    config = dict(first, workers=" + ".join(str(part["config"]["workers"]) for part in parts),
+                  time_budget=" + ".join(f"{part['config']['time_budget']:g}" for part in parts), jobs=labels)
+    results = {"environment": env, "config": config, "runs": runs, "checkpoints": {},
+               "notes": [n for part in parts for n in part.get("notes", [])]}
+    for name in parts[0]["checkpoints"]:
+        records, source = {}, {}
+        for i, part in enumerate(parts):
+            for label, rec in part["checkpoints"][name]["jobs"].items():
+                if "result" in rec or label not in records:
+                    records[label], source[label] = rec, i
+        outliers = next((part["checkpoints"][name].get("outliers") for part in reversed(parts)
+                         if part["checkpoints"][name].get("outliers")), None)
+        tables = build_tables(records, labels)
+        entry = {"path": parts[-1]["checkpoints"][name]["path"],
+                 "reference_seconds": [x for part in parts for x in part["checkpoints"][name]["reference_seconds"]],
+                 "jobs": {x: records.get(x, {"status": "not finished"}) for x in labels},
+                 "rows_from_run": {x: source[x] for x in labels if x in source and "result" in records[x]},
+                 "tables": tables, "targets": targets(tables), "rival_verdicts": rival_verdicts(tables),
+                 "outliers": outliers, "fig3": None}
+        fig3 = f"{base}-fig3-{name}.png"
+        if first.get("error_every") and plot_fig3(name, records, fig3):
+            entry["fig3"] = os.path.basename(fig3)
+        results["checkpoints"][name] = entry
     with open(base + ".json", "w") as f:
         json.dump(results, f, indent=1)
     with open(base + ".md", "w") as f:
@@ -583,14 +746,30 @@ def main(argv=None):
                     help="seconds after the start when workers stop taking jobs (the rest: skipped: time budget)")
     ap.add_argument("--grace", type=float, default=60, help="seconds after the budget when running workers are stopped")
     ap.add_argument("--only", default=None, help="comma-separated job labels to run (default: all)")
+    ap.add_argument("--groups", default=None,
+                    help=f"comma-separated job groups to run: {', '.join(GROUPS)} (default: all; fp32 always)")
+    ap.add_argument("--damp-calibration", type=Path, default=None,
+                    help=f"DAMP calibration file for every checkpoint (default: {DAMP_FILE} inside each)")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke run of the whole pipeline")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="REPORT.json",
+                    help="write one report from these runs' .json reports (same data and settings); runs nothing")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     raw = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(raw)
     if args.worker:
         return run_worker(args.worker)
+    if args.merge:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        args.out.mkdir(parents=True, exist_ok=True)
+        base = str(args.out / f"accuracy-{stamp}-merged")
+        try:
+            results = merge_reports([str(p) for p in args.merge], base)
+        except ValueError as err:
+            ap.error(str(err))
+        print(f"[accuracy] wrote {base}.md, .json from {len(args.merge)} runs", flush=True)
+        return results
     if args.tiny:
         args.context, args.segments, args.workers, args.error_every, args.greedy_tokens = 96, 2, 2, 32, 4
 
@@ -631,7 +810,11 @@ def main(argv=None):
                 raise ValueError(f"--segments {cfg.batch} x --context {cfg.context} = {cfg.batch * cfg.context} "
                                  f"tokens, but --data {args.data} holds {ids.size}")
             segment_rows(ids, cfg, source=f"--data {args.data}")  # the workers' own cut: fails here, not in them
-            jobs = select_jobs(args.only, tiny=args.tiny)
+            jobs = select_jobs(args.only, tiny=args.tiny, groups=args.groups)
+            if args.damp_calibration is not None:
+                if not args.damp_calibration.is_file():
+                    raise ValueError(f"--damp-calibration {args.damp_calibration}: no such file")
+                args.damp_calibration = args.damp_calibration.resolve()
         except ValueError as err:
             ap.error(str(err))
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")

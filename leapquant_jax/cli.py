@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Optional, Sequence
@@ -107,21 +108,27 @@ def add_method_options(parser: argparse.ArgumentParser, *, flag: Optional[str] =
                         help="no residual smoothing (leapquant)")
     parser.add_argument("--impl", choices=("auto", "reference", "pallas"),
                         help="kernels of the windowed methods (default auto: Pallas on a GPU, the reference elsewhere)")
+    parser.add_argument("--damp-calibration", dest="calibration", metavar="FILE",
+                        help="method damp's calibration file (made by `leapquant calibrate-damp`)")
 
 
 def method_from_args(args: argparse.Namespace):
     """Builds the state method of parsed ``add_method_options`` flags."""
     from .methods import make_method
 
+    if args.method == "damp" and args.calibration is None:
+        raise ValueError("method damp needs its calibration file: --damp-calibration FILE "
+                         "(made by `leapquant calibrate-damp`)")
     return make_method(
         args.method, bits=args.bits, window=args.window, rank=args.rank,
-        compensators=args.compensators, smoothing=args.smoothing, impl=args.impl,
+        compensators=args.compensators, smoothing=args.smoothing, impl=args.impl, calibration=args.calibration,
     )
 
 
 def method_label(args: argparse.Namespace) -> dict:
     """The method options given on the command line (for ``--json`` reports)."""
-    return {k: getattr(args, k) for k in ("method", "bits", "window", "rank", "compensators", "smoothing", "impl")
+    return {k: getattr(args, k) for k in ("method", "bits", "window", "rank", "compensators", "smoothing", "impl",
+                                          "calibration")
             if getattr(args, k) is not None}
 
 
@@ -143,6 +150,14 @@ def cmd_replay(args) -> int:
     from .traces import load_trace
 
     method = method_from_args(args)
+    if args.layer is not None:
+        method = method.for_layer(args.layer)
+    elif getattr(method, "calibration", None) is not None:
+        found = re.fullmatch(r"layer(\d+)(_b\d+)?\.npz", os.path.basename(args.trace))
+        if found is None:
+            raise ValueError(f"method damp keeps different channels per layer: pass --layer, the model layer "
+                             f"{args.trace} was recorded from (or keep the layerNN.npz name --record-traces gives)")
+        method = method.for_layer(int(found.group(1)))
     trace = load_trace(args.trace)
     inputs = {k: jnp.asarray(v) for k, v in trace.batched().items()}
     h, dk, dv = trace.num_heads, trace.q.shape[-1], trace.v.shape[-1]
@@ -315,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_options(p)
     p.add_argument("--out", required=True, help="output .npz with o [T, H, dv] and state [H, dk, dv]")
     p.add_argument("--chunk", type=int_at_least(1), default=1024, help="tokens per compiled chunk")
+    p.add_argument("--layer", type=int_at_least(0),
+                   help="model layer the trace comes from (method damp; default: from a layerNN.npz name)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_replay)
 

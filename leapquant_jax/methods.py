@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from . import windowed
+from .damp import DampCalibration, DampMethod
 from .feedback import METHODS as STATEFUL_PER_STEP
 from .formats import STATE_FORMAT_NAMES, get_state_format
 from .quantizers import QTensor
@@ -37,8 +38,9 @@ Array = jax.Array
 # Every per-step format: the base ones first (their names and meanings fixed since the start).
 PER_STEP_METHODS = STATE_FORMAT_NAMES
 WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant")
-# Per-step methods whose state carries more than the rounded values (error feedback, stochastic rounding).
-METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + WINDOWED_METHODS
+# Per-step methods whose state carries more than the rounded values (error feedback, stochastic
+# rounding), then DAMP (calibrated per layer).
+METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +161,7 @@ def make_method(
     rank: Optional[int] = None,
     compensators: Optional[bool] = None,
     smoothing: Optional[bool] = None,
+    calibration=None,
     **config_options,
 ):
     """Builds a state method from its docs/design.md §5 name.
@@ -166,8 +169,19 @@ def make_method(
     name: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8`` (per step), ``bf16-w``, ``int8-w``
     or ``leapquant``. The options (``bits``, ``window``, ``rank``, ``compensators``,
     ``smoothing`` and any other ``LeapQuantConfig`` field) apply to windowed methods; ``None``
-    keeps the default. Giving one to a per-step method is an error.
+    keeps the default. Giving one to a per-step method is an error. ``calibration`` (a
+    ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option.
     """
+    if name == "damp":
+        others = {k: v for k, v in dict(bits=bits, window=window, rank=rank, compensators=compensators,
+                                         smoothing=smoothing, **config_options).items() if v is not None}
+        if others:
+            raise ValueError(f"method 'damp' is per-step and takes only a calibration, got {sorted(others)}")
+        if calibration is not None and not isinstance(calibration, DampCalibration):
+            calibration = DampCalibration.load(str(calibration))
+        return DampMethod(calibration=calibration)
+    if calibration is not None:
+        raise ValueError(f"only method 'damp' takes a calibration, not {name!r}")
     opts = dict(bits=bits, window=window, rank=rank, compensators=compensators, smoothing=smoothing, **config_options)
     given = {k: v for k, v in opts.items() if v is not None}
     if name in PER_STEP_METHODS or name in STATEFUL_PER_STEP:

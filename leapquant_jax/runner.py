@@ -47,6 +47,11 @@ class Runner:
 
     window: int = 1
 
+    def for_layer(self, layer: int) -> "Runner":
+        """This method as used by model layer ``layer``. Every method but ``damp`` (whose
+        calibrated channels differ between layers) is the same in every layer."""
+        return self
+
     def per_channel_state(self, state) -> bool:
         """Whether ``state`` keeps per-channel (KDA) decays; per-step states keep no decays."""
         return False

@@ -194,7 +194,7 @@ def run_decoder_stack(params: dict, config: Any, ids: Array, cache: dict, *, dec
     x = jnp.take(params["embed"], ids, axis=0).astype(jnp.float32)
     new_layers, traces = [], {}
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
-        x, c, trace = decoder_layer(p, x, c, config, i, method=method, mode=mode, positions=positions,
+        x, c, trace = decoder_layer(p, x, c, config, i, method=method.for_layer(i), mode=mode, positions=positions,
                                     lengths=lengths, active=active)
         new_layers.append(c)
         if record and trace:

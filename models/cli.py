@@ -1,4 +1,4 @@
-"""``leapquant convert | generate | score | eval | recall | train-data | train | demo``: the model commands of the ``leapquant`` CLI.
+"""``leapquant convert | generate | score | eval | recall | train-data | train | demo | calibrate-damp``: the model commands of the ``leapquant`` CLI.
 
 ``add_subcommands(subparsers)`` registers them on an ``argparse`` subparsers object; each sets
 ``func`` to a handler taking the parsed namespace and returning an exit code. ``main`` runs
@@ -193,8 +193,8 @@ def run_score(args) -> int:
 
 def add_subcommands(subparsers) -> None:
     """Registers ``convert``, ``generate``, ``score``, ``eval`` (``models.evaluate``), ``recall``
-    (``models.recall``), ``train-data`` and ``train`` (``models.training.cli``) and ``demo``
-    (``models.demo``) on an argparse subparsers object."""
+    (``models.recall``), ``train-data`` and ``train`` (``models.training.cli``), ``demo``
+    (``models.demo``) and ``calibrate-damp`` (``models.calibrate``) on an argparse subparsers object."""
     p = subparsers.add_parser("convert", help="convert an HF safetensors directory into a leapquant checkpoint")
     p.add_argument("hf_dir", type=Path, help="HF directory: config.json and *.safetensors")
     p.add_argument("out_dir", type=Path, help="checkpoint directory to create (must not exist, or be empty)")
@@ -238,6 +238,10 @@ def add_subcommands(subparsers) -> None:
     from models.demo import add_subcommand as add_demo_subcommand
 
     add_demo_subcommand(subparsers)  # demo
+
+    from models.calibrate import add_subcommand as add_calibrate_subcommand
+
+    add_calibrate_subcommand(subparsers)  # calibrate-damp
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 
 import leapquant_jax
 from leapquant_jax.traces import Trace, save_trace
+from models.calibrate import check_state_method
 from models.layers import Sampling, sample_next
 
 Array = jax.Array
@@ -162,6 +163,7 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
     prompts = [check_token_ids(p, config.vocab_size, name=f"prompts[{b}]") for b, p in enumerate(prompts)]
     stop_ids = check_token_ids(stop_ids, config.vocab_size, name="stop_ids")
+    check_state_method(method, arch, config, params)
     ids, lengths = pad_prompts(prompts)
     stop = jnp.asarray(stop_ids.tolist() or [-1], jnp.int32)
     tokens, count, pre, dec = _generate(
@@ -221,6 +223,7 @@ def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bo
     ids = check_token_ids(ids, config.vocab_size, name="ids")
     if isinstance(prefill_len, bool) or not isinstance(prefill_len, (int, np.integer)) or not 0 <= prefill_len < ids.shape[1]:
         raise ValueError(f"prefill_len must be an integer in [0, T) = [0, {ids.shape[1]}), got {prefill_len!r}")
+    check_state_method(method, arch, config, params)
     logits, traces = _score(arch, params, config, jnp.asarray(ids, jnp.int32), method=method,
                             prefill_len=prefill_len, record=record)
     return np.asarray(logits), jax.tree.map(np.asarray, traces)

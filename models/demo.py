@@ -251,12 +251,12 @@ def run_demo(args) -> int:
     from leapquant_jax.cli import _make_folder_for, _plot_path, _progress
     from models.cli import _check_checkpoint, _load, _tokenizer
     from models.decode import check_token_ids
-    from models.evaluate import (_LEAPQUANT_OPTIONS, EvalConfig, build_methods, evaluate, format_table, load_data,
+    from models.evaluate import (EvalConfig, build_methods, state_options, evaluate, format_table, load_data,
                                  segment_rows)
 
     t0 = time.time()
     cfg = EvalConfig(context=args.context)
-    options = {k: getattr(args, k) for k in _LEAPQUANT_OPTIONS}
+    options = state_options(args)
     methods = build_methods(args.states.split(","), options)
     plot = _plot_path(args)
     _check_checkpoint(args.checkpoint)

@@ -52,11 +52,18 @@ import numpy as np
 
 from leapquant_jax.methods import WINDOWED_METHODS, make_method
 from leapquant_jax.studies.errors import ALL_METHODS, STUDY_METHODS
+from models.calibrate import check_state_method
 
 # The options of `add_method_options` and the method names they apply to: window and kernels to
-# every windowed method, the rest to LeapQuant alone.
+# every windowed method, the rest to LeapQuant alone; the calibration to damp alone.
 _WINDOW_OPTIONS = ("window", "impl")
 _LEAPQUANT_OPTIONS = ("bits", "rank", "compensators", "smoothing") + _WINDOW_OPTIONS
+_STATE_OPTIONS = _LEAPQUANT_OPTIONS + ("calibration",)
+
+
+def state_options(args) -> dict:
+    """The state options of parsed ``add_state_options`` flags, for ``build_methods``."""
+    return {k: getattr(args, k) for k in _STATE_OPTIONS}
 DEFAULT_STATES = "fp32,bf16,int8,bf16-w,int8-w,leapquant,leapquant-b6,leapquant-b4"
 
 
@@ -107,17 +114,18 @@ class EvalConfig:
 
 def build_methods(labels: Sequence[str], options: Optional[dict] = None) -> dict:
     """The state methods of ``labels`` (keys of ``studies.errors.ALL_METHODS``: ``fp32``,
-    ``int8-w+ct``, ``leapquant-b6``, ``mxfp4``, ...), with ``options`` (``bits``, ``window``, ``rank``, ``compensators``,
-    ``smoothing``, ``impl``; ``None`` = the label's default) applied where they mean something.
+    ``int8-w+ct``, ``leapquant-b6``, ``mxfp4``, ``damp``, ...), with ``options`` (``bits``, ``window``, ``rank``,
+    ``compensators``, ``smoothing``, ``impl``; ``calibration``, damp's file; ``None`` = the label's
+    default) applied where they mean something.
 
     Returns ``{label: method}`` in the given order, fp32 first (added when missing: it is the
     reference). Raises ``ValueError`` for an unknown or repeated label, or an option that
     contradicts what the label fixes (``leapquant-b6`` with ``bits=4``).
     """
     options = {k: v for k, v in (options or {}).items() if v is not None}
-    unknown_opts = set(options) - set(_LEAPQUANT_OPTIONS)
+    unknown_opts = set(options) - set(_STATE_OPTIONS)
     if unknown_opts:
-        raise ValueError(f"unknown state option(s) {sorted(unknown_opts)}; known: {list(_LEAPQUANT_OPTIONS)}")
+        raise ValueError(f"unknown state option(s) {sorted(unknown_opts)}; known: {list(_STATE_OPTIONS)}")
     labels = [str(x).strip() for x in labels]
     if not labels or any(not x for x in labels):
         raise ValueError(f"--states must be a comma-separated list of methods, got {','.join(labels)!r}")
@@ -127,10 +135,16 @@ def build_methods(labels: Sequence[str], options: Optional[dict] = None) -> dict
     repeated = sorted({x for x in labels if labels.count(x) > 1})
     if repeated:
         raise ValueError(f"--states names {repeated[0]!r} more than once")
+    if "damp" in labels and "calibration" not in options:
+        raise ValueError("--states damp needs its calibration file: --damp-calibration FILE "
+                         "(made by `leapquant calibrate-damp`)")
+    if "calibration" in options and "damp" not in labels:
+        raise ValueError("--damp-calibration is the calibration of method damp, which --states does not name")
     methods = {}
     for label in ["fp32"] + [x for x in labels if x != "fp32"]:
         name, fixed = ALL_METHODS[label]
-        applies = () if name not in WINDOWED_METHODS else (_LEAPQUANT_OPTIONS if name == "leapquant" else _WINDOW_OPTIONS)
+        applies = (("calibration",) if name == "damp" else () if name not in WINDOWED_METHODS else
+                   _LEAPQUANT_OPTIONS if name == "leapquant" else _WINDOW_OPTIONS)
         opts = dict(fixed)
         for key in applies:
             if key not in options:
@@ -250,17 +264,25 @@ def replay_states(method, traces: dict, *, prefill: int, every: Optional[int] = 
     """
     if every is not None and (isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1):
         raise ValueError(f"every must be an integer >= 1 or None, got {every!r}")
-    layers = sorted(traces)
-    names = ("q", "k", "v", "g", "beta")
-    stacked = {n: np.concatenate([traces[layer][n] for layer in layers], axis=0) for n in names}
-    b, _, h, dv = stacked["v"].shape
-    state = None if prefill else method.init(b, h, stacked["k"].shape[-1], dv, per_channel_decay=stacked["g"].ndim == 4)
-    dense, snaps = _replay({n: jnp.asarray(x) for n, x in stacked.items()}, state, method=method, prefill=prefill,
-                           every=every)
-    final = dict(zip(layers, np.split(np.asarray(dense), len(layers), axis=0)))
-    if snaps is None:
+    # Layers whose method is the same (every method but damp's per-layer channels) share one replay.
+    groups = {}
+    for layer in sorted(traces):
+        groups.setdefault(method.for_layer(layer), []).append(layer)
+    final, snapshots = {}, {}
+    for m, layers in groups.items():
+        names = ("q", "k", "v", "g", "beta")
+        stacked = {n: np.concatenate([traces[layer][n] for layer in layers], axis=0) for n in names}
+        b, _, h, dv = stacked["v"].shape
+        state = None if prefill else m.init(b, h, stacked["k"].shape[-1], dv, per_channel_decay=stacked["g"].ndim == 4)
+        dense, snaps = _replay({n: jnp.asarray(x) for n, x in stacked.items()}, state, method=m, prefill=prefill,
+                               every=every)
+        final.update(zip(layers, np.split(np.asarray(dense), len(layers), axis=0)))
+        if snaps is not None:
+            snapshots.update(zip(layers, np.split(np.asarray(snaps), len(layers), axis=1)))
+    final = {layer: final[layer] for layer in sorted(final)}
+    if every is None:
         return final, None
-    return final, dict(zip(layers, np.split(np.asarray(snaps), len(layers), axis=1)))
+    return final, {layer: snapshots[layer] for layer in sorted(snapshots)}
 
 
 def final_states(method, traces: dict, *, prefill: int) -> dict:
@@ -379,6 +401,8 @@ def evaluate(arch, params, config, rows: np.ndarray, methods: dict, cfg: EvalCon
     rows = np.asarray(rows)
     if rows.shape != (cfg.batch, cfg.context):
         raise ValueError(f"rows must be [batch, context] = {[cfg.batch, cfg.context]}, got {list(rows.shape)}")
+    for method in methods.values():  # a mismatched calibration is refused before any run
+        check_state_method(method, arch, config, params)
     results = {}
     bar = progress(labels, desc="eval")
     for label in bar:
@@ -446,7 +470,7 @@ def run_eval(args) -> int:
 
     cfg = EvalConfig(context=args.context, prefill=args.prefill, batch=args.batch, greedy_tokens=args.greedy_tokens,
                      error_every=args.error_every)
-    options = {k: getattr(args, k) for k in _LEAPQUANT_OPTIONS}
+    options = state_options(args)
     methods = build_methods(args.states.split(","), options)
     _check_checkpoint(args.checkpoint)
     rows = segment_rows(load_data(args.data, _tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
@@ -496,6 +520,6 @@ def add_subcommand(subparsers) -> None:
     p.set_defaults(func=run_eval)
 
 
-__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "add_state_options", "build_methods", "evaluate", "final_states",
+__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "add_state_options", "build_methods", "evaluate", "final_states", "state_options",
            "format_table", "greedy_match", "load_data", "next_token_metrics", "reference_run", "relative_state_errors",
            "replay_states", "run_eval", "score_method", "segment_rows", "state_errors"]

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from models.evaluate import (DEFAULT_STATES, _LEAPQUANT_OPTIONS, add_state_options, build_methods, load_data,
+from models.evaluate import (DEFAULT_STATES, add_state_options, build_methods, state_options, load_data,
                              next_token_metrics)
 
 METRICS = ("copy_accuracy", "copy_nll", "recall_gain", "agreement_with_fp32")
@@ -136,6 +136,7 @@ def recall_probe(arch, params, config, methods: dict, stream: np.ndarray, cfg: R
     "nll": [B]}}``. Raises ``ValueError`` for a bad stream or method list, ``FloatingPointError``
     for non-finite logits.
     """
+    from models.calibrate import check_state_method
     from models.decode import check_token_ids, score
 
     labels = list(methods)
@@ -146,6 +147,8 @@ def recall_probe(arch, params, config, methods: dict, stream: np.ndarray, cfg: R
     control = check_token_ids(control, config.vocab_size, name="stream ids (control rows)")
     targets = rows[:, scored.start + 1: scored.stop + 1]
     p = cfg.prefill
+    for method in methods.values():  # a mismatched calibration is refused before any run
+        check_state_method(method, arch, config, params)
     results = {}
     bar = progress(labels, desc="recall")
     for label in bar:
@@ -199,7 +202,7 @@ def run_recall(args) -> int:
 
     cfg = RecallConfig(span=args.span, gap=args.gap, batch=args.batch, skip=args.skip, prefill=args.prefill,
                        seed=args.seed)
-    options = {k: getattr(args, k) for k in _LEAPQUANT_OPTIONS}
+    options = state_options(args)
     methods = build_methods(args.states.split(","), options)
     _check_checkpoint(args.checkpoint)
     source = f"--data {args.data}"

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from bench import accuracy
-from bench.accuracy import (TABLE1, all_jobs, build_tables, claim_jobs, markdown, run_worker, select_jobs,
-                            spread_cell, targets)
+from bench.accuracy import (TABLE1, TABLE6, all_jobs, build_tables, claim_jobs, markdown, rival_verdicts, run_worker,
+                            select_jobs, spread_cell, targets)
 
 CKPTS = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
 METRICS = ("perplexity", "kl_to_fp32", "top1_agreement", "greedy_match_tokens", "state_rel_error")
-LEAD_COLUMNS = {"table1": 3, "table2": 2, "table3": 5}   # method/bits/B/el; step/method; sweep/p/r/method/B/el
+# method/bits/B/el; step/method; sweep/p/r/method/B/el; method/bits/B/el
+LEAD_COLUMNS = {"table1": 3, "table2": 2, "table3": 5, "table6": 3}
 
 
 def _half_unit(text: str) -> float:
@@ -75,10 +76,25 @@ def _check_md_equals_json(md: str, checkpoints: dict) -> int:
 def test_jobs_come_in_priority_order_with_the_configurations_of_their_labels():
     jobs = all_jobs()
     labels = [j.label for j in jobs]
-    assert len(set(labels)) == len(labels) == 23
+    assert len(set(labels)) == len(labels) == 23 + 28
+    assert [j.group for j in jobs] == ["formats"] * 17 + ["sweeps"] * 6 + ["rivals"] * 28
+    # Table 6 holds every per-step method there is, each once
+    from leapquant_jax.methods import METHOD_NAMES, WINDOWED_METHODS
+
+    table6 = [x for group in TABLE6.values() for x in group]
+    assert len(set(table6)) == len(table6)
+    assert set(table6) - {"leapquant", "leapquant-b6", "leapquant-b4"} == \
+        set(METHOD_NAMES) - set(WINDOWED_METHODS) - {"fp32", "fp16"}
+    rivals = select_jobs(None, groups="rivals")
+    assert [j.label for j in rivals] == ["fp32"] + [x for x in labels[1:] if x in table6]
+    assert [j.label for j in select_jobs(None, groups="sweeps")][1:] == labels[17:23]
+    with pytest.raises(ValueError, match="--groups: unknown group 'tables'"):
+        select_jobs(None, groups="formats,tables")
+    with pytest.raises(ValueError, match="damp: no calibration file"):
+        next(j for j in jobs if j.label == "damp").method(None)
     assert labels[:9] == ["fp32", "bf16", "fp8", "int8", "bf16-w", "int8-w", "int8-w+ct", "int8-w+smooth", "leapquant"]
     assert labels.index("leapquant-b4") < labels.index("int6-w") < labels.index("leapquant-p4")
-    configs = {j.label: j.method().config for j in jobs if j.name != "fp32" and hasattr(j.method(), "config")}
+    configs = {j.label: j.method().config for j in jobs if j.group != "rivals" and hasattr(j.method(), "config")}
     for b in (6, 4):
         alone, ct, smooth, full = (configs[x] for x in (f"int{b}-w", f"int{b}-w+ct", f"int{b}-w+smooth",
                                                          f"leapquant-b{b}"))
@@ -145,9 +161,25 @@ def test_tables_and_targets_from_constructed_records():
                "checkpoints": {"ck": {"path": "ck", "reference_seconds": [1.0], "jobs": records, "tables": tables,
                                       "targets": targets(tables), "outliers": None, "fig3": None}}}
     md = markdown(results)
-    assert _check_md_equals_json(md, results["checkpoints"]) == 6 * (6 + 3 + 2)   # rows with numbers in tables 1, 2, 3
+    # rows with numbers in tables 1, 2, 3 and 6
+    assert _check_md_equals_json(md, results["checkpoints"]) == 6 * (6 + 3 + 2 + 4)
     assert md.count("- **met**") == 4 and md.count("- **not met**") == 2 and md.count("- **not evaluated**") == 2
     assert "half the min-max range" in md
+
+
+def test_rival_verdicts_compare_at_equal_or_fewer_bytes():
+    rng = np.random.default_rng(1)
+    one = np.ones(3)
+    records = {"fp32": _record(rng, one, 0 * one, 0 * one, 4.0),
+               "leapquant": _record(rng, one, 1e-5 * one, 1e-3 * one, 1.2),            # live 1.7 B/el
+               "int8": _record(rng, one, 1e-3 * one, 1e-2 * one, 1.0),                 # fewer bytes, worse
+               "int8+ef4": _record(rng, one, 2e-3 * one, 5e-4 * one, 1.0),             # fewer bytes, better state
+               "int16": _record(rng, one, 1e-6 * one, 1e-4 * one, 2.0),                # better, but more bytes
+               "leapquant-b6": _record(rng, one, 1e-4 * one, 1e-4 * one, 1.0)}         # live 1.5 B/el
+    verdicts = rival_verdicts(build_tables(records, list(records)))
+    assert [(v["leapquant"], v["compared"], [r["label"] for r in v["beaten_by"]]) for v in verdicts] == [
+        ("leapquant", 2, ["int8+ef4"]), ("leapquant-b6", 2, [])]
+    assert verdicts[0]["beaten_by"][0]["state_rel_error"] == pytest.approx(5e-4)
 
 
 def test_spread_cell_is_half_the_range():
