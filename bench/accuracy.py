@@ -670,8 +670,8 @@ MERGE_KEYS = ("context", "segments", "greedy_tokens", "error_every")
 
 def merge_reports(paths: list, base: str) -> dict:
     """One report from several runs' ``.json`` reports (``--merge``): the runs must share the
-    held-out file (by name), ``MERGE_KEYS`` and the checkpoints; each job's row comes from the last
-    run that finished it. Writes ``base.json``, ``base.md`` and the Figure 3 PNGs; the report lists
+    held-out file (by name) and ``MERGE_KEYS``; a run may hold any of the checkpoints; each job's
+    row comes from the last run that finished it. Writes ``base.json``, ``base.md`` and the Figure 3 PNGs; the report lists
     the runs (date, commit, command) and which rows each gave."""
     parts = []
     for p in paths:
@@ -688,8 +688,6 @@ def merge_reports(paths: list, base: str) -> dict:
         diff = [k for k in MERGE_KEYS if c.get(k) != first.get(k)]
         if os.path.basename(c.get("data", "")) != os.path.basename(first.get("data", "")):
             diff.append("data")
-        if sorted(part["checkpoints"]) != sorted(parts[0]["checkpoints"]):
-            diff.append("checkpoints")
         if diff:
             raise ValueError(f"--merge: {p} differs from {paths[0]} in {', '.join(diff)}")
     ran = {x for part in parts for x in part["config"]["jobs"]}
@@ -705,17 +703,18 @@ def merge_reports(paths: list, base: str) -> dict:
                   time_budget=" + ".join(f"{part['config']['time_budget']:g}" for part in parts), jobs=labels)
     results = {"environment": env, "config": config, "runs": runs, "checkpoints": {},
                "notes": [n for part in parts for n in part.get("notes", [])]}
-    for name in parts[0]["checkpoints"]:
+    names = list(dict.fromkeys(name for part in parts for name in part["checkpoints"]))
+    for name in names:
+        mine = [(i, part["checkpoints"][name]) for i, part in enumerate(parts) if name in part["checkpoints"]]
         records, source = {}, {}
-        for i, part in enumerate(parts):
-            for label, rec in part["checkpoints"][name]["jobs"].items():
+        for i, ck in mine:
+            for label, rec in ck["jobs"].items():
                 if "result" in rec or label not in records:
                     records[label], source[label] = rec, i
-        outliers = next((part["checkpoints"][name].get("outliers") for part in reversed(parts)
-                         if part["checkpoints"][name].get("outliers")), None)
+        outliers = next((ck.get("outliers") for _, ck in reversed(mine) if ck.get("outliers")), None)
         tables = build_tables(records, labels)
-        entry = {"path": parts[-1]["checkpoints"][name]["path"],
-                 "reference_seconds": [x for part in parts for x in part["checkpoints"][name]["reference_seconds"]],
+        entry = {"path": mine[-1][1]["path"],
+                 "reference_seconds": [x for _, ck in mine for x in ck["reference_seconds"]],
                  "jobs": {x: records.get(x, {"status": "not finished"}) for x in labels},
                  "rows_from_run": {x: source[x] for x in labels if x in source and "result" in records[x]},
                  "tables": tables, "targets": targets(tables), "rival_verdicts": rival_verdicts(tables),

@@ -30,6 +30,8 @@ import numpy as np
 import leapquant_jax
 from leapquant_jax.traces import Trace, save_trace
 from models.calibrate import check_state_method
+from models.sharding import check_method as check_sharded_method
+from models.sharding import constrain_cache, shard_batch, shard_params
 from models.layers import Sampling, sample_next
 
 Array = jax.Array
@@ -99,13 +101,14 @@ def _write_step(buffers: dict, step_traces: dict, i: Array) -> dict:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("arch", "config", "method", "sampling", "max_new_tokens", "record")
+    jax.jit, static_argnames=("arch", "config", "method", "sampling", "max_new_tokens", "record", "mesh")
 )
-def _generate(arch, params, config, ids, lengths, stop_ids, key, *, method, sampling, max_new_tokens, record):
+def _generate(arch, params, config, ids, lengths, stop_ids, key, *, method, sampling, max_new_tokens, record, mesh):
     bsz, t = ids.shape
-    cache = arch.init_cache(config, batch=bsz, max_len=t + max_new_tokens, method=method)
+    cache = constrain_cache(arch.init_cache(config, batch=bsz, max_len=t + max_new_tokens, method=method), mesh)
     logits, cache, prefill_traces = arch.forward(params, config, ids, cache, method=method, mode="prefill",
                                                  lengths=lengths, record=record)
+    cache = constrain_cache(cache, mesh)
     last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     first = sample_next(last_logits, sub, sampling)
@@ -125,6 +128,7 @@ def _generate(arch, params, config, ids, lengths, stop_ids, key, *, method, samp
         active = ~done
         logits, cache, step_traces = arch.forward(params, config, last[:, None], cache, method=method,
                                                   mode="decode", active=active, record=record)
+        cache = constrain_cache(cache, mesh)
         key, sub = jax.random.split(key)
         nxt = jnp.where(active, sample_next(logits[:, 0], sub, sampling), 0)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], i, axis=1)
@@ -151,8 +155,10 @@ class Generation:
 
 def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, max_new_tokens: int,
              sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), seed: int = 0,
-             record: bool = False) -> Generation:
-    """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths)."""
+             record: bool = False, mesh=None) -> Generation:
+    """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths).
+    ``mesh`` (``models.sharding.make_mesh``): decode across its devices, the prompts split over
+    its data axis and heads over its model axis."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not isinstance(sampling, Sampling) or not math.isfinite(sampling.temperature):
@@ -166,9 +172,14 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
     check_state_method(method, arch, config, params)
     ids, lengths = pad_prompts(prompts)
     stop = jnp.asarray(stop_ids.tolist() or [-1], jnp.int32)
+    ids, lengths = jnp.asarray(ids), jnp.asarray(lengths)
+    if mesh is not None:
+        check_sharded_method(method)
+        params = shard_params(params, mesh)
+        ids, lengths = shard_batch(ids, mesh, name="prompts"), shard_batch(lengths, mesh, name="prompts")
     tokens, count, pre, dec = _generate(
-        arch, params, config, jnp.asarray(ids), jnp.asarray(lengths), stop, jax.random.PRNGKey(seed),
-        method=method, sampling=sampling, max_new_tokens=max_new_tokens, record=record,
+        arch, params, config, ids, lengths, stop, jax.random.PRNGKey(seed),
+        method=method, sampling=sampling, max_new_tokens=max_new_tokens, record=record, mesh=mesh,
     )
     tokens, count = np.asarray(tokens), np.asarray(count)
     out = [tokens[b, : count[b]].tolist() for b in range(len(prompts))]
@@ -186,21 +197,22 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
     return Generation(tokens=out, prompt_lengths=lengths.tolist(), traces=traces)
 
 
-@functools.partial(jax.jit, static_argnames=("arch", "config", "method", "prefill_len", "record"))
-def _score(arch, params, config, ids, *, method, prefill_len, record):
+@functools.partial(jax.jit, static_argnames=("arch", "config", "method", "prefill_len", "record", "mesh"))
+def _score(arch, params, config, ids, *, method, prefill_len, record, mesh):
     bsz, t = ids.shape
-    cache = arch.init_cache(config, batch=bsz, max_len=t, method=method)
+    cache = constrain_cache(arch.init_cache(config, batch=bsz, max_len=t, method=method), mesh)
     head_logits, head_traces = [], []
     if prefill_len:
         logits, cache, traces = arch.forward(params, config, ids[:, :prefill_len], cache, method=method,
                                              mode="prefill", record=record)
+        cache = constrain_cache(cache, mesh)
         head_logits.append(logits)
         head_traces.append(traces)
 
     def body(cache, tok):
         logits, cache, traces = arch.forward(params, config, tok[:, None], cache, method=method, mode="decode",
                                              record=record)
-        return cache, (logits[:, 0], jax.tree.map(lambda x: x[:, 0], traces))
+        return constrain_cache(cache, mesh), (logits[:, 0], jax.tree.map(lambda x: x[:, 0], traces))
 
     _, (logits, traces) = jax.lax.scan(body, cache, jnp.moveaxis(ids[:, prefill_len:], 1, 0))
     logits = jnp.concatenate(head_logits + [jnp.moveaxis(logits, 0, 1)], axis=1)
@@ -210,11 +222,12 @@ def _score(arch, params, config, ids, *, method, prefill_len, record):
     return logits, traces
 
 
-def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bool = False):
+def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bool = False, mesh=None):
     """Teacher-forced logits ``[B, T, vocab]`` float32 through the decode path:
     ``logits[b, t]`` predicts ``ids[b, t + 1]`` from ``ids[b, :t + 1]`` (like a transformers
     forward). The first ``prefill_len`` tokens go through prefill, the rest one decode step
-    each. Returns ``(logits, traces)``; traces ``{layer: {name: [B, T, ...]}}`` when recorded."""
+    each. Returns ``(logits, traces)``; traces ``{layer: {name: [B, T, ...]}}`` when recorded.
+    ``mesh`` as in ``generate``."""
     ids = np.asarray(ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
@@ -224,8 +237,12 @@ def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bo
     if isinstance(prefill_len, bool) or not isinstance(prefill_len, (int, np.integer)) or not 0 <= prefill_len < ids.shape[1]:
         raise ValueError(f"prefill_len must be an integer in [0, T) = [0, {ids.shape[1]}), got {prefill_len!r}")
     check_state_method(method, arch, config, params)
-    logits, traces = _score(arch, params, config, jnp.asarray(ids, jnp.int32), method=method,
-                            prefill_len=prefill_len, record=record)
+    ids = jnp.asarray(ids, jnp.int32)
+    if mesh is not None:
+        check_sharded_method(method)
+        params, ids = shard_params(params, mesh), shard_batch(ids, mesh)
+    logits, traces = _score(arch, params, config, ids, method=method, prefill_len=prefill_len, record=record,
+                            mesh=mesh)
     return np.asarray(logits), jax.tree.map(np.asarray, traces)
 
 

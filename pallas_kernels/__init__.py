@@ -5,6 +5,9 @@ Modules, each read top to bottom as kernel, wrapper, reference:
 * ``leapquant_step``: one in-window decode step (two reads served from one pass over the codes).
 * ``leapquant_flush``: window-end flush (reconstruct, fit Compensator Tokens, smooth, quantize).
 * ``dense_step``: the fp32 and bf16 per-step GDN/KDA baselines.
+* ``shared``: helpers of both LeapQuant kernels (the codes' planar layout, the window's decays).
+* ``support``: which configs and states the kernels take (``unsupported_reason``).
 
-``api`` is the seam ``leapquant_jax.dispatch`` calls.
+``api`` is the seam ``leapquant_jax.dispatch`` calls. Imports run one way: ``api`` -> the kernel
+modules -> ``shared``, ``support``, ``_compat``; no kernel module imports ``api``.
 """

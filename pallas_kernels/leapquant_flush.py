@@ -61,7 +61,8 @@ from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
-from .leapquant_step import load_code_parts, num_parts, window_decay_part
+from .shared import load_code_parts, num_parts, window_decay_part
+from .support import unsupported_reason
 
 f32 = jnp.float32
 
@@ -393,8 +394,6 @@ SPLIT_MIN_FULL_FRACTION = {False: 0.55, True: 0.27}
 
 
 def _check(config, state, impl):
-    from .api import unsupported_reason
-
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"leapquant_flush kernel cannot run: {why}")

@@ -66,31 +66,10 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, load, pl
+from .shared import load_code_parts, num_parts, window_decay_part
+from .support import unsupported_reason
 
 f32 = jnp.float32
-
-
-def num_parts(bits: int) -> int:
-    """Key-row parts the packed codes split into: 1 (8 bits), 2 (4 bits), 4 (6 bits)."""
-    return {8: 1, 4: 2, 6: 4}[bits]
-
-
-def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None, dtype=f32):
-    """Signed codes of a packed tile as ``num_parts(bits)`` arrays ``[rows, BV]`` of ``dtype``.
-
-    Part ``i`` holds key rows ``i * dk / parts + start + [0, rows)``; ``rows`` defaults to the
-    whole part. Every part of a chunk comes from the same packed byte rows (planar layout).
-    """
-    n = dk // num_parts(bits)
-    rows = n if rows is None else rows
-    if bits == 8:
-        return [codes_ref[pl.ds(start, rows), :].astype(dtype)]
-    if bits == 4:
-        p = codes_ref[pl.ds(start, rows), :].astype(jnp.int32)
-        return [((p & 15) - 8).astype(dtype), ((p >> 4) - 8).astype(dtype)]
-    planes = [codes_ref[pl.ds(i * n + start, rows), :].astype(jnp.int32) for i in range(3)]
-    top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
-    return [((q & 63) - 32).astype(dtype) for q in planes] + [(top - 32).astype(dtype)]
 
 
 DIGIT_BITS = 22     # fixed-point bits of a vector split into int8 digits (DIGITS of them)
@@ -142,24 +121,6 @@ def undigit(acc, v):
     rows = jnp.arange(DOT_ROWS)[:, None]
     parts = [jnp.sum(jnp.where(rows == DIGITS * v + i, acc, 0), axis=0).astype(f32) for i in range(DIGITS)]
     return (parts[2] * 65536.0 + parts[1] * 256.0) + parts[0]
-
-
-def window_decay_part(g_ref, live, part, per_channel: bool):
-    """Log-space decays of the live records for key rows ``part`` (a ``pl.ds``).
-
-    Returns ``(D0, d)``: ``D0 = exp(G_l)`` (``[]`` or ``[n]``) and ``d_j = exp(G_l - G_j)`` for
-    live slots, 0 for dead ones (``[p]`` or ``[p, n]``). Dead slots are never loaded.
-    """
-    if per_channel:
-        g = load(g_ref.at[:, part], mask=live[:, None], other=0.0).astype(f32)   # [p, n]
-        G = jnp.cumsum(g, axis=0)
-        G_l = jnp.sum(g, axis=0)                                                   # [n]
-        d = jnp.exp(jnp.where(live[:, None], G_l[None, :] - G, -jnp.inf))
-        return jnp.exp(G_l), d
-    g = load(g_ref, mask=live, other=0.0).astype(f32)                              # [p]
-    G = jnp.cumsum(g, axis=0)
-    G_l = jnp.sum(g)
-    return jnp.exp(G_l), jnp.exp(jnp.where(live, G_l - G, -jnp.inf))
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -351,8 +312,6 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     needs ``chunk >= 32``) or ``"lanes"`` (fp32 products summed across threads); the default
     takes ``dot`` where it can.
     """
-    from .api import unsupported_reason
-
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"leapquant_step kernel cannot run: {why}")
@@ -437,5 +396,4 @@ def leapquant_step_reference(config: LeapQuantConfig, state: LeapQuantState, tok
     return windowed.step_reference(config, state, token)
 
 
-__all__ = ["check_token", "leapquant_step", "leapquant_step_reference", "load_code_parts", "num_parts",
-           "step_bytes", "window_decay_part"]
+__all__ = ["check_token", "leapquant_step", "leapquant_step_reference", "step_bytes"]

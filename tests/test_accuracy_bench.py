@@ -182,6 +182,37 @@ def test_rival_verdicts_compare_at_equal_or_fewer_bytes():
     assert verdicts[0]["beaten_by"][0]["state_rel_error"] == pytest.approx(5e-4)
 
 
+def test_merge_takes_each_row_from_the_last_run_that_finished_it(tmp_path):
+    rng = np.random.default_rng(2)
+    one = np.array([10.0, 11.0])
+
+    def part(name, commit, jobs, context=64):
+        env = {"date": "d", "jax": "j", "devices": ["cpu"], "commit": commit, "command": f"run {commit}"}
+        cfg = {"data": f"/somewhere/{commit}/heldout.npy", "context": context, "segments": 2, "greedy_tokens": 4,
+               "error_every": None, "workers": 2, "time_budget": 10, "grace": 1, "jobs": list(jobs)}
+        results = {"environment": env, "config": cfg, "notes": [f"note {commit}"], "checkpoints": {"ck": {
+            "path": "ck", "reference_seconds": [1.0], "jobs": jobs, "outliers": None}}}
+        (tmp_path / name).write_text(json.dumps(results, default=float))
+        return str(tmp_path / name)
+
+    first = part("a.json", "aaa", {"fp32": _record(rng, one, 0 * one, 0 * one, 4.0),
+                                   "int8": _record(rng, one * 1.01, 1e-3 + 0 * one, 1e-2 + 0 * one),
+                                   "leapquant": {"kind": "job", "label": "leapquant", "skipped": "time budget"}})
+    lq = _record(rng, one, 1e-5 + 0 * one, 1e-3 + 0 * one)
+    second = part("b.json", "bbb", {"leapquant": lq, "int8": {"status": "not finished"}})
+    out = accuracy.main(["--merge", first, second, "--out", str(tmp_path / "out")])
+    ck = out["checkpoints"]["ck"]
+    assert ck["rows_from_run"] == {"fp32": 0, "int8": 0, "leapquant": 1}
+    assert ck["jobs"]["leapquant"] == lq and "result" in ck["jobs"]["int8"]
+    assert out["environment"]["commit"] == "aaa, bbb" and out["notes"] == ["note aaa", "note bbb"]
+    assert ck["targets"][0]["met"] is True                    # leapquant's Δppl against run 0's fp32
+    md = next((tmp_path / "out").glob("accuracy-*-merged.md")).read_text()
+    assert "Merged from these runs" in md and "`a.json`" in md and "`b.json`" in md
+    bad = part("c.json", "ccc", {"fp32": _record(rng, one, 0 * one, 0 * one, 4.0)}, context=128)
+    with pytest.raises(SystemExit):
+        accuracy.main(["--merge", first, bad, "--out", str(tmp_path / "out2")])
+
+
 def test_spread_cell_is_half_the_range():
     cell = spread_cell([3.0, 1.0, 2.5])
     assert cell == {"mean": pytest.approx(6.5 / 3), "spread": 1.0, "values": [3.0, 1.0, 2.5]}
@@ -269,7 +300,8 @@ def test_tiny_run_writes_the_tables_targets_and_figures(tmp_path):
         assert o["figure"] == f"{stamp}-fig6-{name}.png" and min(o["peak_over_median"].values()) > 1
         assert max(max(rows) for layer in o["state_peak_over_median_all"].values() for rows in layer) == \
             pytest.approx(o["peak_over_median"]["state"])
-        for title in ("### Table 1", "### Table 2", "### Table 3", "### Targets", "### Figure 6"):
+        for title in ("### Table 1", "### Table 2", "### Table 3", "### Table 6", "### Targets", "### Figure 6"):
             assert md.split(f"## {name}\n")[1].split("\n## ")[0].count(title) == 1, (name, title)
     assert len(re.findall(r"^- \*\*(met|not met|not evaluated)\*\*: ", md, flags=re.M)) == 16
-    assert _check_md_equals_json(md, saved["checkpoints"]) == 2 * (6 + 6 + 6)   # fp32 and int8 in tables 1, 2
+    # fp32 and int8 in table 1, int8 in tables 2 and 6
+    assert _check_md_equals_json(md, saved["checkpoints"]) == 2 * (6 + 6 + 6 + 6)

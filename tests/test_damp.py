@@ -198,3 +198,107 @@ def test_shipped_calibrations_belong_to_their_checkpoints(name):
     wrong = make_method("damp", calibration=str(CKPTS / other / "damp-calibration.json"))
     with pytest.raises(DampCalibrationError, match="another model"):
         check_state_method(wrong, arch, config, params)
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+def _cli(argv):
+    import contextlib
+    import io
+
+    from leapquant_jax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def snippet_npy(tmp_path_factory):
+    ids = np.asarray(json.loads((CKPTS / "stdlib-gdn" / "heldout_snippet.json").read_text())["ids"], np.int32)
+    path = tmp_path_factory.mktemp("damp") / "ids.npy"
+    np.save(path, ids)
+    return path
+
+
+def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
+    cal = tmp_path / "cal.json"
+    code, out, err = _cli(["calibrate-damp", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--out", cal,
+                           "--rows", 2, "--tokens", 48, "--channels", 8, "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["bits_per_value"] == bits_per_value(128, 128, 8) and report["layers"] == [0, 1, 2, 4, 5, 6]
+    loaded = DampCalibration.load(str(cal))
+    assert loaded.k_hi == 8 and json.loads(cal.read_text())["calibration"]["rows"] == 2
+    code, out, err = _cli(["eval", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--context", 48, "--states",
+                           "int8,damp", "--damp-calibration", cal, "--json"])
+    assert code == 0, err
+    m = json.loads(out)["methods"]
+    # fp16 rows and a Hadamard-rotated INT8 rest: closer to fp32 than per-step INT8 on its state
+    mean_err = {k: np.mean(list(m[k]["state_rel_error"].values())) for k in ("damp", "int8")}
+    assert 0 < mean_err["damp"] < mean_err["int8"]
+    assert np.isfinite(m["damp"]["perplexity"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "{gdn}", "--states", "damp"], ["--states damp needs its calibration file"]),
+    (["eval", "{gdn}", "--states", "int8", "--damp-calibration", "{kda_cal}"], ["--states does not name"]),
+    (["eval", "{gdn}", "--states", "damp", "--damp-calibration", "{kda_cal}"], ["does not match this model"]),
+    (["eval", "{gdn}", "--states", "damp", "--damp-calibration", "{missing}"], ["no such file"]),
+    (["score", "{gdn}", "--ids-file", "{ids}", "--out", "{out}", "--state", "damp"],
+     ["method damp needs its calibration file"]),
+    (["calibrate-damp", "{gdn}", "--data", "{ids}", "--out", "{tmp}", "--rows", "1", "--tokens", "16"], ["is a folder"]),
+    (["calibrate-damp", "{gdn}", "--data", "{ids}", "--out", "{out}", "--rows", "1", "--tokens", "16",
+      "--channels", "128"], ["--channels 128", "[1, 127]"]),
+])
+def test_damp_bad_input_is_refused_by_name(tmp_path, snippet_npy, argv, words):
+    names = {"gdn": CKPTS / "stdlib-gdn", "kda_cal": CKPTS / "stdlib-kda" / "damp-calibration.json",
+             "missing": tmp_path / "none.json", "ids": snippet_npy, "out": tmp_path / "out.json", "tmp": tmp_path}
+    argv = [a.format(**names) if a.startswith("{") else a for a in argv]
+    if argv[0] == "eval":
+        argv += ["--data", snippet_npy, "--context", "32"]
+    code, out, err = _cli(argv)
+    assert code == 2 and out == "", err
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_study_errors_calibrates_damp_on_an_independent_draw(kda):
+    from leapquant_jax.studies.errors import ErrorStudyConfig, damp_for_study, run_error_study
+    from leapquant_jax.synthetic import SyntheticSpec
+
+    config = ErrorStudyConfig(tokens=256, heads=2, seeds=2, dk=32, dv=32, every=128, window=16, kda=kda)
+    method = damp_for_study(config, SyntheticSpec(tokens=256, heads=2, dk=32, dv=32, per_channel_decay=kda))
+    assert method.layer == 0 and method.calibration.k_hi == 4 and method.calibration.heads == 2
+    r = run_error_study(config, ["int8", "damp"])["methods"]
+    assert 0 < r["damp"]["final_rel_state_error"] < r["int8"]["final_rel_state_error"]
+    assert r["damp"]["bytes_per_element"] == pytest.approx(bits_per_value(32, 32, 4) / 8)
+
+
+def test_generate_and_replay_take_damp_per_layer(tmp_path):
+    cal = CKPTS / "stdlib-gdn" / "damp-calibration.json"
+    traces = tmp_path / "traces"
+    code, out, err = _cli(["generate", CKPTS / "stdlib-gdn", "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", 4,
+                           "--state", "damp", "--damp-calibration", cal, "--record-traces", traces, "--json"])
+    assert code == 0, err
+    assert json.loads(out)["method"] == {"method": "damp", "calibration": str(cal)}
+    code, out, err = _cli(["replay", traces / "layer04.npz", "--method", "damp", "--damp-calibration", cal,
+                           "--out", tmp_path / "r4.npz", "--json"])
+    assert code == 0, err
+    # the layer comes from the file name; a renamed trace needs --layer, and a layer the
+    # calibration does not cover (3 is an attention layer) is refused
+    (traces / "layer04.npz").rename(tmp_path / "trace.npz")
+    code, out, err = _cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
+                           "--out", tmp_path / "r.npz"])
+    assert code == 2 and "pass --layer" in err
+    code, out, err = _cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
+                           "--layer", 3, "--out", tmp_path / "r.npz"])
+    assert code == 2 and "no layer 3" in err and not (tmp_path / "r.npz").exists()
+    code, out, err = _cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
+                           "--layer", 4, "--out", tmp_path / "r.npz"])
+    assert code == 0, err
+    np.testing.assert_array_equal(np.load(tmp_path / "r.npz")["state"], np.load(tmp_path / "r4.npz")["state"])

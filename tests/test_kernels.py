@@ -15,6 +15,7 @@ catches primitives the Pallas Triton backend cannot lower; compiled runs are in 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -371,3 +372,35 @@ def test_method_pallas_eager_step_with_active_mask():
     assert rel(out["pallas"][0], out["reference"][0]) < 1e-5
     np.testing.assert_array_equal(out["pallas"][1].pos, [1, 0])
     np.testing.assert_array_equal(out["pallas"][2].pos, [0, 0])             # the input is still usable
+
+
+def test_the_kernels_package_imports_one_way():
+    # Every import of every module (function bodies included): no kernel module reaches back to
+    # `api`, and the package's own import graph has no cycle.
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "pallas_kernels"
+    graph = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1:
+                    deps.update([node.module] if node.module else [a.name for a in node.names])
+                elif node.module and node.module.startswith("pallas_kernels"):
+                    deps.add(node.module.split(".", 1)[1] if "." in node.module else "__init__")
+        graph[path.stem] = deps & {p.stem for p in folder.glob("*.py")}
+    assert not any("api" in deps for name, deps in graph.items() if name != "__init__"), graph
+    seen, done = set(), set()
+
+    def visit(name, trail):
+        assert name not in trail, f"import cycle: {' -> '.join(trail + [name])}"
+        if name in done:
+            return
+        for dep in graph.get(name, ()):
+            visit(dep, trail + [name])
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])

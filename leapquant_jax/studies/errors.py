@@ -95,6 +95,22 @@ def build_method(label: str, window: int):
     return make_method(name, **opts)
 
 
+# The synthetic draw DAMP is calibrated on: independent of the study's (seed 0).
+DAMP_CALIBRATION_SEED = 1
+
+
+def damp_for_study(config, spec):
+    """``damp`` for the synthetic heads: calibrated (``damp.calibrate``, every 8 tokens) on an
+    independent draw of the same spec (seed ``DAMP_CALIBRATION_SEED``, the study's first 256 tokens
+    at most) as one layer, ``K_hi = dk / 8`` key channels per head (DAMP's 16 of 128)."""
+    from ..damp import DampMethod, calibrate
+
+    cal_spec = dataclasses.replace(spec, tokens=min(spec.tokens, 256))
+    x = {k: np.asarray(v) for k, v in synthetic_batch(DAMP_CALIBRATION_SEED, config.seeds, cal_spec).items()}
+    cal, _ = calibrate({0: x}, k_hi=max(1, config.dk // 8), every=8)
+    return DampMethod(calibration=cal).for_layer(0)
+
+
 def state_bytes_per_element(method, heads: int, dk: int, dv: int, kda: bool) -> dict[str, float]:
     """Bytes per state element of ``method``'s own state pytree for ``heads`` heads of ``[dk, dv]``.
 
@@ -160,7 +176,7 @@ def run_error_study(
     results = {}
     iterator = progress(methods) if progress else methods
     for label in iterator:
-        method = build_method(label, config.window)
+        method = damp_for_study(config, spec) if label == "damp" else build_method(label, config.window)
         o, states = run(method, inputs, config.every)
         curve, out_err = relative_errors(states, ref_states, o, ref_o)
         nbytes = state_bytes_per_element(method, config.heads, config.dk, config.dv, config.kda)

@@ -1,0 +1,57 @@
+"""Which configs and states the Pallas kernels take: ``unsupported_reason``, checked before any
+launch (``api`` re-exports it for ``leapquant_jax.dispatch``; the kernels check it themselves)."""
+
+from __future__ import annotations
+
+from leapquant_jax.quantizers import IntTensor
+from leapquant_jax.state import LeapQuantConfig, LeapQuantState
+
+from ._compat import is_pow2
+
+HEAD_SIZES = (16, 32, 64, 128)
+MAX_WINDOW = 32
+MAX_RANK = 8
+
+
+def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
+    """Why the Pallas kernels cannot take ``config`` and ``state``; ``None`` when they can."""
+    if config.residual_format is not None:
+        return f"residual_format={config.residual_format!r}: the kernels read integer residuals only"
+    if config.bits not in (8, 6, 4):
+        return f"bits={config.bits}: the kernels take 8, 6 or 4"
+    if config.fit != "subspace":
+        return f"fit={config.fit!r}: the kernels fit Compensator Tokens by subspace iteration only"
+    if not is_pow2(config.window) or not 2 <= config.window <= MAX_WINDOW:
+        return f"window={config.window}: the kernels take a power of two from 2 to {MAX_WINDOW}"
+    if config.effective_rank > MAX_RANK:
+        return f"rank={config.effective_rank}: the kernels take at most {MAX_RANK} Compensator Tokens"
+    ckpt, buf = state.checkpoint, state.buffer
+    if not isinstance(ckpt.residual, IntTensor) or ckpt.residual.bits != config.bits:
+        return "the state's residual is not an integer tensor of the config's bits"
+    if buf.k.ndim != 4 or buf.u.ndim != 4:
+        return f"the window buffer must be [B, H, p, dk] / [B, H, p, dv], got {buf.k.shape} / {buf.u.shape}"
+    b, h, p, dk = buf.k.shape
+    dv = buf.u.shape[-1]
+    if p != config.window:
+        return f"the buffer holds {p} slots but window={config.window}"
+    if dk not in HEAD_SIZES or dv not in HEAD_SIZES:
+        return f"head sizes dk={dk}, dv={dv}: the kernels take {HEAD_SIZES}"
+    if config.bits == 6 and dk % 64:
+        return f"dk={dk} at 6 bits: each of the four code planes must be at least 16 rows"
+    if config.bits == 4 and dk % 32:
+        return f"dk={dk} at 4 bits: each code plane must be at least 16 rows"
+    if buf.g.shape not in ((b, h, p), (b, h, p, dk)):
+        return f"buffer log-decays must be [B, H, p] or [B, H, p, dk], got {buf.g.shape}"
+    if str(buf.k.dtype) != config.record_dtype:
+        return f"the buffer holds {buf.k.dtype} records but record_dtype={config.record_dtype!r}"
+    if config.smoothing and ckpt.smooth is None:
+        return "smoothing is on but the checkpoint has no smoothing scales"
+    r = config.effective_rank
+    if ckpt.comp_k.shape[-2] != r or ckpt.comp_u.shape[-2] != r:
+        return f"the checkpoint holds {ckpt.comp_k.shape[-2]} Compensator Tokens, the config {r}"
+    if state.pos.shape != (b,):
+        return f"pos must be [B] = ({b},), got {state.pos.shape}"
+    return None
+
+
+__all__ = ["HEAD_SIZES", "MAX_RANK", "MAX_WINDOW", "unsupported_reason"]

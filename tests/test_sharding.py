@@ -1,0 +1,121 @@
+"""Decoding over a device mesh (``models.sharding``) on 8 forced CPU devices: for both
+architectures (tiny configs with 8 heads), the fp32 and LeapQuant states and the meshes 1x8, 2x4
+and 8x1, the sharded logits equal the unsharded ones (fp32: to round-off; LeapQuant: a different
+summation order can move a code across a rounding boundary, so the sharded logits must be as close
+to fp32's as the unsharded ones), greedy tokens are the same, and every state leaf is split by
+head. The checks run in a child process: the device count is fixed when JAX starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r'''
+import json
+import jax
+import numpy as np
+from leapquant_jax import make_method
+from models.checkpoint import architecture_for_config
+from models.decode import generate, score, to_device
+from models.sharding import constrain_cache, make_mesh
+from models.training.model import hf_config, init_params
+
+def tiny(arch):
+    cj = hf_config(arch, vocab_size=64, eos_token_id=0, size="tiny")
+    if arch == "gdn":
+        cj.update(linear_num_value_heads=8, linear_num_key_heads=8, num_attention_heads=8, num_key_value_heads=8)
+    else:
+        cj["linear_attn_config"]["num_heads"] = 8
+        cj.update(num_attention_heads=8, num_key_value_heads=8)
+    a = architecture_for_config(cj)
+    return a, a.config_from_hf(cj), to_device(init_params(cj, seed=0))
+
+def rel(x, y):
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+out = {"devices": len(jax.devices()), "runs": []}
+ids = np.random.default_rng(0).integers(1, 64, (8, 10))
+for arch in ("gdn", "kda"):
+    a, cfg, params = tiny(arch)
+    fp32 = score(a, params, cfg, ids, method=make_method("fp32"))[0]
+    for name in ("fp32", "leapquant"):
+        m = make_method(name, window=4) if name == "leapquant" else make_method(name)
+        ref = fp32 if name == "fp32" else score(a, params, cfg, ids, method=m)[0]
+        for shape in ((1, 8), (2, 4), (8, 1)):
+            mesh = make_mesh(*shape)
+            got = score(a, params, cfg, ids, method=m, mesh=mesh)[0]
+            run = {"arch": arch, "method": name, "mesh": shape, "to_unsharded": rel(got, ref),
+                   "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)}
+            if shape == (2, 4):
+                prompts = [list(map(int, r[:4])) for r in ids]
+                run["same_tokens"] = (generate(a, params, cfg, prompts, method=m, max_new_tokens=5).tokens ==
+                                      generate(a, params, cfg, prompts, method=m, max_new_tokens=5, mesh=mesh).tokens)
+                cache = jax.jit(lambda: constrain_cache(a.init_cache(cfg, batch=8, max_len=10, method=m), mesh))()
+                state = cache["layers"][0]["state"]
+                run["state_shards"] = [[list(x.shape), list(x.sharding.shard_shape(x.shape))]
+                                       for x in jax.tree.leaves(state)]
+            out["runs"].append(run)
+from models.sharding import shard_batch
+try:
+    shard_batch(np.zeros((3, 2), np.int32), make_mesh(2, 4))
+except ValueError as err:
+    out["batch_error"] = str(err)
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def runs():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_sharded_decoding_matches_unsharded(runs):
+    assert runs["devices"] == 8
+    got = {(r["arch"], r["method"], tuple(r["mesh"])) for r in runs["runs"]}
+    assert got == {(a, m, s) for a in ("gdn", "kda") for m in ("fp32", "leapquant") for s in ((1, 8), (2, 4), (8, 1))}
+    for r in runs["runs"]:
+        if r["method"] == "fp32":
+            assert r["to_unsharded"] < 1e-5, r
+        else:
+            # the quantized state is as far from fp32 sharded as unsharded (code flips at rounding
+            # boundaries move it, but never by more than the quantization error itself)
+            assert 0 < r["unsharded_to_fp32"] and r["to_fp32"] < 1.5 * r["unsharded_to_fp32"], r
+            assert r["to_unsharded"] < 1.5 * r["unsharded_to_fp32"], r
+        if "same_tokens" in r:
+            assert r["same_tokens"], r
+
+
+def test_every_state_leaf_is_split_by_head_and_batch(runs):
+    for r in runs["runs"]:
+        if "state_shards" not in r:
+            continue
+        for shape, shard in r["state_shards"]:     # 2 x 4 mesh: batch 8 -> 4, heads 8 -> 2
+            want = [shape[0] // 2] + ([shape[1] // 4] if len(shape) > 1 else []) + shape[2:]
+            assert shard == want, (r["arch"], r["method"], shape, shard)
+    assert "a batch of 3 sequences does not split over the mesh's data axis of 2" in runs["batch_error"]
+
+
+def test_bad_meshes_are_refused_by_name():
+    import numpy as np
+
+    from models.sharding import make_mesh, shard_batch
+
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh(4, 4, devices=[object()] * 8)
+    with pytest.raises(ValueError, match="mesh axis model must be a positive integer"):
+        make_mesh(1, 0)
+    mesh = make_mesh(1, 1)
+    assert shard_batch(np.zeros((3, 2), np.int32), mesh).shape == (3, 2)
