@@ -22,8 +22,9 @@ Cache
     ``"pos": [B] int32``, the number of tokens each sequence has consumed, which is also the
     position of its next token. Linear-attention layers keep their recurrent state in the
     format of the state method ``M`` (``leapquant_jax.make_method(...)``: ``init``,
-    ``prefill``, ``step``, ``to_dense``) plus their short-convolution tails; attention layers
-    keep a KV cache of ``L`` positions.
+    ``prefill``, ``step``, ``to_dense``, and ``for_layer(i)``, the method layer ``i`` uses, which
+    ``run_decoder_stack`` applies) plus their short-convolution tails; attention layers keep a
+    KV cache of ``L`` positions.
 
 Forward
     ``forward(params, config, ids, cache, *, method, mode, lengths=None, active=None,

@@ -7,8 +7,9 @@ placed on it, and the cache held to its layout inside the compiled decode loop.
   projections into heads or channels (``q``, ``k``, ``v``, ``qkv``, ``z``, ``a``, ``b``, ``gate``,
   ``up``, the KDA gates' up-projections, the short convolutions, the per-head decay parameters,
   the LM head over the vocabulary) are split along their output axis; the projections back to the
-  hidden size (``o``, ``out``, ``down``) along their input axis; norms, low-rank
-  down-projections and the embedding are replicated. A leaf whose axis does not divide by the
+  hidden size (``o``, ``out``, ``down``) along their input axis; routed experts (``[E, ...]``
+  under ``moe``) along the expert axis; norms, routers, low-rank down-projections and the
+  embedding are replicated. A leaf whose axis does not divide by the
   model axis stays replicated (the partitioner keeps every placement exact; this one decides
   where the communication goes).
 * ``cache_specs(cache, mesh)``: every leaf split over ``data`` along the batch; the recurrent
@@ -36,9 +37,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 AXES = ("data", "model")
 # Leaf names split along their output axis (0) and along their input axis (1); the rest replicate.
 COLUMN_PARALLEL = frozenset({"q", "k", "v", "qkv", "z", "a", "b", "gate", "up", "f_b", "g_b", "g_b_bias", "kv_b",
-                             "conv", "q_conv", "k_conv", "v_conv", "a_log", "dt_bias", "lm_head", "experts_gate",
-                             "experts_up"})
-ROW_PARALLEL = frozenset({"o", "out", "down", "experts_down"})
+                             "conv", "q_conv", "k_conv", "v_conv", "a_log", "dt_bias", "lm_head"})
+ROW_PARALLEL = frozenset({"o", "out", "down"})
 
 
 def make_mesh(data: int, model: int, devices: Optional[list] = None) -> Mesh:
@@ -57,7 +57,10 @@ def _split(shape: tuple, axis: int, size: int) -> bool:
     return len(shape) > axis and shape[axis] % size == 0
 
 
-def _param_spec(name: str, shape: tuple, model: int) -> P:
+def _param_spec(keys: list, shape: tuple, model: int) -> P:
+    name = keys[-1]
+    if "moe" in keys and len(shape) == 3:                     # routed experts [E, ...]: experts over model
+        return P("model") if _split(shape, 0, model) else P()
     if name in COLUMN_PARALLEL and _split(shape, 0, model):
         return P("model")
     if name in ROW_PARALLEL and _split(shape, 1, model):
@@ -70,8 +73,8 @@ def param_specs(params: Any, mesh: Mesh) -> Any:
     model = mesh.shape["model"]
 
     def spec(path, x):
-        name = getattr(path[-1], "key", getattr(path[-1], "name", None))
-        return _param_spec(str(name), tuple(np.shape(x)), model)
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        return _param_spec(keys, tuple(np.shape(x)), model)
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

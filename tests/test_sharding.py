@@ -119,3 +119,26 @@ def test_bad_meshes_are_refused_by_name():
         make_mesh(1, 0)
     mesh = make_mesh(1, 1)
     assert shard_batch(np.zeros((3, 2), np.int32), mesh).shape == (3, 2)
+
+
+def test_parameter_placement_by_name():
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from models.sharding import param_specs
+
+    class FakeMesh:                      # param_specs reads only the axis sizes
+        shape = {"data": 2, "model": 4}
+
+    params = {"embed": np.zeros((64, 32)), "lm_head": np.zeros((64, 32)), "final_norm": np.zeros(32),
+              "layers": [{"attn": {"q": np.zeros((64, 32)), "o": np.zeros((32, 64)), "q_norm": np.zeros(16),
+                                   "k": np.zeros((6, 32))},
+                          "moe": {"router": np.zeros((8, 32)), "gate": np.zeros((8, 16, 32)),
+                                  "down": np.zeros((8, 32, 16)), "shared": {"down": np.zeros((32, 48))}}}]}
+    specs = param_specs(params, FakeMesh())
+    layer = specs["layers"][0]
+    assert (specs["embed"], specs["lm_head"], specs["final_norm"]) == (P(), P("model"), P())
+    assert (layer["attn"]["q"], layer["attn"]["o"], layer["attn"]["q_norm"]) == (P("model"), P(None, "model"), P())
+    assert layer["attn"]["k"] == P()                 # 6 rows do not split 4 ways: replicated
+    assert (layer["moe"]["router"], layer["moe"]["gate"], layer["moe"]["down"]) == (P(), P("model"), P("model"))
+    assert layer["moe"]["shared"]["down"] == P(None, "model")

@@ -195,6 +195,10 @@ class TrainingRecurrence:
         if self.chunk < 1 or self.chunk & (self.chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {self.chunk}")
 
+    def for_layer(self, layer: int) -> "TrainingRecurrence":
+        """The same recurrence in every layer."""
+        return self
+
     def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False):
         return None
 
