@@ -538,7 +538,7 @@ def markdown(results: dict) -> str:
            "element (B/el) are measured on the method's state pytree for the checkpoint's heads "
            "(windowed: window-boundary checkpoint / live stream with its window buffer).", ""]
     if results.get("runs"):
-        out += ["Merged from these runs (each row from the last run that finished it; `rows_from_run` in the "
+        out += ["Merged from these runs (each row from the last run that finished it, else the last run's status; `rows_from_run` in the "
                 "JSON says which):", ""]
         out += [f"{i}. `{r['file']}`: {r['date']}, commit {r['commit']}, `{r['command']}`"
                 for i, r in enumerate(results["runs"])] + [""]
@@ -709,7 +709,7 @@ def merge_reports(paths: list, base: str) -> dict:
         records, source = {}, {}
         for i, ck in mine:
             for label, rec in ck["jobs"].items():
-                if "result" in rec or label not in records:
+                if "result" in rec or "result" not in records.get(label, {}):
                     records[label], source[label] = rec, i
         outliers = next((ck.get("outliers") for _, ck in reversed(mine) if ck.get("outliers")), None)
         tables = build_tables(records, labels)
