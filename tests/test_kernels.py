@@ -392,7 +392,7 @@ def test_the_kernels_package_imports_one_way():
                     deps.add(node.module.split(".", 1)[1] if "." in node.module else "__init__")
         graph[path.stem] = deps & {p.stem for p in folder.glob("*.py")}
     assert not any("api" in deps for name, deps in graph.items() if name != "__init__"), graph
-    seen, done = set(), set()
+    done = set()
 
     def visit(name, trail):
         assert name not in trail, f"import cycle: {' -> '.join(trail + [name])}"
