@@ -1,4 +1,5 @@
-"""Chooses between the Pallas kernels and the pure-JAX reference for the LeapQuant step and flush.
+"""Chooses between the Pallas kernels and the pure-JAX reference for the LeapQuant step and flush,
+and for the per-step ``fp32``/``bf16`` methods' dense step.
 
 ``LeapQuantConfig.impl`` decides: ``"reference"`` always runs ``windowed``'s reference;
 ``"pallas"`` runs the kernels and fails with the kernels' reason where they cannot run
@@ -41,6 +42,38 @@ def resolve_impl(config: LeapQuantConfig, state: LeapQuantState) -> str:
     if api is None and on_gpu:
         raise RuntimeError(f"impl='auto' on a GPU, but {why}; fix the installation or pass impl='reference'")
     return "pallas" if why is None and on_gpu else "reference"
+
+
+def resolve_dense_impl(impl: str, values: jax.Array, token: Token) -> str:
+    """``"pallas"`` or ``"reference"`` for a per-step dense state ``values [B, H, dk, dv]`` (fp32 or
+    bf16), by the same rule as ``resolve_impl``."""
+    if impl not in ("auto", "reference", "pallas"):
+        raise ValueError(f"impl must be 'auto', 'reference' or 'pallas', got {impl!r}")
+    if impl == "reference":
+        return "reference"
+    api, why = _kernels()
+    if why is None:
+        why = api.dense_unsupported_reason(values, token)
+    if impl == "pallas":
+        if why is not None:
+            raise ValueError(f"impl='pallas' cannot run here: {why}")
+        return "pallas"
+    on_gpu = jax.default_backend() == "gpu"
+    if api is None and on_gpu:
+        raise RuntimeError(f"impl='auto' on a GPU, but {why}; fix the installation or pass impl='reference'")
+    return "pallas" if why is None and on_gpu else "reference"
+
+
+def dense_step(impl: str, values: jax.Array, token: Token) -> tuple[jax.Array, jax.Array]:
+    """One per-step dense update ``(o [B, H, dv] fp32, new values in values.dtype)``: the new state is
+    computed in fp32 and rounded to nearest even once; ``o`` is read from the unrounded state."""
+    if resolve_dense_impl(impl, values, token) == "pallas":
+        api, _ = _kernels()
+        return api.dense_step(values, token)
+    from .recurrence import recurrent_step_general
+
+    o, new = recurrent_step_general(values.astype(jnp.float32), token)
+    return o, new.astype(values.dtype)
 
 
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token):

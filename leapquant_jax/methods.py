@@ -24,20 +24,22 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from . import windowed
+from . import dispatch, windowed
 from .damp import DampCalibration, DampMethod
 from .feedback import METHODS as STATEFUL_PER_STEP
 from .formats import STATE_FORMAT_NAMES, get_state_format
-from .quantizers import QTensor
+from .quantizers import FloatTensor, QTensor
 from .recurrence import Token, recurrent_step_general
 from .runner import Runner, check_dense, check_dims, check_token
-from .state import LeapQuantConfig, LeapQuantState
+from .state import IMPLS, LeapQuantConfig, LeapQuantState
 
 Array = jax.Array
 
 # Every per-step format: the base ones first (their names and meanings fixed since the start).
 PER_STEP_METHODS = STATE_FORMAT_NAMES
 WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant")
+# Per-step formats whose step may run on the Pallas dense-step kernel (``PerStepMethod.impl``).
+DENSE_KERNEL_FORMATS = ("fp32", "bf16")
 # Per-step methods whose state carries more than the rounded values (error feedback, stochastic
 # rounding), then DAMP (calibrated per layer).
 METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS
@@ -48,10 +50,16 @@ class PerStepMethod(Runner):
     """Per-step baseline (eq. 2): the state lives in ``format`` and is re-quantized after every token."""
 
     format_name: str = "fp32"
+    # fp32 and bf16 states: the dense step on the Pallas kernel or the reference (dispatch's rule)
+    impl: str = "auto"
 
     def __post_init__(self):
         if self.format_name not in PER_STEP_METHODS:
             raise ValueError(f"per-step formats are {PER_STEP_METHODS}, got {self.format_name!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.impl == "pallas" and self.format_name not in DENSE_KERNEL_FORMATS:
+            raise ValueError(f"impl='pallas' runs the fp32 and bf16 states only, not {self.format_name!r}")
 
     @property
     def name(self) -> str:
@@ -77,9 +85,13 @@ class PerStepMethod(Runner):
     def step_token(self, state: QTensor, token: Token, *, active: Optional[Array] = None):
         """General-form step: dequantize, dense fp32 update, re-quantize. Returns ``(o, state)``."""
         check_token(state.shape, token, active)
-        fmt = get_state_format(self.format_name)
-        o, dense = recurrent_step_general(fmt.dequantize(state), token)
-        new = fmt.quantize(dense)
+        if self.format_name in DENSE_KERNEL_FORMATS:
+            o, values = dispatch.dense_step(self.impl, state.values, token)
+            new = FloatTensor(values=values)
+        else:
+            fmt = get_state_format(self.format_name)
+            o, dense = recurrent_step_general(fmt.dequantize(state), token)
+            new = fmt.quantize(dense)
         if active is not None:
             new = windowed.select_batch(active, new, state)
         return o, new
@@ -169,7 +181,8 @@ def make_method(
     name: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8`` (per step), ``bf16-w``, ``int8-w``
     or ``leapquant``. The options (``bits``, ``window``, ``rank``, ``compensators``,
     ``smoothing`` and any other ``LeapQuantConfig`` field) apply to windowed methods; ``None``
-    keeps the default. Giving one to a per-step method is an error. ``calibration`` (a
+    keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``auto``,
+    ``reference``, ``pallas``: the dense-step kernel) on ``fp32`` and ``bf16``. ``calibration`` (a
     ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option.
     """
     if name == "damp":
@@ -184,6 +197,8 @@ def make_method(
         raise ValueError(f"only method 'damp' takes a calibration, not {name!r}")
     opts = dict(bits=bits, window=window, rank=rank, compensators=compensators, smoothing=smoothing, **config_options)
     given = {k: v for k, v in opts.items() if v is not None}
+    if name in DENSE_KERNEL_FORMATS and set(given) == {"impl"}:
+        return PerStepMethod(name, impl=given["impl"])
     if name in PER_STEP_METHODS or name in STATEFUL_PER_STEP:
         if given:
             raise ValueError(f"method {name!r} is per-step and takes no options, got {sorted(given)}")
@@ -208,4 +223,4 @@ def make_method(
     return WindowedMethod(LeapQuantConfig(**{**base, **given}), label=name)
 
 
-__all__ = ["METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod", "WINDOWED_METHODS", "WindowedMethod", "make_method"]
+__all__ = ["DENSE_KERNEL_FORMATS", "METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod", "WINDOWED_METHODS", "WindowedMethod", "make_method"]

@@ -23,12 +23,14 @@ import jax
 import numpy as np
 
 from leapquant_jax.damp import DampCalibrationError, DampMethod, calibrate
+from models.base import layer_caches, runtime_free_repr
 
 
 def model_fingerprint(config, params) -> str:
-    """sha256 of the model's configuration and of a few of its weights (the first embedding rows
-    and the final norm): a calibration made on other weights of the same shape is told apart."""
-    h = hashlib.sha256(repr(config).encode())
+    """sha256 of the model's configuration (without how it runs: ``models.base.RUNTIME_FIELDS``)
+    and of a few of its weights (the first embedding rows and the final norm): a calibration made
+    on other weights of the same shape is told apart."""
+    h = hashlib.sha256(runtime_free_repr(config).encode())
     for x in (params["embed"][:8], params["final_norm"]):
         h.update(np.ascontiguousarray(np.asarray(x, np.float32)).tobytes())
     return h.hexdigest()
@@ -40,7 +42,7 @@ def linear_state_layout(arch, config) -> tuple[tuple, int, int, int]:
 
     cache = jax.eval_shape(lambda: arch.init_cache(config, batch=1, max_len=1, method=make_method("fp32")))
     layers, shape = [], None
-    for i, c in enumerate(cache["layers"]):
+    for i, c in enumerate(layer_caches(cache, config)):
         if "state" in c:
             layers.append(i)
             shape = c["state"].shape

@@ -158,10 +158,11 @@ def stream_memory(arch, config, methods: dict) -> dict:
     from leapquant_jax.methods import make_method
     from leapquant_jax.quantizers import tree_bytes
     from leapquant_jax.state import LeapQuantState
+    from models.base import layer_caches
 
     def states(method):
         cache = jax.eval_shape(lambda: arch.init_cache(config, batch=1, max_len=1, method=method))
-        found = [layer["state"] for layer in cache["layers"] if isinstance(layer, dict) and "state" in layer]
+        found = [layer["state"] for layer in layer_caches(cache, config) if isinstance(layer, dict) and "state" in layer]
         if not found:
             raise ValueError(f"the {config.model_type} cache holds no recurrent state")
         return found

@@ -80,8 +80,8 @@ def _qwen_to_hf(config, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
         else:
             moe = lp["moe"]
             out[m + "gate.weight"] = _np(moe["router"])
-            for n in ("gate", "up", "down"):
-                stacked = _np(moe[n])  # [E, out, in], torch layout kept by the converter
+            for n, ours in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                stacked = np.swapaxes(_np(moe[ours]), 1, 2)  # our [E, in, out] -> torch [E, out, in]
                 for j in range(config.num_experts):
                     out[f"{m}experts.{j}.{n}_proj.weight"] = stacked[j]
             if "shared" in moe:

@@ -36,8 +36,10 @@ MLA (``mla_use_nope`` = true in the released configs: no RoPE anywhere):
   ``rope_interleave`` is false) rotates ``q_rope`` and ``k_rot``; the port never applies RoPE,
   so that path is not checked against a reference.
 
-The forward pass computes in fp32 (weights keep their stored dtype). See ``models/base.py``
-for the contract; the recurrent state's format is the decode loop's ``method``.
+Matmuls run as ``config.compute`` says (``models/layers.py``: exact fp32, or bf16 operands with
+fp32 accumulation and a bf16 latent cache); everything else in fp32 (weights keep their stored
+dtype). See ``models/base.py`` for the contract; the recurrent state's format is the decode
+loop's ``method``.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers as L
-from models.base import FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, check_shapes, run_decoder_stack
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, LayerParts, check_shapes,
+                         finish_cache, run_decoder_stack)
 from models.kimi_layers import kda_log_decay, kda_lower_bound_log_decay, route_sigmoid_grouped
+from models.moe import routed_experts
 
 Array = jax.Array
 F32 = jnp.float32
@@ -106,6 +110,9 @@ class KimiLinearConfig:
     router_activation: str
     tie_word_embeddings: bool
     kv_a_norm_eps: float = KV_A_NORM_EPS
+    # how the model runs, not what it is (models.base.RUNTIME_FIELDS)
+    compute: str = L.EXACT
+    scan_layers: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -477,18 +484,18 @@ def kda_inputs(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, *, lengths
     h, d = cfg.kda_num_heads, cfg.kda_head_dim
     feats, tails = {}, {}
     for n in ("q", "k", "v"):
-        y, tails[f"{n}_conv"] = L.causal_conv1d(L.linear(x, p[n]), p[f"{n}_conv"], tail=cache[f"{n}_conv"],
+        y, tails[f"{n}_conv"] = L.causal_conv1d(L.linear(x, p[n], compute=cfg.compute), p[f"{n}_conv"], tail=cache[f"{n}_conv"],
                                                 lengths=lengths)
         feats[n] = jax.nn.silu(y).reshape(bsz, t, h, d)
     q = L.l2norm(feats["q"]) * d**-0.5
     k = L.l2norm(feats["k"])
-    f = L.linear(L.linear(x, p["f_a"]), p["f_b"]).reshape(bsz, t, h, d)
+    f = L.linear(L.linear(x, p["f_a"], compute=cfg.compute), p["f_b"], compute=cfg.compute).reshape(bsz, t, h, d)
     dt_bias = p["dt_bias"].reshape(h, d)
     if cfg.gate_lower_bound is None:
         g = kda_log_decay(f, a_log=p["a_log"], dt_bias=dt_bias)
     else:
         g = kda_lower_bound_log_decay(f, a_log=p["a_log"], dt_bias=dt_bias, lower_bound=cfg.gate_lower_bound)
-    beta = L.write_strength(L.linear(x, p["b"]))
+    beta = L.write_strength(L.linear(x, p["b"], compute=cfg.compute))
     return q, k, feats["v"], g, beta, tails
 
 
@@ -496,9 +503,9 @@ def kda_output(p: dict, o: Array, x: Array, cfg: KimiLinearConfig) -> Array:
     """Sigmoid-gated RMSNorm per head with gate ``g_b(g_a(x))``, then ``o_proj``.
     o ``[B, T, H, d]``, x ``[B, T, D]`` -> ``[B, T, D]``."""
     bsz, t = x.shape[:2]
-    gate = L.linear(L.linear(x, p["g_a"]), p["g_b"], p["g_b_bias"]).reshape(bsz, t, cfg.kda_num_heads, cfg.kda_head_dim)
+    gate = L.linear(L.linear(x, p["g_a"], compute=cfg.compute), p["g_b"], p["g_b_bias"], compute=cfg.compute).reshape(bsz, t, cfg.kda_num_heads, cfg.kda_head_dim)
     y = L.gated_rms_norm_sigmoid(o, gate, p["o_norm"], eps=cfg.rms_norm_eps)
-    return L.linear(y.reshape(bsz, t, cfg.kda_dim), p["o"])
+    return L.linear(y.reshape(bsz, t, cfg.kda_dim), p["o"], compute=cfg.compute)
 
 
 def kda_layer(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, *, method, mode: str,
@@ -541,12 +548,12 @@ def mla_inputs(p: dict, x: Array, cfg: KimiLinearConfig, positions: Array):
     bsz, t, _ = x.shape
     h, dn, dr, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
-        q = L.linear(x, p["q"])
+        q = L.linear(x, p["q"], compute=cfg.compute)
     else:
-        q = L.linear(L.rms_norm(L.linear(x, p["q_a"], p.get("q_a_bias")), p["q_a_norm"], eps=cfg.rms_norm_eps), p["q_b"])
+        q = L.linear(L.rms_norm(L.linear(x, p["q_a"], p.get("q_a_bias"), compute=cfg.compute), p["q_a_norm"], eps=cfg.rms_norm_eps), p["q_b"], compute=cfg.compute)
     q = q.reshape(bsz, t, h, dn + dr)
     q_nope, q_rot = q[..., :dn], q[..., dn:]
-    ckv = L.linear(x, p["kv_a"], p.get("kv_a_bias"))
+    ckv = L.linear(x, p["kv_a"], p.get("kv_a_bias"), compute=cfg.compute)
     c = L.rms_norm(ckv[..., :r], p["kv_a_norm"], eps=cfg.kv_a_norm_eps)
     k_rot = ckv[..., r:]
     if not cfg.mla_use_nope:
@@ -572,17 +579,17 @@ def mla_layer(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, *, position
     if mode == "prefill":
         cc = jax.lax.dynamic_update_slice(cache["c"], c.astype(cache["c"].dtype), (0, 0, 0))
         kr = jax.lax.dynamic_update_slice(cache["k_rot"], k_rot.astype(cache["k_rot"].dtype), (0, 0, 0))
-        k_nope = jnp.einsum("bsr,hnr->bshn", c, w_uk, precision=L.PRECISION)
-        v = jnp.einsum("bsr,hvr->bshv", c, w_uv, precision=L.PRECISION)
+        k_nope = L.einsum("bsr,hnr->bshn", c, w_uk, compute=cfg.compute)
+        v = L.einsum("bsr,hvr->bshv", c, w_uv, compute=cfg.compute)
         keys = jnp.arange(t)
 
         def attend(xs, positions):  # a block of queries at `positions` [blk]
             qn, qr = xs
-            scores = (jnp.einsum("bthn,bshn->bhts", qn, k_nope, precision=L.PRECISION)
-                      + jnp.einsum("bthd,bsd->bhts", qr, k_rot, precision=L.PRECISION)) * scale
+            scores = (L.einsum("bthn,bshn->bhts", qn, k_nope, compute=cfg.compute)
+                      + L.einsum("bthd,bsd->bhts", qr, k_rot, compute=cfg.compute)) * scale
             # right padding: a valid query only sees earlier tokens of its own row, all valid
             scores = jnp.where((positions[:, None] >= keys[None, :])[None, None], scores, -jnp.inf)
-            return jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(scores, axis=-1), v, precision=L.PRECISION)
+            return L.einsum("bhts,bshv->bthv", jax.nn.softmax(scores, axis=-1), v, compute=cfg.compute)
 
         out = L.query_blocks(attend, (q_nope, q_rot))
     else:
@@ -592,42 +599,17 @@ def mla_layer(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, *, position
         if active is not None:
             cc = jnp.where(active[:, None, None], cc, cache["c"])
             kr = jnp.where(active[:, None, None], kr, cache["k_rot"])
-        q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk, precision=L.PRECISION)
-        scores = (jnp.einsum("bthr,bsr->bhts", q_lat, cc.astype(F32), precision=L.PRECISION)
-                  + jnp.einsum("bthd,bsd->bhts", q_rot, kr.astype(F32), precision=L.PRECISION)) * scale
+        q_lat = L.einsum("bthn,hnr->bthr", q_nope, w_uk, compute=cfg.compute)
+        scores = (L.einsum("bthr,bsr->bhts", q_lat, cc, compute=cfg.compute)
+                  + L.einsum("bthd,bsd->bhts", q_rot, kr, compute=cfg.compute)) * scale
         valid = jnp.arange(cc.shape[1])[None, :] <= pos[:, None]  # [B, L]
         scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
-        ctx = jnp.einsum("bhts,bsr->bthr", jax.nn.softmax(scores, axis=-1), cc.astype(F32), precision=L.PRECISION)
-        out = jnp.einsum("bthr,hvr->bthv", ctx, w_uv, precision=L.PRECISION)
-    return L.linear(out.reshape(bsz, t, h * dv), p["o"], p.get("o_bias")), {"c": cc, "k_rot": kr}
+        ctx = L.einsum("bhts,bsr->bthr", jax.nn.softmax(scores, axis=-1), cc, compute=cfg.compute)
+        out = L.einsum("bthr,hvr->bthv", ctx, w_uv, compute=cfg.compute)
+    return L.linear(out.reshape(bsz, t, h * dv), p["o"], p.get("o_bias"), compute=cfg.compute), {"c": cc, "k_rot": kr}
 
 
 # ============================================================================= MoE
-
-
-def routed_experts(x: Array, weights: Array, idx: Array, *, w1: Array, w3: Array, w2: Array) -> Array:
-    """``sum_j weights[n, j] * expert_{idx[n, j]}(x[n])`` for SwiGLU experts.
-
-    x ``[N, D]``; weights, idx ``[N, k]``; w1, w3 ``[E, D, I]``; w2 ``[E, I, D]``. Few tokens
-    (decode) gather their chosen experts' weights; many tokens sort the (token, expert) pairs
-    by expert and run one ``lax.ragged_dot`` per projection, touching each weight once.
-    """
-    n, k = idx.shape
-    e = w1.shape[0]
-    if n * k < e:
-        g1, g3, g2 = (w[idx].astype(F32) for w in (w1, w3, w2))  # [N, k, ...]
-        hid = jax.nn.silu(jnp.einsum("nd,nkdi->nki", x, g1, precision=L.PRECISION)) * jnp.einsum(
-            "nd,nkdi->nki", x, g3, precision=L.PRECISION)
-        return jnp.einsum("nki,nkid,nk->nd", hid, g2, weights, precision=L.PRECISION)
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    xs = x[token]  # [N*k, D], grouped by expert
-    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(F32), sizes, precision=L.PRECISION)  # noqa: E731
-    hid = jax.nn.silu(dot(xs, w1)) * dot(xs, w3)
-    ys = dot(hid, w2) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x).at[token].add(ys)
 
 
 def moe_mlp(p: dict, x: Array, cfg: KimiLinearConfig) -> Array:
@@ -636,37 +618,23 @@ def moe_mlp(p: dict, x: Array, cfg: KimiLinearConfig) -> Array:
     shape = x.shape
     xf = x.reshape(-1, shape[-1]).astype(F32)
     weights, idx = route_sigmoid_grouped(
-        L.linear(xf, p["router"]), correction_bias=p["e_bias"], top_k=cfg.num_experts_per_tok,
+        L.linear(xf, p["router"], compute=cfg.compute), correction_bias=p["e_bias"], top_k=cfg.num_experts_per_tok,
         num_groups=cfg.num_expert_group, top_k_groups=cfg.topk_group, normalize=cfg.norm_topk_prob,
         scaling=cfg.routed_scaling_factor, activation=cfg.router_activation)
-    out = routed_experts(xf, weights, idx, w1=p["w1"], w3=p["w3"], w2=p["w2"])
+    out = routed_experts(xf, weights, idx, w1=p["w1"], w3=p["w3"], w2=p["w2"], compute=cfg.compute)
     if "shared" in p:
-        out = out + L.swiglu_mlp(xf, **p["shared"])
+        out = out + L.swiglu_mlp(xf, **p["shared"], compute=cfg.compute)
     return out.reshape(shape)
 
 
 # ============================================================================= model
 
 
-def decoder_layer(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, i: int, *, method, mode: str,
-                  positions: Array, lengths: Optional[Array], active: Optional[Array]) -> tuple[Array, dict, dict]:
-    """One pre-norm residual block. Returns ``(x [B, T, D], new_cache, trace or {})``."""
-    h = L.rms_norm(x, p["input_norm"], eps=cfg.rms_norm_eps)
-    trace = {}
-    if cfg.layer_types[i] == LINEAR_ATTENTION:
-        h, cache, trace = kda_layer(p["kda"], h, cache, cfg, method=method, mode=mode, lengths=lengths, active=active)
-    else:
-        h, cache = mla_layer(p["mla"], h, cache, cfg, positions=positions, mode=mode, active=active)
-    x = x + h
-    h = L.rms_norm(x, p["post_norm"], eps=cfg.rms_norm_eps)
-    h = L.swiglu_mlp(h, **p["mlp"]) if cfg.mlp_types[i] == DENSE else moe_mlp(p["moe"], h, cfg)
-    return x + h, cache, trace
-
-
 def init_cache(config: KimiLinearConfig, *, batch: int, max_len: int, method) -> dict:
     """Empty cache: ``pos [B]`` int32 and per layer either ``{"q_conv", "k_conv", "v_conv":
     [B, Kc-1, P], "state": method.init(B, H, d, d, per_channel_decay=True)}`` (KDA) or
-    ``{"c": [B, max_len, kv_lora_rank], "k_rot": [B, max_len, qk_rope_head_dim]}`` (MLA)."""
+    ``{"c": [B, max_len, kv_lora_rank], "k_rot": [B, max_len, qk_rope_head_dim]}`` (MLA, in
+    ``layers.kv_dtype(config.compute)``); the layers stacked as ``models.base.finish_cache`` says."""
     layer_caches = []
     for kind in config.layer_types:
         if kind == LINEAR_ATTENTION:
@@ -677,11 +645,17 @@ def init_cache(config: KimiLinearConfig, *, batch: int, max_len: int, method) ->
                                      per_channel_decay=True),
             })
         else:
+            kv = L.kv_dtype(config.compute)
             layer_caches.append({
-                "c": jnp.zeros((batch, max_len, config.kv_lora_rank), F32),
-                "k_rot": jnp.zeros((batch, max_len, config.qk_rope_head_dim), F32),
+                "c": jnp.zeros((batch, max_len, config.kv_lora_rank), kv),
+                "k_rot": jnp.zeros((batch, max_len, config.qk_rope_head_dim), kv),
             })
-    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": tuple(layer_caches)}
+    return finish_cache(config, layer_caches, batch=batch)
+
+
+# The shared residual block's architecture-specific pieces (``models.base.decoder_layer``).
+PARTS = LayerParts(norm=L.rms_norm, linear_key="kda", linear_mixer=kda_layer, attention_key="mla",
+                   attention_mixer=mla_layer, moe_mlp=moe_mlp)
 
 
 def forward(params: dict, config, ids: Array, cache: dict, *, method, mode: str,
@@ -689,8 +663,8 @@ def forward(params: dict, config, ids: Array, cache: dict, *, method, mode: str,
             record: bool = False) -> tuple[Array, dict, dict]:
     """The whole model (contract in ``models/base.py``). ids ``[B, T]`` int32 ->
     ``(logits [B, T, vocab] f32, cache, traces)``."""
-    return run_decoder_stack(params, config, ids, cache, decoder_layer=decoder_layer, final_norm=L.rms_norm,
-                             method=method, mode=mode, lengths=lengths, active=active, record=record)
+    return run_decoder_stack(params, config, ids, cache, parts=PARTS, method=method, mode=mode, lengths=lengths,
+                             active=active, record=record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -714,7 +688,7 @@ __all__ = [
     "KimiLinearConfig",
     "config_from_hf",
     "convert",
-    "decoder_layer",
+    "PARTS",
     "forward",
     "init_cache",
     "kda_inputs",
@@ -724,5 +698,4 @@ __all__ = [
     "mla_layer",
     "moe_mlp",
     "param_specs",
-    "routed_experts",
 ]

@@ -1,8 +1,16 @@
 """Small pieces the hybrid models share, each matched to the checkpoint's own code.
 
-All functions compute in float32 whatever the dtype of their weights (bf16 checkpoints stay
-bf16 in memory and are upcast where they are used). Shapes: ``B`` batch, ``T`` tokens,
-``H`` heads, ``D`` hidden size.
+Element-wise work (norms, gates, softmax, RoPE) is float32 whatever the dtype of the weights
+(bf16 checkpoints stay bf16 in memory). Matmuls follow the model's ``compute`` setting:
+
+* ``"exact"``: fp32 operands at ``Precision.HIGHEST``. A TF32 or bf16-pass matmul on the GPU
+  would add an error of its own to the state-format comparisons (``score``, ``eval``), where
+  only the recurrent state may differ.
+* ``"fast"``: bf16 operands with fp32 accumulation, what serving engines run (``generate``,
+  ``bench.decode``); attention KV caches are then held in bf16. The recurrence and its state
+  stay in fp32 or the state method's format either way.
+
+Shapes: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` hidden size.
 """
 
 from __future__ import annotations
@@ -15,24 +23,46 @@ import jax.numpy as jnp
 
 Array = jax.Array
 F32 = jnp.float32
-# Model matmuls run at full fp32 precision: a TF32 or bf16-pass matmul on the GPU would add
-# an error of its own to the state-format comparisons the models exist for.
-PRECISION = jax.lax.Precision.HIGHEST
+EXACT, FAST = "exact", "fast"
+COMPUTE_MODES = (EXACT, FAST)
 L2NORM_EPS = 1e-6
+
+
+def kv_dtype(compute: str):
+    """The dtype attention caches are held in: fp32 (``exact``) or bf16 (``fast``)."""
+    return F32 if compute == EXACT else jnp.bfloat16
 
 
 # ----------------------------------------------------------------------------- projections
 
 
-def linear(x: Array, weight: Array, bias: Optional[Array] = None) -> Array:
+def fast_operands(*xs: Array) -> tuple[Array, ...]:
+    """Operands of a ``fast`` matmul: rounded to bf16; on the CPU, whose XLA dot has no bf16 x bf16
+    -> fp32 form for every shape, widened back to fp32 (a product of two bf16 values is exact in
+    fp32, so the result is the same bf16-operand, fp32-accumulated matmul)."""
+    xs = tuple(x.astype(jnp.bfloat16) for x in xs)
+    return tuple(x.astype(F32) for x in xs) if jax.default_backend() == "cpu" else xs
+
+
+def einsum(spec: str, a: Array, b: Array, *, compute: str = EXACT) -> Array:
+    """``jnp.einsum(spec, a, b)`` under ``compute`` (module docstring); the result is float32."""
+    if compute == EXACT:
+        return jnp.einsum(spec, a.astype(F32), b.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    if compute != FAST:
+        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
+    return jnp.einsum(spec, *fast_operands(a, b), preferred_element_type=F32, precision=jax.lax.Precision.HIGHEST)
+
+
+def linear(x: Array, weight: Array, bias: Optional[Array] = None, *, compute: str = EXACT) -> Array:
     """``x @ weight.T (+ bias)`` with a torch-layout weight ``[out, in]``: ``[..., in] -> [..., out]``."""
-    y = jnp.einsum("...i,oi->...o", x.astype(F32), weight.astype(F32), precision=PRECISION)
+    y = einsum("...i,oi->...o", x, weight, compute=compute)
     return y if bias is None else y + bias.astype(F32)
 
 
-def swiglu_mlp(x: Array, *, gate: Array, up: Array, down: Array) -> Array:
+def swiglu_mlp(x: Array, *, gate: Array, up: Array, down: Array, compute: str = EXACT) -> Array:
     """``down(silu(gate x) * up x)``: the Qwen/Llama MLP. ``[..., D] -> [..., D]``."""
-    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+    hid = jax.nn.silu(linear(x, gate, compute=compute)) * linear(x, up, compute=compute)
+    return linear(hid, down, compute=compute)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -180,7 +210,8 @@ def query_blocks(fn, xs: tuple, *, block: int = ATTENTION_QUERY_BLOCK) -> Array:
     return out.reshape((out.shape[0], n * block) + out.shape[3:])[:, :t]
 
 
-def causal_attention(q: Array, k: Array, v: Array, *, scale: float, block: int = ATTENTION_QUERY_BLOCK) -> Array:
+def causal_attention(q: Array, k: Array, v: Array, *, scale: float, block: int = ATTENTION_QUERY_BLOCK,
+                     compute: str = EXACT) -> Array:
     """Causal grouped attention over a prompt: query ``t`` attends to keys ``0..t``.
 
     q: ``[B, T, H, hd]``; k, v: ``[B, T, Hkv, hd]``. Returns ``[B, T, H, hd]``, computed
@@ -191,12 +222,12 @@ def causal_attention(q: Array, k: Array, v: Array, *, scale: float, block: int =
     def one(xs, positions):
         (qb,) = xs
         mask = jnp.broadcast_to(positions[:, None] >= keys[None, :], (qb.shape[0], qb.shape[1], keys.shape[0]))
-        return grouped_attention(qb, k, v, mask=mask, scale=scale)
+        return grouped_attention(qb, k, v, mask=mask, scale=scale, compute=compute)
 
     return query_blocks(one, (q,), block=block)
 
 
-def grouped_attention(q: Array, k: Array, v: Array, *, mask: Array, scale: float) -> Array:
+def grouped_attention(q: Array, k: Array, v: Array, *, mask: Array, scale: float, compute: str = EXACT) -> Array:
     """Softmax attention with grouped KV heads.
 
     q: ``[B, T, H, hd]``; k, v: ``[B, S, Hkv, hd]`` with ``H % Hkv == 0`` (query head ``h``
@@ -205,11 +236,11 @@ def grouped_attention(q: Array, k: Array, v: Array, *, mask: Array, scale: float
     """
     bsz, t, h, hd = q.shape
     hkv = k.shape[2]
-    qg = q.astype(F32).reshape(bsz, t, hkv, h // hkv, hd)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k.astype(F32), precision=PRECISION) * scale
+    qg = q.reshape(bsz, t, hkv, h // hkv, hd)
+    scores = einsum("btgrd,bsgd->bgrts", qg, k, compute=compute) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v.astype(F32), precision=PRECISION)
+    out = einsum("bgrts,bsgd->btgrd", probs, v, compute=compute)
     return out.reshape(bsz, t, h, hd)
 
 
@@ -276,11 +307,16 @@ def sample_next(logits: Array, key: Array, sampling: Sampling) -> Array:
 
 
 __all__ = [
+    "COMPUTE_MODES",
+    "EXACT",
+    "FAST",
     "L2NORM_EPS",
-    "PRECISION",
     "Sampling",
     "apply_partial_rope",
     "causal_conv1d",
+    "einsum",
+    "fast_operands",
+    "kv_dtype",
     "filter_top_k",
     "filter_top_p",
     "gated_rms_norm_sigmoid",

@@ -9,9 +9,10 @@ A decoder layer is ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` with zero-ce
 ``(1 + w)`` RMSNorms; the mixer is a GDN layer or a full-attention layer as ``layer_types``
 says, the MLP a SwiGLU or a routed mixture of SwiGLU experts with a gated shared expert.
 
-The forward pass computes in fp32 (weights may stay bf16). The recurrent state of the GDN
-layers lives in whatever format the state method of the decode loop uses; attention layers
-keep an fp32 KV cache. See ``models/base.py`` for the contract.
+Matmuls run as ``config.compute`` says (``models/layers.py``: exact fp32 or bf16 operands with
+fp32 accumulation); everything else in fp32 (weights may stay bf16). The recurrent state of
+the GDN layers lives in whatever format the state method of the decode loop uses; attention
+layers keep a KV cache in fp32 (exact) or bf16 (fast). See ``models/base.py`` for the contract.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import numpy as np
 
 from leapquant_jax.recurrence import expand_heads
 from models import layers as L
-from models.base import FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, check_shapes, run_decoder_stack
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, LayerParts, check_shapes,
+                         finish_cache, run_decoder_stack)
+from models.moe import routed_experts
 
 Array = jax.Array
 F32 = jnp.float32
@@ -70,6 +73,9 @@ class QwenHybridConfig:
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
     tie_word_embeddings: bool
+    # how the model runs, not what it is (models.base.RUNTIME_FIELDS)
+    compute: str = L.EXACT
+    scan_layers: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -370,7 +376,8 @@ def _layer_params(cfg: QwenHybridConfig, t, p: str, i: int, layout: dict) -> dic
         else:
             stack = lambda n: np.stack([t(f"{m}experts.{j}.{n}_proj.weight") for j in range(cfg.num_experts)])  # noqa: E731
             gate, up, down = stack("gate"), stack("up"), stack("down")
-        moe = {"router": t(m + "gate.weight"), "gate": gate, "up": up, "down": down}
+        io = lambda w: np.ascontiguousarray(np.swapaxes(w, 1, 2))  # noqa: E731  [E, out, in] -> [E, in, out]
+        moe = {"router": t(m + "gate.weight"), "w1": io(gate), "w3": io(up), "w2": io(down)}
         if cfg.shared_expert_intermediate_size:
             moe["shared"] = {n: t(m + f"shared_expert.{n}_proj.weight") for n in ("gate", "up", "down")}
             moe["shared_gate"] = t(m + "shared_expert_gate.weight")
@@ -390,22 +397,22 @@ def gdn_projections(p: dict, x: Array, cfg: QwenHybridConfig, *, tail: Array, le
     """
     bsz, t, _ = x.shape
     hk, dk, hv, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    mixed, new_tail = L.causal_conv1d(L.linear(x, p["qkv"]), p["conv"], tail=tail, lengths=lengths)
+    mixed, new_tail = L.causal_conv1d(L.linear(x, p["qkv"], compute=cfg.compute), p["conv"], tail=tail, lengths=lengths)
     mixed = jax.nn.silu(mixed)
     q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     q = L.l2norm(q.reshape(bsz, t, hk, dk)) * dk**-0.5
     k = L.l2norm(k.reshape(bsz, t, hk, dk))
     v = v.reshape(bsz, t, hv, dv)
-    z = L.linear(x, p["z"]).reshape(bsz, t, hv, dv)
-    beta = L.write_strength(L.linear(x, p["b"]))
-    g = L.gdn_log_decay(L.linear(x, p["a"]), a_log=p["a_log"], dt_bias=p["dt_bias"])
+    z = L.linear(x, p["z"], compute=cfg.compute).reshape(bsz, t, hv, dv)
+    beta = L.write_strength(L.linear(x, p["b"], compute=cfg.compute))
+    g = L.gdn_log_decay(L.linear(x, p["a"], compute=cfg.compute), a_log=p["a_log"], dt_bias=p["dt_bias"])
     return q, k, v, z, g, beta, new_tail
 
 
 def gdn_output(p: dict, o: Array, z: Array, cfg: QwenHybridConfig) -> Array:
     """Gated RMSNorm per head, then ``out_proj``: ``o``, ``z`` ``[B, T, Hv, dv] -> [B, T, D]``."""
     y = L.gated_rms_norm_silu(o, z, p["norm"], eps=cfg.rms_norm_eps)
-    return L.linear(y.reshape(*y.shape[:2], -1), p["out"])
+    return L.linear(y.reshape(*y.shape[:2], -1), p["out"], compute=cfg.compute)
 
 
 def gdn_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, method, mode: str,
@@ -439,12 +446,12 @@ def attention_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, po
     """
     bsz, t, _ = x.shape
     h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = L.linear(x, p["q"], p.get("q_bias")).reshape(bsz, t, h, 2 * hd)
+    qg = L.linear(x, p["q"], p.get("q_bias"), compute=cfg.compute).reshape(bsz, t, h, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, t, h * hd)
     q = L.rms_norm_zero_centred(q, p["q_norm"], eps=cfg.rms_norm_eps)
-    k = L.rms_norm_zero_centred(L.linear(x, p["k"], p.get("k_bias")).reshape(bsz, t, hkv, hd), p["k_norm"],
+    k = L.rms_norm_zero_centred(L.linear(x, p["k"], p.get("k_bias"), compute=cfg.compute).reshape(bsz, t, hkv, hd), p["k_norm"],
                                 eps=cfg.rms_norm_eps)
-    v = L.linear(x, p["v"], p.get("v_bias")).reshape(bsz, t, hkv, hd)
+    v = L.linear(x, p["v"], p.get("v_bias"), compute=cfg.compute).reshape(bsz, t, hkv, hd)
     inv_freq = L.rope_inv_freq(head_dim=hd, partial_rotary_factor=cfg.partial_rotary_factor, theta=cfg.rope_theta)
     q = L.apply_partial_rope(q, positions, inv_freq)
     k = L.apply_partial_rope(k, positions, inv_freq)
@@ -452,7 +459,7 @@ def attention_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, po
         kc = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, 0, 0))
         vc = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, 0, 0))
         # right padding: a valid query only sees earlier tokens of its own row, all valid
-        out = L.causal_attention(q, k, v, scale=hd**-0.5)
+        out = L.causal_attention(q, k, v, scale=hd**-0.5, compute=cfg.compute)
     else:
         rows, pos = jnp.arange(bsz), positions[:, 0]
         kc = cache["k"].at[rows, pos].set(k[:, 0].astype(cache["k"].dtype))
@@ -461,9 +468,9 @@ def attention_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, po
             keep = active[:, None, None, None]
             kc, vc = jnp.where(keep, kc, cache["k"]), jnp.where(keep, vc, cache["v"])
         mask = (jnp.arange(kc.shape[1])[None, :] <= pos[:, None])[:, None, :]  # [B, 1, L]
-        out = L.grouped_attention(q, kc, vc, mask=mask, scale=hd**-0.5)
+        out = L.grouped_attention(q, kc, vc, mask=mask, scale=hd**-0.5, compute=cfg.compute)
     out = out.reshape(bsz, t, h * hd) * jax.nn.sigmoid(gate)
-    return L.linear(out, p["o"], p.get("o_bias")), {"k": kc, "v": vc}
+    return L.linear(out, p["o"], p.get("o_bias"), compute=cfg.compute), {"k": kc, "v": vc}
 
 
 def route_top_k(router_logits: Array, *, top_k: int, normalize: bool) -> tuple[Array, Array]:
@@ -477,49 +484,16 @@ def route_top_k(router_logits: Array, *, top_k: int, normalize: bool) -> tuple[A
 
 
 def moe_mlp(p: dict, x: Array, cfg: QwenHybridConfig) -> Array:
-    """Routed SwiGLU experts plus a sigmoid-gated shared expert. ``[B, T, D] -> [B, T, D]``.
-
-    Few tokens (decode) gather only their chosen experts' weights; many tokens (prefill) visit
-    the experts one at a time in a ``lax.scan`` and mask by the routing weights, which reads
-    each weight once and keeps the working set at one expert's activations ``[N, I]``.
-    """
+    """Routed SwiGLU experts (``models.moe``) plus a sigmoid-gated shared expert. ``[B, T, D] -> [B, T, D]``."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1]).astype(F32)  # [N, D]
-    n, e, k = xf.shape[0], cfg.num_experts, cfg.num_experts_per_tok
-    weights, idx = route_top_k(L.linear(xf, p["router"]), top_k=k, normalize=cfg.norm_topk_prob)
-    if n * k < e:
-        wg, wu, wd = (p[name][idx].astype(F32) for name in ("gate", "up", "down"))  # [N, k, ...]
-        hid = jax.nn.silu(jnp.einsum("nd,nkid->nki", xf, wg, precision=L.PRECISION)) * jnp.einsum(
-            "nd,nkid->nki", xf, wu, precision=L.PRECISION)
-        out = jnp.einsum("nki,nkdi,nk->nd", hid, wd, weights, precision=L.PRECISION)
-    else:
-        dense_w = jnp.zeros((n, e), F32).at[jnp.arange(n)[:, None], idx].set(weights)  # [N, E]
-
-        def one_expert(acc, xs):
-            gate, up, down, w = xs
-            y = L.swiglu_mlp(xf, gate=gate, up=up, down=down)
-            return acc + w[:, None] * y, None
-
-        out, _ = jax.lax.scan(one_expert, jnp.zeros_like(xf), (p["gate"], p["up"], p["down"], dense_w.T))
+    weights, idx = route_top_k(L.linear(xf, p["router"], compute=cfg.compute), top_k=cfg.num_experts_per_tok,
+                               normalize=cfg.norm_topk_prob)
+    out = routed_experts(xf, weights, idx, w1=p["w1"], w3=p["w3"], w2=p["w2"], compute=cfg.compute)
     if "shared" in p:
-        shared = L.swiglu_mlp(xf, **p["shared"])
-        out = out + jax.nn.sigmoid(L.linear(xf, p["shared_gate"])) * shared
+        shared = L.swiglu_mlp(xf, **p["shared"], compute=cfg.compute)
+        out = out + jax.nn.sigmoid(L.linear(xf, p["shared_gate"], compute=cfg.compute)) * shared
     return out.reshape(shape)
-
-
-def decoder_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, i: int, *, method, mode: str,
-                  positions: Array, lengths: Optional[Array], active: Optional[Array]) -> tuple[Array, dict, dict]:
-    """One pre-norm residual block. Returns ``(x [B, T, D], new_cache, trace or {})``."""
-    h = L.rms_norm_zero_centred(x, p["input_norm"], eps=cfg.rms_norm_eps)
-    trace = {}
-    if cfg.layer_types[i] == LINEAR_ATTENTION:
-        h, cache, trace = gdn_layer(p["gdn"], h, cache, cfg, method=method, mode=mode, lengths=lengths, active=active)
-    else:
-        h, cache = attention_layer(p["attn"], h, cache, cfg, positions=positions, mode=mode, active=active)
-    x = x + h
-    h = L.rms_norm_zero_centred(x, p["post_norm"], eps=cfg.rms_norm_eps)
-    h = L.swiglu_mlp(h, **p["mlp"]) if cfg.mlp_types[i] == "dense" else moe_mlp(p["moe"], h, cfg)
-    return x + h, cache, trace
 
 
 # ============================================================================= model
@@ -527,7 +501,8 @@ def decoder_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, i: int,
 
 def init_cache(config: QwenHybridConfig, *, batch: int, max_len: int, method) -> dict:
     """Empty cache: ``pos [B]`` int32, and per layer either ``{"conv": [B, Kc-1, conv_dim],
-    "state": method.init(...)}`` (GDN) or ``{"k", "v": [B, max_len, Hkv, hd]}`` (attention)."""
+    "state": method.init(...)}`` (GDN) or ``{"k", "v": [B, max_len, Hkv, hd]}`` (attention, in
+    ``layers.kv_dtype(config.compute)``); the layers stacked as ``models.base.finish_cache`` says."""
     layer_caches = []
     for kind in config.layer_types:
         if kind == LINEAR_ATTENTION:
@@ -537,9 +512,14 @@ def init_cache(config: QwenHybridConfig, *, batch: int, max_len: int, method) ->
                                      config.linear_value_head_dim),
             })
         else:
-            kv = jnp.zeros((batch, max_len, config.num_key_value_heads, config.head_dim), F32)
+            kv = jnp.zeros((batch, max_len, config.num_key_value_heads, config.head_dim), L.kv_dtype(config.compute))
             layer_caches.append({"k": kv, "v": kv})
-    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": tuple(layer_caches)}
+    return finish_cache(config, layer_caches, batch=batch)
+
+
+# The shared residual block's architecture-specific pieces (``models.base.decoder_layer``).
+PARTS = LayerParts(norm=L.rms_norm_zero_centred, linear_key="gdn", linear_mixer=gdn_layer, attention_key="attn",
+                   attention_mixer=attention_layer, moe_mlp=moe_mlp)
 
 
 def forward(params: dict, config, ids: Array, cache: dict, *, method, mode: str,
@@ -547,8 +527,8 @@ def forward(params: dict, config, ids: Array, cache: dict, *, method, mode: str,
             record: bool = False) -> tuple[Array, dict, dict]:
     """The whole model (contract in ``models/base.py``). ids ``[B, T]`` int32 ->
     ``(logits [B, T, vocab] f32, cache, traces)``."""
-    return run_decoder_stack(params, config, ids, cache, decoder_layer=decoder_layer, final_norm=L.rms_norm_zero_centred,
-                             method=method, mode=mode, lengths=lengths, active=active, record=record)
+    return run_decoder_stack(params, config, ids, cache, parts=PARTS, method=method, mode=mode, lengths=lengths,
+                             active=active, record=record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,7 +553,7 @@ __all__ = [
     "attention_layer",
     "config_from_hf",
     "convert",
-    "decoder_layer",
+    "PARTS",
     "forward",
     "gdn_layer",
     "gdn_output",

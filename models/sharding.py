@@ -34,6 +34,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models.base import STACKED_SECTIONS
+
 AXES = ("data", "model")
 # Leaf names split along their output axis (0) and along their input axis (1); the rest replicate.
 COLUMN_PARALLEL = frozenset({"q", "k", "v", "qkv", "z", "a", "b", "gate", "up", "f_b", "g_b", "g_b_bias", "kv_b",
@@ -68,13 +70,24 @@ def _param_spec(keys: list, shape: tuple, model: int) -> P:
     return P()
 
 
+def _keys(path) -> list:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def _stacked(keys: list, shape: tuple, spec_of) -> P:
+    # A scanned ``blocks`` leaf carries the repeats ahead of the layer's own axes: never split.
+    if keys and keys[0] in STACKED_SECTIONS:
+        return P(None, *spec_of(keys, shape[1:]))
+    return spec_of(keys, shape)
+
+
 def param_specs(params: Any, mesh: Mesh) -> Any:
-    """``PartitionSpec`` per params leaf (module docstring): the pytree of ``params``."""
+    """``PartitionSpec`` per params leaf (module docstring): the pytree of ``params``, per-layer or
+    scanned (``models.base.scan_params``)."""
     model = mesh.shape["model"]
 
     def spec(path, x):
-        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        return _param_spec(keys, tuple(np.shape(x)), model)
+        return _stacked(_keys(path), tuple(np.shape(x)), lambda k, s: _param_spec(k, s, model))
 
     return jax.tree_util.tree_map_with_path(spec, params)
 
@@ -98,12 +111,11 @@ def _cache_spec(keys: list, shape: tuple, data: int, model: int) -> P:
 
 
 def cache_specs(cache: Any, mesh: Mesh) -> Any:
-    """``PartitionSpec`` per cache leaf (module docstring): the pytree of ``cache``."""
+    """``PartitionSpec`` per cache leaf (module docstring): the pytree of ``cache``, in either layout."""
     data, model = mesh.shape["data"], mesh.shape["model"]
 
     def spec(path, x):
-        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        return _cache_spec(keys, tuple(np.shape(x)), data, model)
+        return _stacked(_keys(path), tuple(np.shape(x)), lambda k, s: _cache_spec(k, s, data, model))
 
     return jax.tree_util.tree_map_with_path(spec, cache)
 

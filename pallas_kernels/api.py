@@ -12,7 +12,11 @@
   select); which flush kernel runs depends on how many windows are full
   (``leapquant_flush.SPLIT_MIN_FULL_FRACTION``).
 
-What the kernels take: integer residuals at 8, 6 or 4 bits (no ``residual_format`` override),
+* ``dense_step(values, token) -> (o [B, H, dv] fp32, values)``: the per-step ``fp32``/``bf16``
+  methods' step (``recurrent_step_general``, the new state rounded to the state's dtype);
+  ``dense_unsupported_reason(values, token)`` says when it cannot run.
+
+What the LeapQuant kernels take: integer residuals at 8, 6 or 4 bits (no ``residual_format`` override),
 ``fit="subspace"`` (the exact SVD fit stays in the reference), ``dk`` and ``dv`` in
 {16, 32, 64, 128} (``dk`` a multiple of 64 at 6 bits and of 32 at 4 bits: code planes of at least 16 rows), a power-of-two window from 2 to 32 and
 ``r <= 8`` Compensator Tokens.
@@ -25,6 +29,7 @@ from leapquant_jax.state import LeapQuantConfig, LeapQuantState
 
 from . import leapquant_flush as _flush
 from . import leapquant_step as _step
+from . import dense_step as _dense
 from .support import unsupported_reason
 
 
@@ -43,4 +48,23 @@ def leapquant_flush_full(config: LeapQuantConfig, state: LeapQuantState) -> Leap
     return _flush.leapquant_flush(config, state, only_full=True)
 
 
-__all__ = ["leapquant_flush", "leapquant_flush_full", "leapquant_step", "unsupported_reason"]
+def _dense_block(values) -> int:
+    return min(_dense.DEFAULT_BLOCK_V, values.shape[-1]) if values.ndim == 4 else _dense.DEFAULT_BLOCK_V
+
+
+def dense_unsupported_reason(values, token: Token) -> str | None:
+    """Why ``dense_step`` cannot take a ``[B, H, dk, dv]`` state and ``token``; ``None`` when it can."""
+    try:
+        _dense.check_dense_inputs(values, token, _dense_block(values))
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
+def dense_step(values, token: Token):
+    """One per-step dense update on the kernel: ``(o [B, H, dv] fp32, new values [B, H, dk, dv])``."""
+    return _dense.dense_step(values, token, block_v=_dense_block(values))
+
+
+__all__ = ["dense_step", "dense_unsupported_reason", "leapquant_flush", "leapquant_flush_full", "leapquant_step",
+           "unsupported_reason"]

@@ -32,6 +32,8 @@ from leapquant_jax.recurrence import Token, recurrent_step_general
 from ._compat import compiler_params, default_interpret, is_pow2, pl
 
 STATE_DTYPES = ("float32", "bfloat16")
+# Value columns per program: the block ``bench.kernels`` times the dense steps with.
+DEFAULT_BLOCK_V = 64
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -71,7 +73,7 @@ def check_dense_inputs(state: jax.Array, token: Token, block_v: int) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
-def dense_step(state: jax.Array, token: Token, *, block_v: int = 64, num_warps: int = 4, interpret: bool | None = None):
+def dense_step(state: jax.Array, token: Token, *, block_v: int = DEFAULT_BLOCK_V, num_warps: int = 4, interpret: bool | None = None):
     """One dense step on a ``[B, H, dk, dv]`` fp32 or bf16 state.
 
     token: general-form ``Token`` with ``H`` value heads. Returns ``(o [B, H, dv] fp32, state)``.

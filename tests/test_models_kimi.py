@@ -33,6 +33,7 @@ import leapquant_jax  # noqa: E402
 from models import decode, kimi_linear  # noqa: E402
 from models.checkpoint import convert_checkpoint, convert_hf, flatten_params, load_model  # noqa: E402
 from models.kimi_layers import kda_log_decay, kda_lower_bound_log_decay, route_sigmoid_grouped  # noqa: E402
+from models.moe import routed_experts  # noqa: E402
 
 PROMPT_LEN = 12
 DECODE_STEPS = 32
@@ -407,7 +408,8 @@ def test_kda_layer_prefill_then_decode_matches_numpy(tiny):
 # ----------------------------------------------------------------------------- MoE
 
 
-def test_ragged_and_gathered_expert_paths_agree():
+@pytest.mark.parametrize("algorithm", ["ragged", "scan"])
+def test_routed_expert_paths_agree(algorithm):
     rng = np.random.default_rng(3)
     n, d, i, e, k = 6, 8, 5, 4, 2
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
@@ -417,8 +419,8 @@ def test_ragged_and_gathered_expert_paths_agree():
                                          correction_bias=jnp.zeros(e), top_k=k, num_groups=1, top_k_groups=1,
                                          normalize=True, scaling=2.0)
     np.testing.assert_allclose(np.asarray(jnp.sum(weights, -1)), 2.0, rtol=1e-6)
-    ragged = kimi_linear.routed_experts(x, weights, idx, w1=w1, w3=w3, w2=w2)  # n * k >= e
-    gathered = sum(kimi_linear.routed_experts(x[j:j + 1], weights[j:j + 1], idx[j:j + 1], w1=w1, w3=w3, w2=w2)
+    ragged = routed_experts(x, weights, idx, w1=w1, w3=w3, w2=w2, algorithm=algorithm)  # n * k >= e
+    gathered = sum(routed_experts(x[j:j + 1], weights[j:j + 1], idx[j:j + 1], w1=w1, w3=w3, w2=w2)
                    * (jnp.arange(n) == j)[:, None] for j in range(n))  # one token at a time: n * k < e
     xs, ws = np.asarray(x, np.float64), np.asarray(weights, np.float64)
     want = np.zeros((n, d))

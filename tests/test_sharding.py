@@ -133,12 +133,12 @@ def test_parameter_placement_by_name():
     params = {"embed": np.zeros((64, 32)), "lm_head": np.zeros((64, 32)), "final_norm": np.zeros(32),
               "layers": [{"attn": {"q": np.zeros((64, 32)), "o": np.zeros((32, 64)), "q_norm": np.zeros(16),
                                    "k": np.zeros((6, 32))},
-                          "moe": {"router": np.zeros((8, 32)), "gate": np.zeros((8, 16, 32)),
-                                  "down": np.zeros((8, 32, 16)), "shared": {"down": np.zeros((32, 48))}}}]}
+                          "moe": {"router": np.zeros((8, 32)), "w1": np.zeros((8, 32, 16)),
+                                  "w2": np.zeros((8, 16, 32)), "shared": {"down": np.zeros((32, 48))}}}]}
     specs = param_specs(params, FakeMesh())
     layer = specs["layers"][0]
     assert (specs["embed"], specs["lm_head"], specs["final_norm"]) == (P(), P("model"), P())
     assert (layer["attn"]["q"], layer["attn"]["o"], layer["attn"]["q_norm"]) == (P("model"), P(None, "model"), P())
     assert layer["attn"]["k"] == P()                 # 6 rows do not split 4 ways: replicated
-    assert (layer["moe"]["router"], layer["moe"]["gate"], layer["moe"]["down"]) == (P(), P("model"), P("model"))
+    assert (layer["moe"]["router"], layer["moe"]["w1"], layer["moe"]["w2"]) == (P(), P("model"), P("model"))
     assert layer["moe"]["shared"]["down"] == P(None, "model")

@@ -116,6 +116,8 @@ def _init_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator, *,
         return np.full(shape, 1.0 if plain else 0.0, np.float32)
     if len(shape) >= 2:
         return (std * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return np.zeros(shape, np.float32)  # Kimi's router starts unbiased (transformers: zeros)
     raise ValueError(f"no initialisation rule for tensor {name} {shape}")
 
 
