@@ -126,17 +126,37 @@ def run_generate(args) -> int:
     from models.checkpoint import eos_token_ids
     from models.decode import check_token_ids, generate, write_traces
     from models.layers import Sampling
+    from models.prefix_state import PrefixStateError, load_prefix, save_prefix
+    from models.serving import generate_one
 
     method = method_from_args(args)
     _check_output(args.record_traces, "--record-traces", folder=True)
     _check_checkpoint(args.checkpoint)
+    stateful = args.save_state is not None or args.load_state is not None
+    given = args.prompt or args.prompt_ids or []
+    if not given and args.load_state is None:
+        raise ValueError("generate needs --prompt or --prompt-ids (or --load-state FILE to start from a saved state)")
+    if stateful:
+        flags = " and ".join(f for f, v in (("--save-state", args.save_state), ("--load-state", args.load_state)) if v)
+        if len(given) > 1:
+            verb = "take" if " and " in flags else "takes"
+            raise ValueError(f"{flags} {verb} one prompt (one sequence), got {len(given)}")
+        if args.record_traces:
+            raise ValueError(f"--record-traces cannot be combined with {flags}")
+    if args.save_state is not None:
+        _check_output(args.save_state, "--save-state", folder=False)
+        if Path(args.save_state).exists():
+            raise FileExistsError(f"--save-state {args.save_state} exists; not overwriting it")
+    prefix = None
+    if args.load_state is not None:
+        prefix = load_prefix(args.load_state)
     tokenizer = _tokenizer(args.checkpoint)
     if args.prompt:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer, and {args.checkpoint} has no tokenizer.json; pass --prompt-ids")
         prompts, flag = [tokenizer.encode(text).ids for text in args.prompt], "--prompt"
     else:
-        prompts, flag = args.prompt_ids, "--prompt-ids"
+        prompts, flag = list(args.prompt_ids or []), "--prompt-ids"
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     arch, config, params, config_json = _load(args.checkpoint)
     for b, p in enumerate(prompts):
@@ -147,20 +167,40 @@ def run_generate(args) -> int:
         stop = check_token_ids(eos_token_ids(args.checkpoint, config_json), config.vocab_size,
                                name="the checkpoint's eos ids (pass --stop-ids to override)").tolist()
     t0 = time.time()
-    gen = generate(arch, params, config, prompts, method=method, max_new_tokens=args.max_new_tokens,
-                   sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces))
+    if stateful:
+        try:
+            tokens, state = generate_one(arch, params, config, method=method, prompt=prompts[0] if prompts else (),
+                                         prefix=prefix, max_new_tokens=args.max_new_tokens, stop_ids=stop,
+                                         sampling=sampling, seed=args.seed, keep_state=args.save_state is not None)
+        except PrefixStateError as err:
+            if prefix is None:
+                raise PrefixStateError(f"--save-state: {err}") from None
+            raise PrefixStateError(f"--load-state {args.load_state}: {err} (load it with the checkpoint and "
+                                   "--state options it was saved with)") from None
+        if state is not None:
+            save_prefix(args.save_state, state)
+        generated = [tokens]
+        prompts = [(prefix.ids.tolist() if prefix is not None else []) + [int(t) for t in (prompts or [[]])[0]]]
+    else:
+        gen = generate(arch, params, config, prompts, method=method, max_new_tokens=args.max_new_tokens,
+                       sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces))
+        generated = gen.tokens
     seconds = time.time() - t0
     traces = [str(p) for p in write_traces(args.record_traces, gen.traces)] if args.record_traces else []
-    texts = [tokenizer.decode(t) for t in gen.tokens] if tokenizer is not None else None
+    texts = [tokenizer.decode(t) for t in generated] if tokenizer is not None else None
     if args.json:
         result = {"command": "generate", "checkpoint": str(args.checkpoint), "method": method_label(args),
-                  "prompt_ids": [list(map(int, p)) for p in prompts], "generated_ids": gen.tokens,
+                  "prompt_ids": [list(map(int, p)) for p in prompts], "generated_ids": generated,
                   "stop_ids": list(stop), "seconds": round(seconds, 3), "traces": traces}
+        if args.load_state is not None:
+            result["loaded_state"] = str(args.load_state)
+        if args.save_state is not None:
+            result["saved_state"] = str(args.save_state)
         if texts is not None:
             result["text"] = texts
         print(json.dumps(result))
     else:
-        for b, toks in enumerate(gen.tokens):
+        for b, toks in enumerate(generated):
             print(texts[b] if texts is not None else " ".join(map(str, toks)))
     return 0
 
@@ -203,9 +243,11 @@ def add_subcommands(subparsers) -> None:
 
     p = subparsers.add_parser("generate", help="generate text with a chosen recurrent-state format")
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    src.add_argument("--prompt-ids", action="append", type=_prompt_ids, help="comma-separated ids (repeat for a batch)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append",
+                     help="prompt text (repeat for a batch); with --load-state, text to feed after the saved state")
+    src.add_argument("--prompt-ids", action="append", type=_prompt_ids,
+                     help="comma-separated ids (repeat for a batch); with --load-state, ids to feed after it")
     p.add_argument("--max-new-tokens", type=int_at_least(1), required=True, help="new tokens per prompt, at most")
     p.add_argument("--temperature", type=float_in(0.0), default=0.0, help="sampling temperature, 0 = greedy")
     p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass in (0, 1], 1 = off")
@@ -213,6 +255,11 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--seed", type=int_at_least(0), default=0, help="sampling seed")
     p.add_argument("--stop-ids", type=_id_list,
                    help="comma-separated stop ids, '' for none (default: the checkpoint's eos ids)")
+    p.add_argument("--save-state", type=Path, metavar="FILE",
+                   help="save the state right after the prompt (one prompt; a LeapQuant state only at a window "
+                        "boundary, a prompt of a multiple of --window tokens) to a new prefix-state file")
+    p.add_argument("--load-state", type=Path, metavar="FILE",
+                   help="start from a --save-state file of the same checkpoint and --state options")
     _add_state_options(p)
     p.set_defaults(func=run_generate)
 

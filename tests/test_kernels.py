@@ -120,6 +120,28 @@ def test_dense_step_rejects_bad_inputs():
         dense_step(jnp.zeros((2, 2, 64, 64), jnp.float16), token(seq, 0), interpret=INTERPRET)
 
 
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_per_step_methods_run_the_dense_kernel_like_the_reference(name):
+    from leapquant_jax.methods import PerStepMethod, make_method
+
+    key = jax.random.PRNGKey(11)
+    seq = sequence(key, 3, 4, 2, 32, 64, True)
+    kernel, ref = make_method(name, impl="pallas"), make_method(name, impl="reference")
+    sk = sr = kernel.from_dense(dense_state(jax.random.fold_in(key, 1), 3, 2, 32, 64))
+    active = jnp.asarray([True, False, True])
+    for i in range(4):
+        ok, sk = kernel.step_token(sk, token(seq, i), active=active)
+        orf, sr = ref.step_token(sr, token(seq, i), active=active)
+        assert rel(ok, orf) < 1e-5
+    a, b = np.asarray(kernel.to_dense(sk), np.float64), np.asarray(ref.to_dense(sr), np.float64)
+    tol = 1e-6 if name == "fp32" else 2.0 ** -7  # bf16: both round one fp32 update, at most an ulp apart
+    assert np.max(np.abs(a - b)) <= tol * np.abs(b).max()
+    with pytest.raises(ValueError, match="takes no options"):
+        make_method("int8", impl="pallas")
+    with pytest.raises(ValueError, match="fp32 and bf16"):
+        PerStepMethod("int8", impl="pallas")
+
+
 # ----------------------------------------------------------------------------- LeapQuant step
 
 

@@ -1,0 +1,437 @@
+"""Prefix states: one sequence's decode state at a window boundary, in host memory or in a file.
+
+A ``PrefixState`` is what a sequence needs to continue decoding after the tokens it has
+consumed (its *prefix*): every leaf of its cache row, with two reductions.
+
+* A LeapQuant stream (``leapquant_jax.state.LeapQuantState``) keeps only its ``checkpoint``,
+  the window-boundary state (about 1.19 bytes per state element at 8 bits): a prefix is taken
+  only at a window boundary, where the window buffer is empty and the stream's ``pos`` is 0, so
+  the restore rebuilds both (an empty buffer is all zeros, ``empty_buffer``). Per-step states
+  (``fp32``, ``bf16``, ``int8``, ...) are kept whole.
+* Attention caches (KV, or MLA's latents) keep their first ``n`` positions, ``n`` the prefix
+  length, not the cache's ``max_len``; the restore pads them with zeros, which attention masks.
+
+With them: the prefix ``ids [n]`` and the ``logits [vocab]`` that follow them, from which the
+next token is sampled. Leaves are named per layer (``layers.3.state.checkpoint.residual.codes``)
+whatever the cache layout (``config.scan_layers``), so a prefix taken in one layout restores in
+the other.
+
+A file is a safetensors file: the arrays, and string metadata with a format version, the model's
+fingerprint (``models.calibrate.model_fingerprint``), the state method's identity (its
+``repr``), the layout of every array (name, dtype, shape) and a sha256 digest of all of it.
+``load_prefix`` refuses a damaged file and ``check_prefix`` one made for another model or
+method, with ``PrefixStateError``, before anything is restored. dtypes safetensors cannot store
+(``bfloat16``, the ``float8`` formats) travel as unsigned integers of the same width.
+
+``checkpoint_every`` takes prefix states every ``N`` tokens of a long sequence teacher-forced
+through the decode step: the prefix-caching analog, with the bytes each one holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from leapquant_jax.state import LeapQuantState
+from models.base import finish_cache, layer_caches, take_rows
+
+Array = jax.Array
+
+FORMAT = "leapquant-prefix-state"
+VERSION = "1"
+# Metadata keys of a file, all covered by its digest (besides the digest itself).
+META_KEYS = ("format", "version", "model_type", "fingerprint", "method", "layout")
+CACHE_PREFIX = "cache."
+# dtypes safetensors stores as they are; any other travels as an unsigned integer of its width.
+NATIVE_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                           "float16", "float32", "float64"})
+# Checkpoint spacing when none is given: 16 tokens, rounded up to a multiple of the method's window.
+DEFAULT_EVERY = 16
+
+
+class PrefixStateError(ValueError):
+    """A prefix state that cannot be taken, read or restored: off a window boundary, a damaged
+    file, or a file made for another model or state method."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefixState:
+    """One sequence's state after its prefix (module docstring).
+
+    ids ``[n]`` int32, the prefix; logits ``[vocab]`` float32, the next-token logits after it;
+    leaves: name -> array ``[1, ...]`` (batch of one; attention caches ``[1, n, ...]``);
+    fingerprint, method, model_type: the model and state method it belongs to.
+    """
+
+    ids: np.ndarray
+    logits: np.ndarray
+    leaves: Mapping[str, np.ndarray]
+    fingerprint: str
+    method: str
+    model_type: str
+
+    @property
+    def length(self) -> int:
+        """Tokens consumed (the prefix length ``n``)."""
+        return int(self.ids.shape[0])
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the cache leaves (recurrent states, convolution tails, attention rows)."""
+        return sum(int(x.nbytes) for x in self.leaves.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in all: the cache leaves, the ids and the logits."""
+        return self.state_bytes + int(self.ids.nbytes) + int(self.logits.nbytes)
+
+
+# ----------------------------------------------------------------------------- leaf names
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _named(tree) -> dict[str, Any]:
+    """Every leaf of ``tree`` by its dotted path name, in flattening order."""
+    return {".".join(_key_name(k) for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _is_stream(x) -> bool:
+    return isinstance(x, LeapQuantState)
+
+
+def _saved_named(tree) -> dict[str, Any]:
+    """The leaves a prefix keeps: all of them, but of a LeapQuant stream only its checkpoint
+    (named as in the full tree: ``...state.checkpoint.*``)."""
+    kept = jax.tree.map(lambda x: {"checkpoint": x.checkpoint} if _is_stream(x) else x, tree, is_leaf=_is_stream)
+    return _named(kept)
+
+
+def _per_layer(cache: Mapping[str, Any], config) -> dict:
+    """``{"pos", "layers": per-layer caches}``, whatever the cache layout."""
+    return {"pos": cache["pos"], "layers": tuple(layer_caches(cache, config))}
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "method", "batch", "max_len"))
+def empty_cache(arch, config, *, method, batch: int, max_len: int):
+    """``arch.init_cache`` compiled: an eager init of a LeapQuant stream would run its checkpoint
+    encoding op by op. Returns the empty cache of ``batch`` sequences of ``max_len`` positions."""
+    return arch.init_cache(config, batch=batch, max_len=max_len, method=method)
+
+
+def _layout(arch, config, method) -> tuple[dict, dict]:
+    """``(shapes, length_axes)`` of a batch-1 prefix's kept leaves: name -> ``ShapeDtypeStruct``
+    (at ``max_len`` 1), and name -> the axis that grows with ``max_len`` (attention caches)."""
+    def kept(max_len):
+        return jax.eval_shape(
+            lambda: _saved_named(_per_layer(arch.init_cache(config, batch=1, max_len=max_len, method=method),
+                                            config)))
+
+    one, two = kept(1), kept(2)
+    axes = {}
+    for name, x in one.items():
+        diff = [a for a, (p, q) in enumerate(zip(x.shape, two[name].shape)) if p != q]
+        if diff:
+            axes[name] = diff[0]
+    return one, axes
+
+
+# ----------------------------------------------------------------------------- take / check / restore
+
+
+def take_prefix(arch, params, config, cache, row: int, *, method, ids, logits) -> PrefixState:
+    """The prefix state of sequence ``row`` of ``cache`` (any batch, any layout), in host memory.
+
+    ids: the ``n`` tokens the row has consumed (``n == cache["pos"][row]``); logits ``[vocab]``:
+    its next-token logits. Raises ``PrefixStateError`` when a LeapQuant stream of the row is off
+    its window boundary (records held in the open window).
+    """
+    from models.calibrate import model_fingerprint
+
+    batch = cache["pos"].shape[0]
+    if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < batch:
+        raise ValueError(f"row must be an integer in [0, {batch}), got {row!r}")
+    sub = jax.tree.map(np.asarray, _per_layer(take_rows(cache, jnp.asarray([row], jnp.int32)), config))
+    n = int(sub["pos"][0])
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    if ids.shape[0] != n:
+        raise ValueError(f"ids hold {ids.shape[0]} tokens but row {row} of the cache has consumed {n}")
+    for path, x in jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_stream)[0]:
+        if _is_stream(x) and int(x.pos[0]):
+            where = ".".join(_key_name(k) for k in path)
+            raise PrefixStateError(
+                f"the state is not at a window boundary: {where} holds {int(x.pos[0])} records of its "
+                f"{method.window}-record window after {n} tokens; a LeapQuant state is saved only at a window "
+                f"boundary (a multiple of {method.window} tokens, where the window buffer is empty)")
+    _, axes = _layout(arch, config, method)
+    leaves = {}
+    for name, x in _saved_named(sub).items():
+        x = np.asarray(x)
+        leaves[name] = np.take(x, np.arange(n), axis=axes[name]) if name in axes else x
+    logits = np.asarray(logits, np.float32).reshape(-1)
+    return PrefixState(ids=ids, logits=logits, leaves=leaves, fingerprint=model_fingerprint(config, params),
+                       method=repr(method), model_type=str(config.model_type))
+
+
+def check_prefix(prefix: PrefixState, arch, params, config, *, method) -> None:
+    """Raises ``PrefixStateError`` unless ``prefix`` belongs to this model (fingerprint) and state
+    method (``repr``) and every leaf has the name, dtype and shape this model's cache needs."""
+    from models.calibrate import model_fingerprint
+
+    if prefix.model_type != str(config.model_type):
+        raise PrefixStateError(f"the prefix state is for a {prefix.model_type} model, not {config.model_type}")
+    fingerprint = model_fingerprint(config, params)
+    if prefix.fingerprint != fingerprint:
+        raise PrefixStateError(f"the prefix state was saved from another model (fingerprint "
+                               f"{prefix.fingerprint[:12]}..., this model's is {fingerprint[:12]}...)")
+    if prefix.method != repr(method):
+        raise PrefixStateError(f"the prefix state was saved with state method {prefix.method}, not {method!r}")
+    n = prefix.length
+    if prefix.ids.dtype != np.int32 or prefix.ids.ndim != 1 or n < 1:
+        raise PrefixStateError(f"the prefix ids must be int32 [n] with n >= 1, got {prefix.ids.dtype} "
+                               f"{prefix.ids.shape}")
+    if prefix.ids.min() < 0 or prefix.ids.max() >= config.vocab_size:
+        raise PrefixStateError(f"the prefix ids fall outside the vocabulary [0, {config.vocab_size})")
+    if prefix.logits.dtype != np.float32 or prefix.logits.shape != (config.vocab_size,):
+        raise PrefixStateError(f"the prefix logits must be float32 [{config.vocab_size}], got "
+                               f"{prefix.logits.dtype} {prefix.logits.shape}")
+    shapes, axes = _layout(arch, config, method)
+    problems = [f"missing leaf {name}" for name in shapes if name not in prefix.leaves]
+    problems += [f"unexpected leaf {name}" for name in prefix.leaves if name not in shapes]
+    for name, want in shapes.items():
+        got = prefix.leaves.get(name)
+        if got is None:
+            continue
+        shape = list(want.shape)
+        if name in axes:
+            shape[axes[name]] = n
+        if got.dtype != np.dtype(want.dtype) or tuple(got.shape) != tuple(shape):
+            problems.append(f"leaf {name} is {got.dtype} {tuple(got.shape)}, expected {np.dtype(want.dtype)} "
+                            f"{tuple(shape)}")
+    if not problems and int(prefix.leaves["pos"][0]) != n:
+        problems.append(f"leaf pos says {int(prefix.leaves['pos'][0])} tokens but the prefix holds {n} ids")
+    if problems:
+        raise PrefixStateError("the prefix state does not fit this model's cache: " + "; ".join(problems))
+
+
+def restore_cache(arch, params, config, prefix: PrefixState, *, method, max_len: int):
+    """A batch-1 cache of ``max_len`` positions (in ``config``'s layout) holding ``prefix``:
+    attention caches zero-padded past the prefix, LeapQuant streams with an empty window.
+    ``check_prefix`` runs first: nothing is built for a prefix of another model or method."""
+    check_prefix(prefix, arch, params, config, method=method)
+    if prefix.length > max_len:
+        raise ValueError(f"the prefix holds {prefix.length} tokens, more than max_len = {max_len}")
+    empty = jax.eval_shape(lambda: _per_layer(arch.init_cache(config, batch=1, max_len=max_len, method=method),
+                                              config))
+    _, axes = _layout(arch, config, method)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(empty)
+    leaves = []
+    for path, want in paths:
+        name = ".".join(_key_name(k) for k in path)
+        # Leaves not kept are a LeapQuant stream's window buffer and record count: an empty
+        # window (``empty_buffer``) and 0 records, both all zeros.
+        x = np.zeros(want.shape, want.dtype)
+        if name in prefix.leaves:
+            got = prefix.leaves[name]
+            if name in axes:
+                index = [slice(None)] * x.ndim
+                index[axes[name]] = slice(0, prefix.length)
+                x[tuple(index)] = got
+            else:
+                x = got
+        leaves.append(jnp.asarray(x))
+    tree = jax.tree_util.tree_unflatten(treedef, leaves)
+    return dict(finish_cache(config, tree["layers"], batch=1), pos=tree["pos"])
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _digest(meta: Mapping[str, str], stored: Mapping[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for key in META_KEYS:
+        h.update(f"{key}={meta[key]}\n".encode())
+    for name in sorted(stored):
+        x = np.ascontiguousarray(stored[name])
+        h.update(f"{name} {x.dtype} {x.shape}\n".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()
+
+
+def _stored(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    if x.dtype.name in NATIVE_DTYPES:
+        return x
+    return x.view(np.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def save_prefix(path, prefix: PrefixState, *, overwrite: bool = False) -> Path:
+    """Writes ``prefix`` to the safetensors file ``path`` (module docstring) through a temporary
+    file in the same folder renamed into place, so no half-written file is ever left. Refuses an
+    existing ``path`` (``FileExistsError``) unless ``overwrite``."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; give a file name for the prefix state")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; not overwriting it")
+    arrays = {"ids": prefix.ids, "logits": prefix.logits}
+    arrays.update({CACHE_PREFIX + name: x for name, x in prefix.leaves.items()})
+    layout = [[name, np.asarray(x).dtype.name, list(np.shape(x))] for name, x in arrays.items()]
+    stored = {name: _stored(np.asarray(x)) for name, x in arrays.items()}
+    meta = {"format": FORMAT, "version": VERSION, "model_type": prefix.model_type, "fingerprint": prefix.fingerprint,
+            "method": prefix.method, "layout": json.dumps(layout)}
+    meta["sha256"] = _digest(meta, stored)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(stored, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_prefix(path) -> PrefixState:
+    """Reads a ``save_prefix`` file. Raises ``PrefixStateError`` for a file that is not one, of
+    another format version, or damaged (truncated, its metadata or arrays changed: the digest);
+    ``FileNotFoundError`` when there is none. Whether it fits a model is ``check_prefix``'s job."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such prefix-state file")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = dict(f.metadata() or {})
+            stored = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # safetensors raises its own SafetensorsError (not an OSError) for bad bytes
+        raise PrefixStateError(f"{path} is not a readable prefix-state file ({err})") from None
+    if meta.get("format") != FORMAT:
+        raise PrefixStateError(f"{path} is not a {FORMAT} file (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise PrefixStateError(f"{path} is a {FORMAT} file of version {meta.get('version')!r}; "
+                               f"this reader takes version {VERSION}")
+    missing = [k for k in META_KEYS + ("sha256",) if k not in meta]
+    if missing:
+        raise PrefixStateError(f"{path}: metadata lacks {', '.join(missing)}")
+    if _digest(meta, stored) != meta["sha256"]:
+        raise PrefixStateError(f"{path} is damaged: its contents do not match their sha256 digest")
+    try:
+        layout = {name: (dtype, tuple(shape)) for name, dtype, shape in json.loads(meta["layout"])}
+    except (ValueError, TypeError) as err:
+        raise PrefixStateError(f"{path}: unreadable layout metadata ({err})") from None
+    if set(layout) != set(stored) or not {"ids", "logits"} <= set(layout):
+        raise PrefixStateError(f"{path}: the arrays ({sorted(stored)}) do not match the layout ({sorted(layout)})")
+    arrays = {}
+    for name, (dtype, shape) in layout.items():
+        x = stored[name]
+        try:
+            want = np.dtype(jnp.dtype(dtype))
+        except TypeError as err:
+            raise PrefixStateError(f"{path}: array {name} has an unknown dtype {dtype!r} ({err})") from None
+        if x.dtype.itemsize != want.itemsize or x.shape != shape:
+            raise PrefixStateError(f"{path}: array {name} is stored as {x.dtype} {x.shape}, its layout says "
+                                   f"{dtype} {shape}")
+        arrays[name] = x.view(want)
+    return PrefixState(ids=arrays["ids"], logits=arrays["logits"],
+                       leaves={n[len(CACHE_PREFIX):]: x for n, x in arrays.items() if n.startswith(CACHE_PREFIX)},
+                       fingerprint=meta["fingerprint"], method=meta["method"], model_type=meta["model_type"])
+
+
+# ----------------------------------------------------------------------------- prefix caching
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "method"))
+def _decode_tokens(arch, params, config, cache, ids, *, method):
+    def body(cache, tok):
+        logits, cache, _ = arch.forward(params, config, tok[:, None], cache, method=method, mode="decode")
+        return cache, logits[:, 0]
+
+    cache, logits = jax.lax.scan(body, cache, jnp.moveaxis(ids, 1, 0))
+    return jnp.moveaxis(logits, 0, 1), cache
+
+
+def decode_tokens(arch, params, config, cache, ids, *, method) -> tuple[Array, Any]:
+    """Teacher-forces ``ids [B, T]`` int32 through the decode step from ``cache`` (one compiled
+    ``lax.scan``). Returns ``(logits [B, T, vocab] float32, cache)``; ``logits[b, t]`` follows
+    ``ids[b, t]``."""
+    return _decode_tokens(arch, params, config, cache, jnp.asarray(ids, jnp.int32), method=method)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefixCheckpoints:
+    """``checkpoint_every``'s result: ``states[i]``, the prefix state after ``positions[i]`` tokens."""
+
+    states: tuple
+    positions: tuple
+
+    @property
+    def nbytes(self) -> tuple:
+        """Bytes each checkpoint holds (``PrefixState.nbytes``)."""
+        return tuple(s.nbytes for s in self.states)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes all checkpoints hold together."""
+        return sum(self.nbytes)
+
+
+def checkpoint_every(arch, params, config, ids, *, method, every: Optional[int] = None) -> PrefixCheckpoints:
+    """Teacher-forces one sequence ``ids [T]`` through the decode step and keeps its prefix state
+    every ``every`` tokens (a multiple of the method's window ``p``; default 16 rounded up to one),
+    in host memory: after ``every``, ``2 * every``, ... tokens (a trailing part shorter than
+    ``every`` gets none)."""
+    from models.decode import check_token_ids
+
+    ids = check_token_ids(ids, config.vocab_size, name="ids").reshape(-1)
+    p = int(getattr(method, "window", 1))
+    if every is None:
+        every = -(-DEFAULT_EVERY // p) * p
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1 or every % p:
+        raise ValueError(f"every must be a positive multiple of the method's window p = {p}, got {every!r}")
+    if ids.shape[0] < every:
+        raise ValueError(f"ids hold {ids.shape[0]} tokens, fewer than every = {every}: no checkpoint")
+    cache = empty_cache(arch, config, method=method, batch=1, max_len=int(ids.shape[0]))
+    states, positions = [], []
+    for end in range(every, ids.shape[0] + 1, every):
+        logits, cache = decode_tokens(arch, params, config, cache, ids[None, end - every:end], method=method)
+        states.append(take_prefix(arch, params, config, cache, 0, method=method, ids=ids[:end],
+                                  logits=logits[0, -1]))
+        positions.append(end)
+    return PrefixCheckpoints(states=tuple(states), positions=tuple(positions))
+
+
+__all__ = [
+    "FORMAT",
+    "PrefixCheckpoints",
+    "PrefixState",
+    "PrefixStateError",
+    "VERSION",
+    "check_prefix",
+    "checkpoint_every",
+    "decode_tokens",
+    "empty_cache",
+    "load_prefix",
+    "restore_cache",
+    "save_prefix",
+    "take_prefix",
+]

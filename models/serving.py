@@ -1,0 +1,397 @@
+"""Continuous batching: a pool of live decode states that sequences enter and leave.
+
+``DecodePool`` holds one cache of ``slots`` sequences and ``max_len`` positions. ``insert``
+prefills one prompt (batch 1, right-padded to a bucket like ``models.decode.pad_prompts``) and
+writes its cache row into a free slot (``models.base.put_rows``, so either cache layout works);
+``step`` runs one decode step of the whole pool, the free slots passed ``active=False``;
+``evict`` frees a slot. Sequences sit at their own positions (the cache's ``pos``, a LeapQuant
+stream's own ``pos``), so a slot never waits for the others.
+
+Each compiled program has fixed shapes: the step is compiled once for the pool's size however
+slots fill and empty, the prefill once per prompt bucket, the row write once. They are shared by
+pools of the same model, state method, sampling and size.
+
+Each slot samples with its own key, split exactly as ``models.decode.generate`` splits a batch of
+one, so what a sequence samples does not depend on what else shares the pool: greedy tokens are
+those of ``generate`` on its prompt alone, and sampled ones too wherever the two programs' logits
+(which may differ in their last bits) pick the same token. ``serve`` drives a queue of requests
+through a pool; ``save``/``restore`` move one sequence's state out of and into a slot
+(``models.prefix_state``).
+
+The pool runs on one device (no ``mesh``), and keeps its per-slot bookkeeping on the host: each
+step sends the slots' tokens and keys and reads back the new tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.base import put_rows, take_rows
+from models.calibrate import check_state_method
+from models.decode import PROMPT_BUCKET, check_token_ids
+from models.layers import Sampling, sample_next
+from models.prefix_state import PrefixState, check_prefix, empty_cache, restore_cache, take_prefix
+
+Array = jax.Array
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """The shape of a pool: ``slots`` sequences of at most ``max_len`` tokens each (prompt and
+    generated tokens fed back), how they sample, and the prompt bucket of the prefill."""
+
+    slots: int
+    max_len: int
+    sampling: Sampling = Sampling()
+    bucket: int = PROMPT_BUCKET
+
+    def __post_init__(self):
+        _positive_int(self.slots, "slots")
+        _positive_int(self.max_len, "max_len")
+        _positive_int(self.bucket, "bucket")
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"sampling must be a models.layers.Sampling, got {self.sampling!r}")
+
+
+# ----------------------------------------------------------------------------- compiled programs
+
+
+def _sample_rows(logits: Array, keys: Array, sampling: Sampling) -> tuple[Array, Array]:
+    """Per-row sampling: ``logits [S, V]``, raw keys ``[S, ...]`` -> ``(tokens [S], keys [S, ...])``,
+    each row as ``generate`` samples a batch of one (split, then draw with the second key)."""
+    def one(row, key):
+        key, sub = jax.random.split(key)
+        return sample_next(row[None], sub, sampling)[0], key
+
+    return jax.vmap(one)(logits, keys)
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "method", "sampling"))
+def _prefill(arch, params, config, blank, ids, lengths, keys, *, method, sampling):
+    # ``blank``, an empty batch-1 cache, is an argument: making it here would compile a
+    # LeapQuant stream's checkpoint encoding (of zeros) into every prefill program.
+    logits, cache, _ = arch.forward(params, config, ids, blank, method=method, mode="prefill", lengths=lengths)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first, keys = _sample_rows(last, keys, sampling)
+    return cache, last, first, keys
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "method", "sampling"), donate_argnames=("cache",))
+def _step(arch, params, config, cache, logits, tokens, active, keys, *, method, sampling):
+    new_logits, cache, _ = arch.forward(params, config, tokens[:, None], cache, method=method, mode="decode",
+                                        active=active)
+    nxt, new_keys = _sample_rows(new_logits[:, 0], keys, sampling)
+    nxt = jnp.where(active, nxt, 0)
+    keys = jnp.where(active.reshape((-1,) + (1,) * (keys.ndim - 1)), new_keys, keys)
+    logits = jnp.where(active[:, None], new_logits[:, 0], logits)
+    return nxt, cache, logits, keys
+
+
+@functools.partial(jax.jit, donate_argnames=("cache", "logits"))
+def _write(cache, logits, rows, sub_cache, sub_logits):
+    return put_rows(cache, rows, sub_cache), logits.at[rows].set(sub_logits)
+
+
+# ----------------------------------------------------------------------------- the pool
+
+
+class DecodePool:
+    """Live decode states of up to ``pool.slots`` sequences (module docstring).
+
+    Host-side per slot: whether it is in use, its pending token (sampled, not yet fed), its
+    position and consumed ids, its sampling key. On the device: the cache (batch ``slots``) and
+    ``logits [slots, vocab]``, each slot's last next-token logits.
+    """
+
+    def __init__(self, arch, params, config, *, method, pool: PoolConfig):
+        if not isinstance(pool, PoolConfig):
+            raise ValueError(f"pool must be a PoolConfig, got {pool!r}")
+        check_state_method(method, arch, config, params)
+        self.arch, self.params, self.config, self.method, self.pool = arch, params, config, method, pool
+        s = pool.slots
+        self.cache = empty_cache(arch, config, method=method, batch=s, max_len=pool.max_len)
+        self._blank = take_rows(self.cache, jnp.zeros((1,), jnp.int32))
+        self.logits = jnp.zeros((s, config.vocab_size), jnp.float32)
+        key = np.asarray(jax.random.PRNGKey(0))
+        self._keys = np.zeros((s,) + key.shape, key.dtype)
+        self._active = np.zeros(s, bool)
+        self._pending = np.zeros(s, np.int32)
+        self._pos = np.zeros(s, np.int64)
+        self._ids: list[list[int]] = [[] for _ in range(s)]
+
+    # -- inspection
+
+    @property
+    def slots(self) -> int:
+        """Sequences the pool holds at once (the cache's batch)."""
+        return self.pool.slots
+
+    @property
+    def max_len(self) -> int:
+        """Positions per sequence (the attention caches' length)."""
+        return self.pool.max_len
+
+    @property
+    def active(self) -> np.ndarray:
+        """``[slots]`` bool: the slots in use."""
+        return self._active.copy()
+
+    @property
+    def pending(self) -> np.ndarray:
+        """``[slots]`` int32: each slot's last sampled token, the next one it feeds (0 when free)."""
+        return np.where(self._active, self._pending, 0).astype(np.int32)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """``[slots]``: tokens each slot has consumed."""
+        return self._pos.copy()
+
+    def free_slots(self) -> list[int]:
+        """The slots not in use, lowest first."""
+        return [int(i) for i in np.flatnonzero(~self._active)]
+
+    def ids(self, slot: int) -> list[int]:
+        """The tokens slot ``slot`` has consumed (its prompt, then the tokens fed back)."""
+        return list(self._ids[self._check_slot(slot, in_use=True)])
+
+    # -- checks
+
+    def _check_slot(self, slot, *, in_use: bool) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
+        if bool(self._active[slot]) != in_use:
+            raise ValueError(f"slot {slot} is {'free' if in_use else 'in use; evict it first'}")
+        return int(slot)
+
+    def check_fits(self, length: int, budget: int, *, name: str = "the prompt") -> None:
+        """Raises ``ValueError`` unless ``length`` consumed tokens and ``budget`` new ones fit in
+        ``max_len`` (the last new token is never fed back: ``length + budget - 1 <= max_len``)."""
+        budget = _positive_int(budget, "budget")
+        if length + budget - 1 > self.max_len:
+            raise ValueError(f"{name} ({length} tokens) and {budget} new tokens need {length + budget - 1} "
+                             f"positions, more than the pool's max_len = {self.max_len}")
+
+    def _free_slot(self, slot: Optional[int]) -> int:
+        if slot is not None:
+            return self._check_slot(slot, in_use=False)
+        free = self.free_slots()
+        if not free:
+            raise ValueError(f"no free slot: all {self.slots} slots are in use")
+        return free[0]
+
+    # -- entering and leaving
+
+    def _occupy(self, slot: int, sub_cache, sub_logits, first, keys, ids) -> int:
+        self.cache, self.logits = _write(self.cache, self.logits, jnp.asarray([slot], jnp.int32), sub_cache,
+                                         sub_logits)
+        self._keys[slot] = np.asarray(keys)[0]
+        self._pending[slot] = int(np.asarray(first)[0])
+        self._pos[slot] = len(ids)
+        self._ids[slot] = list(map(int, ids))
+        self._active[slot] = True
+        return slot
+
+    def insert(self, prompt: Sequence[int], *, budget: int, seed: int = 0, slot: Optional[int] = None) -> int:
+        """Prefills ``prompt`` (token ids ``[n]``, ``n >= 1``) into ``slot`` (default: the lowest
+        free one) and samples its first token (``pending``) with ``PRNGKey(seed)``; returns the
+        slot. ``budget``: new tokens it may generate (checked against ``max_len``)."""
+        prompt = check_token_ids(prompt, self.config.vocab_size, name="prompt").reshape(-1)
+        if prompt.shape[0] < 1:
+            raise ValueError("the prompt needs at least one token")
+        self.check_fits(prompt.shape[0], budget)
+        slot = self._free_slot(slot)
+        n, bucket = prompt.shape[0], self.pool.bucket
+        t = min(-(-n // bucket) * bucket, self.max_len)
+        ids = np.zeros((1, t), np.int32)
+        ids[0, :n] = prompt
+        keys = np.asarray(jax.random.PRNGKey(seed))[None]
+        cache, last, first, keys = _prefill(self.arch, self.params, self.config, self._blank, ids,
+                                            np.array([n], np.int32), keys, method=self.method,
+                                            sampling=self.pool.sampling)
+        return self._occupy(slot, cache, last, first, keys, prompt)
+
+    def restore(self, prefix: PrefixState, *, budget: int, seed: int = 0, slot: Optional[int] = None) -> int:
+        """Writes a prefix state into ``slot`` (default: the lowest free one) and samples its next
+        token from the prefix's logits with ``PRNGKey(seed)``; returns the slot. The prefix is
+        checked first (``models.prefix_state.check_prefix``): a refused one changes nothing."""
+        self.check_fits(prefix.length, budget, name="the prefix")
+        slot = self._free_slot(slot)
+        cache = restore_cache(self.arch, self.params, self.config, prefix, method=self.method, max_len=self.max_len)
+        logits = jnp.asarray(prefix.logits)[None]
+        first, keys = _sample_rows(logits, jnp.asarray(jax.random.PRNGKey(seed))[None], self.pool.sampling)
+        return self._occupy(slot, cache, logits, first, keys, prefix.ids)
+
+    def save(self, slot: int) -> PrefixState:
+        """The prefix state of slot ``slot`` (``models.prefix_state.take_prefix``): its consumed
+        ids, its cache row and its next-token logits. A LeapQuant stream must be at a window
+        boundary (``PrefixStateError`` otherwise)."""
+        slot = self._check_slot(slot, in_use=True)
+        return take_prefix(self.arch, self.params, self.config, self.cache, slot, method=self.method,
+                           ids=self._ids[slot], logits=self.logits[slot])
+
+    def evict(self, slot: int) -> None:
+        """Frees ``slot``. Its rows keep their values: the next ``insert``/``restore`` writes every
+        leaf of the row (a whole batch-1 cache of ``max_len`` positions)."""
+        slot = self._check_slot(slot, in_use=True)
+        self._active[slot] = False
+        self._ids[slot] = []
+
+    # -- decoding
+
+    def _run(self, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
+        full = np.flatnonzero(active & (self._pos >= self.max_len))
+        if full.size:
+            raise ValueError(f"slot {int(full[0])} has consumed all max_len = {self.max_len} positions")
+        nxt, self.cache, self.logits, keys = _step(self.arch, self.params, self.config, self.cache, self.logits,
+                                                   tokens.astype(np.int32), active, self._keys,
+                                                   method=self.method, sampling=self.pool.sampling)
+        nxt = np.asarray(nxt)
+        self._keys = np.array(keys)
+        for s in np.flatnonzero(active):
+            self._ids[s].append(int(tokens[s]))
+        self._pos[active] += 1
+        self._pending[active] = nxt[active]
+        return nxt
+
+    def step(self) -> np.ndarray:
+        """One decode step of every slot in use: each feeds its pending token and samples the
+        next. Returns the new tokens ``[slots]`` int32 (0 for free slots)."""
+        if not self._active.any():
+            raise ValueError("no slot is in use: nothing to step")
+        return self._run(self._pending, self._active.copy())
+
+    def feed(self, slot: int, ids: Sequence[int]) -> int:
+        """Teacher-forces ``ids [m]`` through decode steps of ``slot`` alone (its pending token is
+        dropped; the other slots wait) and returns the token sampled after the last one."""
+        slot = self._check_slot(slot, in_use=True)
+        ids = check_token_ids(ids, self.config.vocab_size, name="ids").reshape(-1)
+        if self._pos[slot] + ids.shape[0] > self.max_len:
+            raise ValueError(f"slot {slot} holds {int(self._pos[slot])} tokens; {ids.shape[0]} more exceed "
+                             f"max_len = {self.max_len}")
+        only = np.arange(self.slots) == slot
+        for t in ids:
+            tokens = self._pending.copy()
+            tokens[slot] = t
+            self._run(tokens, only)
+        return int(self._pending[slot])
+
+
+# ----------------------------------------------------------------------------- drivers
+
+
+def _budgets(max_new_tokens, n: int) -> list[int]:
+    if isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool):
+        return [_positive_int(max_new_tokens, "max_new_tokens")] * n
+    budgets = list(max_new_tokens)
+    if len(budgets) != n:
+        raise ValueError(f"max_new_tokens gives {len(budgets)} budgets for {n} requests")
+    return [_positive_int(b, f"max_new_tokens[{i}]") for i, b in enumerate(budgets)]
+
+
+def decode_slot(pool: DecodePool, slot: int, *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+    """Steps the pool until slot ``slot`` has generated ``max_new_tokens`` tokens (its pending
+    token first) or a stop token (kept); returns them and evicts the slot."""
+    budget = _positive_int(max_new_tokens, "max_new_tokens")
+    stop = set(check_token_ids(stop_ids, pool.config.vocab_size, name="stop_ids").tolist())
+    pool.check_fits(len(pool.ids(slot)), budget, name=f"slot {slot}")
+    tokens = [int(pool.pending[slot])]
+    while len(tokens) < budget and tokens[-1] not in stop:
+        tokens.append(int(pool.step()[slot]))
+    pool.evict(slot)
+    return tokens
+
+
+def serve(pool: DecodePool, requests: Sequence[Sequence[int]], *, max_new_tokens, stop_ids: Sequence[int] = (),
+          seed: int = 0) -> list[list[int]]:
+    """Continuous batching of ``requests`` (prompts, token ids ``[n_i]``) through an empty pool.
+
+    Requests enter free slots in order as slots free up; every step advances all slots in use;
+    a sequence leaves at a stop token (kept) or after ``max_new_tokens`` tokens (an int, or one
+    per request). Request ``i`` samples with ``PRNGKey(seed + i)``. Returns each request's new
+    tokens, in request order: with greedy sampling what ``models.decode.generate`` gives it alone.
+    """
+    if isinstance(requests, (str, bytes)) or not len(requests):
+        raise ValueError(f"requests must be a non-empty list of token-id lists, got {requests!r}")
+    if pool.active.any():
+        raise ValueError(f"serve needs an empty pool; slots {np.flatnonzero(pool.active).tolist()} are in use")
+    prompts = [check_token_ids(p, pool.config.vocab_size, name=f"requests[{i}]").reshape(-1)
+               for i, p in enumerate(requests)]
+    budgets = _budgets(max_new_tokens, len(prompts))
+    stop = set(check_token_ids(stop_ids, pool.config.vocab_size, name="stop_ids").tolist())
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        if p.shape[0] < 1:
+            raise ValueError(f"requests[{i}] needs at least one token")
+        pool.check_fits(p.shape[0], b, name=f"requests[{i}]")
+    queue = collections.deque(range(len(prompts)))
+    out: list = [None] * len(prompts)
+    live: dict[int, int] = {}  # slot -> request
+    tokens: dict[int, list[int]] = {}  # slot -> its new tokens so far
+
+    def finish(slot: int) -> None:
+        out[live.pop(slot)] = tokens[slot]
+        pool.evict(slot)
+
+    while queue or live:
+        while queue and pool.free_slots():
+            i = queue.popleft()
+            slot = pool.insert(prompts[i], budget=budgets[i], seed=seed + i)
+            live[slot], tokens[slot] = i, [int(pool.pending[slot])]
+            if tokens[slot][-1] in stop or budgets[i] == 1:
+                finish(slot)
+        if not live:
+            continue
+        nxt = pool.step()
+        for slot in list(live):
+            tokens[slot].append(int(nxt[slot]))
+            if tokens[slot][-1] in stop or len(tokens[slot]) == budgets[live[slot]]:
+                finish(slot)
+    return out
+
+
+def generate_one(arch, params, config, *, method, prompt: Sequence[int] = (), prefix: Optional[PrefixState] = None,
+                 max_new_tokens: int, stop_ids: Sequence[int] = (), sampling: Sampling = Sampling(), seed: int = 0,
+                 keep_state: bool = False) -> tuple[list[int], Optional[PrefixState]]:
+    """One sequence through a one-slot pool: ``prompt [n]`` prefilled, or ``prefix`` restored and
+    ``prompt`` (possibly empty) fed after it through decode steps; then up to ``max_new_tokens``
+    new tokens (stop tokens kept). Returns ``(tokens, state)``, ``state`` the prefix state right
+    after the prompt when ``keep_state`` (taken before any token is generated, so an off-boundary
+    LeapQuant state fails first), else ``None``.
+
+    The pool holds the prompt rounded up to its bucket plus the new tokens: what ``generate``
+    allocates for one prompt, so a prompt decodes with the same attention extent either way.
+    """
+    budget = _positive_int(max_new_tokens, "max_new_tokens")
+    extra = check_token_ids(prompt, config.vocab_size, name="prompt").reshape(-1)
+    if prefix is None and extra.shape[0] < 1:
+        raise ValueError("generate_one needs a prompt or a prefix state")
+    if prefix is not None:
+        check_prefix(prefix, arch, params, config, method=method)  # before anything compiles
+    n = prefix.length if prefix is not None else extra.shape[0]
+    fed = extra.shape[0] if prefix is not None else 0
+    max_len = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET + fed + budget
+    pool = DecodePool(arch, params, config, method=method,
+                      pool=PoolConfig(slots=1, max_len=max_len, sampling=sampling))
+    if prefix is None:
+        slot = pool.insert(extra, budget=budget, seed=seed)
+    else:
+        slot = pool.restore(prefix, budget=budget, seed=seed)
+        if fed:
+            pool.feed(slot, extra)
+    state = pool.save(slot) if keep_state else None
+    return decode_slot(pool, slot, max_new_tokens=budget, stop_ids=stop_ids), state
+
+
+__all__ = ["DecodePool", "PoolConfig", "decode_slot", "generate_one", "serve"]

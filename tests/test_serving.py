@@ -1,0 +1,384 @@
+"""Continuous batching (``models.serving``) and prefix states (``models.prefix_state``) on tiny
+random models of both architectures (GDN and KDA: two linear-attention layers, then one full
+attention), with the fp32 state and 8-bit LeapQuant.
+
+* ``serve`` with fewer slots than requests gives every request the tokens ``generate`` gives it
+  alone, and the pool's step is traced once however slots fill and empty.
+* save -> file -> restore (into another slot, another sequence beside it) -> continue gives the
+  logits of uninterrupted decoding bit for bit; the same across the scanned cache layout.
+* damaged files, files of another model or method, and saves off a LeapQuant window boundary are
+  refused by name, with the pool and any existing file left as they were.
+* ``checkpoint_every`` and ``leapquant generate --save-state / --load-state``.
+
+Prompts fit one bucket and the pools hold ``bucket + MAX_NEW`` positions (what ``generate``
+allocates), and all tests share the pools of a module fixture: each program compiles once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from leapquant_jax import make_method
+from models import prefix_state as ps
+from models.base import scan_params
+from models.checkpoint import architecture_for_config, save_converted
+from models.decode import PROMPT_BUCKET, generate, to_device
+from models.serving import DecodePool, PoolConfig, serve
+from models.training.model import hf_config, init_params
+
+VOCAB = 64
+MAX_NEW = 24
+MAX_LEN = PROMPT_BUCKET + MAX_NEW
+SLOTS = 3
+WINDOW = 16  # LeapQuant's default window p
+METHODS = {"fp32": make_method("fp32"), "leapquant": make_method("leapquant", bits=8)}
+
+
+def tiny_json(arch: str) -> dict:
+    cj = hf_config(arch, vocab_size=VOCAB, eos_token_id=0, size="tiny")
+    types = ["linear_attention", "linear_attention", "full_attention"]
+    cj.update(num_hidden_layers=3, layer_types=types, initializer_range=0.2)  # decisive logits, varied tokens
+    if arch == "kda":
+        cj["mlp_layer_types"] = ["dense"] * 3
+        cj["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
+    return cj
+
+
+class CountingArch:
+    """An architecture that counts its traced forward passes by (mode, method, scanned, ids shape):
+    under ``jit`` the forward runs only while a program is traced."""
+
+    def __init__(self, arch):
+        self.arch = arch
+        self.traces = collections.Counter()
+
+    def init_cache(self, config, **kw):
+        return self.arch.init_cache(config, **kw)
+
+    def forward(self, params, config, ids, cache, *, method, mode, **kw):
+        self.traces[(mode, method.name, config.scan_layers, tuple(ids.shape))] += 1
+        return self.arch.forward(params, config, ids, cache, method=method, mode=mode, **kw)
+
+
+class Tiny:
+    """One architecture: its model, a second one of other weights, and the shared pools."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.config_json = tiny_json(name)
+        self.arch = architecture_for_config(self.config_json)
+        self.counting = CountingArch(self.arch)
+        self.config = self.arch.config_from_hf(self.config_json)
+        self.params = to_device(init_params(self.config_json, seed=0))
+        self.other_params = to_device(init_params(self.config_json, seed=1))
+        self.scanned_config = dataclasses.replace(self.config, scan_layers=True)
+        self.scanned_params = scan_params(self.params, self.scanned_config)
+        self._pools = {}
+
+    def pool(self, method: str, *, scanned: bool = False, other: bool = False) -> DecodePool:
+        """The shared pool of ``SLOTS`` x ``MAX_LEN`` (emptied)."""
+        key = (method, scanned, other)
+        if key not in self._pools:
+            config, params = (self.scanned_config, self.scanned_params) if scanned else (self.config, self.params)
+            self._pools[key] = DecodePool(self.counting, self.other_params if other else params, config,
+                                          method=METHODS[method], pool=PoolConfig(slots=SLOTS, max_len=MAX_LEN))
+        pool = self._pools[key]
+        for slot in np.flatnonzero(pool.active):
+            pool.evict(int(slot))
+        return pool
+
+    def alone(self, prompt, method: str, stop_ids=()) -> list[int]:
+        return generate(self.arch, self.params, self.config, [list(prompt)], method=METHODS[method],
+                        max_new_tokens=MAX_NEW, stop_ids=stop_ids).tokens[0]
+
+
+@pytest.fixture(scope="module", params=("gdn", "kda"))
+def tiny(request):
+    return Tiny(request.param)
+
+
+@pytest.fixture(scope="module")
+def gdn():
+    """The GDN model alone, for the tests that need one architecture (its programs are shared
+    with ``tiny``'s through the same config and architecture)."""
+    return Tiny("gdn")
+
+
+def prompts_for(rng, n: int, *, low: int = 1) -> list[list[int]]:
+    return [rng.integers(0, VOCAB, int(t)).tolist() for t in rng.integers(low, PROMPT_BUCKET + 1, n)]
+
+
+def leaves(tree) -> list[np.ndarray]:
+    import jax
+
+    return [np.array(x) for x in jax.tree.leaves(tree)]
+
+
+def run_steps(pool: DecodePool, slot: int, steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Steps the pool; returns the slot's tokens and next-token logits after each step."""
+    tokens, logits = [], []
+    for _ in range(steps):
+        tokens.append(int(pool.step()[slot]))
+        logits.append(np.array(pool.logits[slot]))
+    return tokens, logits
+
+
+# ----------------------------------------------------------------------------- continuous batching
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_serve_matches_generate_alone_and_traces_the_step_once(tiny, method):
+    rng = np.random.default_rng([7, len(tiny.name), len(method)])
+    prompts = prompts_for(rng, 7)
+    full = [tiny.alone(p, method) for p in prompts]
+    # A stop token that ends about half of the requests early, so that slots free at different steps.
+    candidates = collections.Counter(t for toks in full for t in set(toks[1:-1]))
+    stop = min(candidates, key=lambda t: (abs(sum(t in toks[:-1] for toks in full) - len(full) // 2), t))
+    alone = [tiny.alone(p, method, stop_ids=[stop]) for p in prompts]
+    lengths = [len(t) for t in alone]
+    assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths
+
+    pool = tiny.pool(method)
+    assert serve(pool, prompts, max_new_tokens=MAX_NEW, stop_ids=[stop]) == alone
+    assert not pool.active.any()
+    traced = {k: n for k, n in tiny.counting.traces.items() if k[1] == METHODS[method].name and not k[2]}
+    assert traced == {("prefill", METHODS[method].name, False, (1, PROMPT_BUCKET)): 1,
+                      ("decode", METHODS[method].name, False, (SLOTS, 1)): 1}
+
+
+def test_pool_refuses_what_does_not_fit(tiny):
+    pool = tiny.pool("fp32")
+    with pytest.raises(ValueError, match="max_len = 40"):
+        pool.insert([1] * 17, budget=MAX_NEW + 1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        pool.insert([1, VOCAB], budget=2)
+    for _ in range(SLOTS):
+        pool.insert([1, 2, 3], budget=2)
+    with pytest.raises(ValueError, match=f"no free slot: all {SLOTS} slots are in use"):
+        pool.insert([1, 2, 3], budget=2)
+    with pytest.raises(ValueError, match="slot 1 is in use"):
+        pool.restore(pool.save(0), budget=2, slot=1)
+    pool.evict(1)
+    with pytest.raises(ValueError, match="slot 1 is free"):
+        pool.evict(1)
+    with pytest.raises(ValueError, match="serve needs an empty pool"):
+        serve(pool, [[1]], max_new_tokens=1)
+
+
+# ----------------------------------------------------------------------------- save and restore
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_save_restore_continue_is_bit_exact(tiny, method, tmp_path):
+    rng = np.random.default_rng([11, len(tiny.name), len(method)])
+    # LeapQuant saves at a window boundary: after a prompt of one window.
+    prompt = rng.integers(0, VOCAB, WINDOW if method == "leapquant" else int(rng.integers(1, 17))).tolist()
+    pool = tiny.pool(method)
+    pool.insert(prompts_for(rng, 1)[0], budget=MAX_NEW, slot=0)
+    src = pool.insert(prompt, budget=MAX_NEW, slot=1)
+    prefix = pool.save(src)
+    assert prefix.ids.tolist() == prompt and np.array_equal(prefix.logits, np.asarray(pool.logits[src]))
+    if method == "leapquant":
+        assert not [n for n in prefix.leaves if "buffer" in n or n.endswith("state.pos")]
+        assert any(n.endswith("state.checkpoint.residual.codes") for n in prefix.leaves)
+    pending = int(pool.pending[src])
+    # 20 steps run past the next window boundary (a flush) from the restored checkpoint.
+    want_tokens, want_logits = run_steps(pool, src, 20)
+
+    loaded = ps.load_prefix(ps.save_prefix(tmp_path / "prefix.safetensors", prefix))
+    pool = tiny.pool(method)
+    pool.insert(prompts_for(rng, 1)[0], budget=MAX_NEW, slot=1)
+    dst = pool.restore(loaded, budget=MAX_NEW, slot=2)
+    assert int(pool.pending[dst]) == pending and pool.ids(dst) == prompt
+    got_tokens, got_logits = run_steps(pool, dst, 20)
+    assert got_tokens == want_tokens
+    for want, got in zip(want_logits, got_logits):
+        assert np.array_equal(want, got)
+
+
+def test_scanned_layout_serves_and_exchanges_prefix_states(tiny):
+    rng = np.random.default_rng([13, len(tiny.name)])
+    prompts = prompts_for(rng, 4)
+    scanned = tiny.pool("fp32", scanned=True)
+    assert "blocks" in scanned.cache
+    assert serve(scanned, prompts, max_new_tokens=MAX_NEW) == [tiny.alone(p, "fp32") for p in prompts]
+    assert tiny.counting.traces[("decode", "fp32", True, (SLOTS, 1))] == 1
+
+    # A prefix state taken in one layout restores in the other: the same leaves, the same tokens.
+    scanned.insert(prompts[0], budget=MAX_NEW, slot=0)
+    from_scanned = scanned.save(0)
+    want_tokens, _ = run_steps(scanned, 0, 12)
+    flat = tiny.pool("fp32")
+    flat.insert(prompts[0], budget=MAX_NEW, slot=2)
+    from_flat = flat.save(2)
+    assert sorted(from_scanned.leaves) == sorted(from_flat.leaves)
+    assert from_scanned.fingerprint == from_flat.fingerprint
+    flat.evict(2)
+    flat.restore(from_scanned, budget=MAX_NEW, slot=1)
+    assert run_steps(flat, 1, 12)[0] == want_tokens
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def flip(path, old: bytes, new: bytes, out):
+    data = path.read_bytes()
+    assert data.count(old) >= 1
+    out.write_bytes(data.replace(old, new, 1))
+    return out
+
+
+def test_damaged_and_foreign_files_are_refused_and_change_nothing(tiny, tmp_path):
+    rng = np.random.default_rng([17, len(tiny.name)])
+    prompt = rng.integers(0, VOCAB, WINDOW).tolist()
+    pool = tiny.pool("leapquant")
+    good = ps.save_prefix(tmp_path / "good.safetensors", pool.save(pool.insert(prompt, budget=MAX_NEW)))
+    pool.evict(0)
+    pool.insert(prompts_for(rng, 1)[0], budget=MAX_NEW, slot=1)
+    before, active = leaves(pool.cache), pool.active
+
+    data = good.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + header])["__metadata__"]
+    (tmp_path / "truncated.safetensors").write_bytes(data[:-7])
+    fingerprint = meta["fingerprint"].encode()
+    flipped_meta = flip(good, fingerprint, fingerprint[:-1] + (b"0" if fingerprint[-1:] != b"0" else b"1"),
+                        tmp_path / "meta.safetensors")
+    damaged = bytearray(data)
+    damaged[-3] ^= 0x40  # a byte of the arrays
+    (tmp_path / "bytes.safetensors").write_bytes(bytes(damaged))
+    for bad, words in ((tmp_path / "truncated.safetensors", "not a readable prefix-state file"),
+                       (flipped_meta, "damaged"), (tmp_path / "bytes.safetensors", "damaged")):
+        with pytest.raises(ps.PrefixStateError, match=words):
+            ps.load_prefix(bad)
+
+    other_model = tiny.pool("leapquant", other=True)
+    foreign_weights = other_model.save(other_model.insert(prompt, budget=MAX_NEW))
+    fp32 = tiny.pool("fp32")
+    foreign_method = fp32.save(fp32.insert(prompt, budget=MAX_NEW))
+    for prefix, words in ((foreign_weights, "another model"), (foreign_method, "state method")):
+        loaded = ps.load_prefix(ps.save_prefix(tmp_path / f"{words}.safetensors", prefix))
+        with pytest.raises(ps.PrefixStateError, match=words):
+            pool.restore(loaded, budget=MAX_NEW, slot=0)
+    assert np.array_equal(pool.active, active)
+    assert all(np.array_equal(x, y) for x, y in zip(before, leaves(pool.cache)))
+
+    with pytest.raises(FileExistsError, match="not overwriting"):
+        ps.save_prefix(good, foreign_method)
+    assert good.read_bytes() == data
+    ps.save_prefix(good, foreign_method, overwrite=True)
+    assert ps.load_prefix(good).method == repr(METHODS["fp32"])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_file_keeps_dtypes_safetensors_lacks(tmp_path):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(31)
+    arrays = {"a.bf16": rng.standard_normal((1, 3, 5)).astype(jnp.bfloat16),
+              "a.fp8": rng.standard_normal((1, 4)).astype(jnp.float8_e4m3fn),
+              "b.int8": rng.integers(-128, 128, (1, 2, 2)).astype(np.int8), "pos": np.array([3], np.int32)}
+    prefix = ps.PrefixState(ids=rng.integers(0, VOCAB, 3).astype(np.int32), logits=rng.standard_normal(VOCAB)
+                            .astype(np.float32), leaves=arrays, fingerprint="f" * 64, method="m", model_type="t")
+    back = ps.load_prefix(ps.save_prefix(tmp_path / "prefix.safetensors", prefix))
+    assert sorted(back.leaves) == sorted(arrays)
+    for name, x in arrays.items():
+        got = back.leaves[name]
+        assert got.dtype == x.dtype and got.tobytes() == x.tobytes()
+    assert np.array_equal(back.ids, prefix.ids) and np.array_equal(back.logits, prefix.logits)
+
+
+def test_save_is_refused_off_a_window_boundary(tiny):
+    rng = np.random.default_rng([19, len(tiny.name)])
+    pool = tiny.pool("leapquant")
+    short = pool.insert(rng.integers(0, VOCAB, 5).tolist(), budget=MAX_NEW)
+    with pytest.raises(ps.PrefixStateError, match=f"holds 5 records of its {WINDOW}-record window after 5 tokens"):
+        pool.save(short)
+    window = pool.insert(rng.integers(0, VOCAB, WINDOW).tolist(), budget=MAX_NEW)
+    pool.save(window)
+    for _ in range(3):
+        pool.step()
+    with pytest.raises(ps.PrefixStateError, match=f"holds 3 records of its {WINDOW}-record window after 19 tokens"):
+        pool.save(window)
+
+
+# ----------------------------------------------------------------------------- prefix caching
+
+
+def test_checkpoint_every_keeps_restorable_prefix_states(gdn):
+    method = METHODS["leapquant"]
+    ids = np.random.default_rng(23).integers(0, VOCAB, 2 * WINDOW + 7)
+    cps = ps.checkpoint_every(gdn.arch, gdn.params, gdn.config, ids, method=method)
+    assert cps.positions == (WINDOW, 2 * WINDOW)
+    first, second = cps.states
+    assert second.ids.tolist() == ids[: 2 * WINDOW].tolist()
+    # The recurrent part keeps its size; attention rows grow with the prefix.
+    kv = [n for n in first.leaves if n.startswith("layers.2.")]  # the attention layer's k, v
+    assert len(kv) == 2 and all(first.leaves[n].shape[1] == WINDOW for n in kv)
+    assert all(second.leaves[n].shape[1] == 2 * WINDOW for n in kv)
+    grown = sum(first.leaves[n].nbytes for n in kv) + first.ids.nbytes
+    assert cps.nbytes == (first.nbytes, first.nbytes + grown) and cps.total_bytes == sum(cps.nbytes)
+    # Restoring the first and decoding the next window rebuilds the second bit for bit.
+    cache = ps.restore_cache(gdn.arch, gdn.params, gdn.config, first, method=method, max_len=ids.shape[0])
+    logits, cache = ps.decode_tokens(gdn.arch, gdn.params, gdn.config, cache, ids[None, WINDOW: 2 * WINDOW],
+                                     method=method)
+    again = ps.take_prefix(gdn.arch, gdn.params, gdn.config, cache, 0, method=method, ids=ids[: 2 * WINDOW],
+                           logits=logits[0, -1])
+    assert np.array_equal(again.logits, second.logits)
+    assert sorted(again.leaves) == sorted(second.leaves)
+    assert all(np.array_equal(again.leaves[n], second.leaves[n]) for n in second.leaves)
+    with pytest.raises(ValueError, match="multiple of the method's window p = 16"):
+        ps.checkpoint_every(gdn.arch, gdn.params, gdn.config, ids, method=method, every=24)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def cli(capsys, *argv):
+    from models.cli import main
+
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_saves_and_loads_the_state_after_the_prompt(gdn, tmp_path, capsys):
+    ckpt = save_converted(tmp_path / "ckpt", config_json=gdn.config_json, params=init_params(gdn.config_json, seed=0))
+    other = save_converted(tmp_path / "other", config_json=gdn.config_json,
+                           params=init_params(gdn.config_json, seed=1))
+    rng = np.random.default_rng(29)
+    prompt, more = rng.integers(0, VOCAB, 9).tolist(), rng.integers(0, VOCAB, 4).tolist()
+    ids = ",".join(map(str, prompt))
+    run = ("generate", ckpt, "--max-new-tokens", MAX_NEW, "--stop-ids", "", "--json")
+
+    def generated(*argv):
+        code, out, err = cli(capsys, *run, *argv)
+        assert code == 0, err
+        return json.loads(out)["generated_ids"]
+
+    state = tmp_path / "state.safetensors"
+    plain = generated("--prompt-ids", ids)
+    assert plain == [gdn.alone(prompt, "fp32")]
+    assert generated("--prompt-ids", ids, "--save-state", state) == plain
+    assert generated("--load-state", state) == plain
+    assert generated("--load-state", state, "--prompt-ids", ",".join(map(str, more))) == \
+        [gdn.alone(prompt + more, "fp32")]
+
+    saved = state.read_bytes()
+    for argv, words in (
+        (("--prompt-ids", ids, "--save-state", state), "exists; not overwriting"),
+        (("--prompt-ids", ids, "--prompt-ids", ids, "--save-state", tmp_path / "new"), "takes one prompt"),
+        (("--load-state", state, "--state", "leapquant"), "state method"),
+        (("--load-state", tmp_path / "missing.safetensors"), "no such prefix-state file"),
+        ((), "--prompt or --prompt-ids"),
+    ):
+        code, out, err = cli(capsys, *run, *argv)
+        assert code == 2 and out == "" and words in err, err
+    code, out, err = cli(capsys, "generate", other, "--max-new-tokens", 2, "--load-state", state)
+    assert code == 2 and "another model" in err and "--load-state" in err, err
+    assert state.read_bytes() == saved and not (tmp_path / "new").exists()
