@@ -7,8 +7,12 @@
                            [--commit HASH] [--out bench/results]
 
 Models are random bf16 weights in the shape of a released checkpoint (``MODELS``; ``tiny`` runs
-anywhere in seconds), built on the device from the converter's own params tree, the layers under
-``lax.scan`` (``config.scan_layers``). For each model, context, batch and state format: a cache
+anywhere in seconds), built on the device from the converter's own params tree. ``--layout``:
+the layers one by one (default) or under one ``lax.scan`` (``config.scan_layers``). Measured on
+the H200 (``bench/results/decode-20261130-192128.md`` and ``-192224.md``): scanned, the caches go
+through the scan as stacked inputs and outputs and XLA copies them every step (6x slower at batch
+256, 4K context); unrolled, the 32-layer step compiles in 12 s (fp32 state) to 35 s (LeapQuant).
+For each model, context, batch and state format: a cache
 of ``context + steps`` positions with every sequence at position ``context`` (the attention KV
 cache is allocated to that length and attended over in full; its contents are zeros, which the
 time does not depend on), then ``steps`` teacher-forced decode steps of random tokens in one
@@ -23,12 +27,15 @@ written; LeapQuant: its checkpoint and on average half its window buffer read, o
 written, plus a flush per window, that is checkpoint and buffer read and checkpoint written,
 divided by the window), the KV cache read. ``roofline`` is the time those bytes take at the copy
 bandwidth measured in the same run (a device-to-device copy, bytes read + written); ``x roof`` is
-the step's time over it. Concurrency: how many streams fit ``--budget-gb`` of state memory
+the step's time over it (on a mesh: the bytes over every device's bandwidth, the copy measured on
+one). Concurrency: how many streams fit ``--budget-gb`` of state memory
 (recurrent state only, and recurrent state plus KV cache at the context), counted on the
 measured per-stream bytes.
 
 ``--mesh DATA MODEL`` places the weights and caches on a ``DATA x MODEL`` device mesh
-(``models.sharding``): sequences over ``data``, heads, channels and experts over ``model``.
+(``models.sharding``): sequences over ``data``, heads, channels and experts over ``model``; the
+recurrence runs per shard (``shard_method``). Each row then lists the collectives of the compiled
+step (``collective_bytes``: count and bytes of each kind, every instruction counted once).
 
 Results: ``<out>/decode-<date>.json`` and ``.md`` with the command and the commit.
 """
@@ -42,6 +49,7 @@ import functools
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -202,7 +210,9 @@ def make_steps(arch, config, method, mesh=None):
             logits, cache, _ = arch.forward(params, config, tok[:, None], cache, method=method, mode="decode")
             return constrain_cache(cache, mesh), jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
 
-        return jax.lax.scan(body, cache, ids)
+        cache, out = jax.lax.scan(body, cache, ids)
+        # the next call takes this cache back: its layout must be the one the program was built for
+        return constrain_cache(cache, mesh), out
 
     return run
 
@@ -215,14 +225,24 @@ def time_decode(arch, config, params, method, *, batch: int, context: int, steps
     init = jax.jit(lambda: constrain_cache(arch.init_cache(config, batch=batch, max_len=context + steps,
                                                            method=method), mesh))
     cache = init()
+    def place(x, *spec):
+        if mesh is None:
+            return x
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
     # a fresh array each call: the cache, ``pos`` included, is donated
-    start = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731
-    ids = jax.random.randint(jax.random.PRNGKey(seed), (steps, batch), 0, config.vocab_size, jnp.int32)
-    run = make_steps(arch, config, method, mesh)
+    start = lambda: place(jnp.full((batch,), context, jnp.int32), "data")  # noqa: E731
+    ids = place(jax.random.randint(jax.random.PRNGKey(seed), (steps, batch), 0, config.vocab_size, jnp.int32),
+                None, "data")
+    cache = dict(cache, pos=start())
     t0 = time.perf_counter()
+    run = make_steps(arch, config, method, mesh).lower(params, cache, ids).compile()
+    compile_s = time.perf_counter() - t0
+    collectives = collective_bytes(run.as_text()) if mesh is not None else {}
     cache, out = run(params, dict(cache, pos=start()), ids)
     out.block_until_ready()
-    compile_s = time.perf_counter() - t0
     times = []
     for _ in range(repeats):
         cache = dict(cache, pos=start())
@@ -232,14 +252,42 @@ def time_decode(arch, config, params, method, *, batch: int, context: int, steps
         times.append((time.perf_counter() - t0) / steps)
     finite = bool(np.all((np.asarray(out) >= 0) & (np.asarray(out) < config.vocab_size)))
     del cache
-    return {"step_s": statistics.median(times), "all_step_s": times, "compile_s": compile_s, "tokens_ok": finite}
+    return {"step_s": statistics.median(times), "all_step_s": times, "compile_s": compile_s, "tokens_ok": finite,
+            "collectives": collectives}
 
 
 def build_method(state: str, mesh=None):
+    """The state method of a ``STATES`` label; on ``mesh``, run per shard (``models.sharding.shard_method``)."""
+    from models.sharding import shard_method
+
     name, options = STATES[state]
-    if mesh is not None:
-        options = dict(options, impl="reference")
-    return make_method(name, **options)
+    return shard_method(make_method(name, **options), mesh)
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """Bytes of each kind of collective in a compiled program's HLO, every instruction counted once
+    (the decode step's body holds one per layer and use): ``{kind: {"count", "bytes"}}``. A
+    collective's bytes are its result's (for an asynchronous all-gather, the gathered array)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        shapes = _SHAPE.findall(m.group(1))
+        if not shapes:
+            continue
+        dtype, dims = shapes[-1] if m.group(2) == "all-gather" else shapes[0]
+        size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        bits = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype) or 32)
+        entry = out.setdefault(m.group(2), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += size * max(bits // 8, 1)
+    return out
 
 
 def memory_table(args) -> list:
@@ -299,8 +347,10 @@ def run(args, result: dict, save) -> dict:
                         save(result)
                         continue
                     need = step_bytes(weight_bytes_read(params, config, batch), per_stream[state], batch, state)
+                    # on a mesh every device moves its share at its own bandwidth
+                    total_bw = bandwidth * (1 if mesh is None else mesh.size)
                     row.update(t, ms_per_step=1e3 * t["step_s"], tokens_per_s=batch / t["step_s"], step_bytes=need,
-                               roofline_ms=1e3 * need / bandwidth, x_roof=t["step_s"] * bandwidth / need)
+                               roofline_ms=1e3 * need / total_bw, x_roof=t["step_s"] * total_bw / need)
                     if state == "fp32":
                         fp32_s = t["step_s"]
                     if fp32_s is not None:
@@ -314,22 +364,29 @@ def run(args, result: dict, save) -> dict:
     return result
 
 
+def _collectives(c: dict | None) -> str:
+    if not c:
+        return ""
+    return ", ".join(f"{k} {v['count']} ({v['bytes'] / 1e6:.1f} MB)" for k, v in sorted(c.items()))
+
+
 def markdown(result: dict) -> str:
     """The report: the command, the device, the timing table and the memory table."""
     lines = [f"# Decode benchmark ({result['date']})", "", f"Command: `{result['command']}`  ",
              f"Commit: `{result['commit']}`  ", f"Device: {result['device']}; JAX {result['jax']}  ",
+             f"Mesh (data x model): {result['mesh'] or 'none (one device)'}  ",
              f"Compute: {result['compute']}; layers: {result.get('layout', 'scan')}; copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s (read + written)",
              "", "| model | layers | context | batch | state | ms/step | tokens/s | vs fp32 | roofline ms | x roof |"
-             " compile s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             " compile s | collectives per step |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['layers']} | {r['context']} | {r['batch']} | {r['state']} | "
-                         f"{r['error'][:80]} | | | | | |")
+                         f"{r['error'][:80]} | | | | | | |")
             continue
         vs = f"{r['speedup_vs_fp32']:.2f}x" if "speedup_vs_fp32" in r else ""
         lines.append(f"| {r['model']} | {r['layers']} | {r['context']} | {r['batch']} | {r['state']} | "
                      f"{r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {vs} | {r['roofline_ms']:.2f} | "
-                     f"{r['x_roof']:.2f} | {r['compile_s']:.0f} |")
+                     f"{r['x_roof']:.2f} | {r['compile_s']:.0f} | {_collectives(r.get('collectives'))} |")
     lines += ["", f"Memory per stream and concurrency at a budget of {result['budget_gb']} GB:", "",
               "| model | context | state | recurrent state | checkpoint | vs fp32 | KV cache | streams (state) |"
               " vs fp32 | streams (state + KV) | vs fp32 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -349,7 +406,7 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096])
     ap.add_argument("--states", nargs="+", default=list(STATES), choices=list(STATES))
     ap.add_argument("--compute", default=FAST, choices=COMPUTE_MODES)
-    ap.add_argument("--layout", default="scan", choices=("scan", "unrolled"),
+    ap.add_argument("--layout", default="unrolled", choices=("scan", "unrolled"),
                     help="layers under one lax.scan (config.scan_layers) or one by one")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)

@@ -30,8 +30,7 @@ import numpy as np
 import leapquant_jax
 from leapquant_jax.traces import Trace, save_trace
 from models.calibrate import check_state_method
-from models.sharding import check_method as check_sharded_method
-from models.sharding import constrain_cache, shard_batch, shard_params
+from models.sharding import constrain_cache, shard_batch, shard_method, shard_params
 from models.layers import Sampling, sample_next
 
 Array = jax.Array
@@ -174,7 +173,7 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
     stop = jnp.asarray(stop_ids.tolist() or [-1], jnp.int32)
     ids, lengths = jnp.asarray(ids), jnp.asarray(lengths)
     if mesh is not None:
-        check_sharded_method(method)
+        method = shard_method(method, mesh)
         params = shard_params(params, mesh)
         ids, lengths = shard_batch(ids, mesh, name="prompts"), shard_batch(lengths, mesh, name="prompts")
     tokens, count, pre, dec = _generate(
@@ -239,7 +238,7 @@ def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bo
     check_state_method(method, arch, config, params)
     ids = jnp.asarray(ids, jnp.int32)
     if mesh is not None:
-        check_sharded_method(method)
+        method = shard_method(method, mesh)
         params, ids = shard_params(params, mesh), shard_batch(ids, mesh)
     logits, traces = _score(arch, params, config, ids, method=method, prefill_len=prefill_len, record=record,
                             mesh=mesh)

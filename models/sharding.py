@@ -21,13 +21,15 @@ placed on it, and the cache held to its layout inside the compiled decode loop.
 ``models.decode.score`` and ``generate`` take ``mesh=``: the weights are placed by
 ``param_specs``, the batch over ``data``, and the cache is constrained to ``cache_specs`` where it
 is made and after every step, so XLA's partitioner (GSPMD) runs each device's part of every layer
-and inserts the collectives. On a GPU the Pallas kernels are custom calls the partitioner cannot
-split: a sharded decode there runs the reference recurrence (``impl="reference"``) until the
-kernels run per shard under ``shard_map`` (``check_method`` refuses anything else there).
+and inserts the collectives. The recurrence itself runs per shard: ``shard_method(method, mesh)``
+wraps the state method so that its ``step`` and ``prefill`` run under ``shard_map``, each device
+on its own sequences and heads (the Pallas kernels are custom calls the partitioner cannot split,
+and the recurrence needs no communication: heads are independent).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import jax
@@ -128,13 +130,83 @@ def constrain_cache(cache: Any, mesh: Optional[Mesh]) -> Any:
     return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), cache, specs)
 
 
-def check_method(method: Any) -> None:
-    """Raises ``ValueError`` for a state method a sharded decode cannot run here: on a GPU, a
-    windowed method whose ``impl`` may pick the Pallas kernels (they are not split per shard yet)."""
-    config = getattr(method, "config", None)
-    if config is not None and getattr(config, "impl", "reference") != "reference" and jax.default_backend() == "gpu":
-        raise ValueError(f"a sharded decode on GPUs runs the reference recurrence: build {method.name!r} with "
-                         f"impl='reference' (got impl={config.impl!r}; the Pallas kernels do not run per shard yet)")
+def _state_specs(state: Any) -> Any:
+    # every state leaf is [B, H, ...] (a stream's position: [B])
+    return jax.tree.map(lambda x: P("data", "model") if np.ndim(x) >= 2 else P("data"), state)
+
+
+def _check_split(mesh: Mesh, **sizes: int) -> None:
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    for name, n in sizes.items():
+        axis, size = ("data", data) if name == "batch" else ("model", model)
+        if n % size:
+            raise ValueError(f"a {name} of {n} does not split over the mesh's {axis} axis of {size}")
+
+
+def _shard_map(fn, mesh: Mesh, in_specs, out_specs):
+    # The kernels' custom calls carry no varying-axis annotations for the checker to read.
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedMethod:
+    """A state method (``leapquant_jax.make_method``) whose ``step`` and ``prefill`` run per shard
+    under ``shard_map`` on ``mesh``: sequences over ``data``, heads over ``model``. Every other
+    attribute is the wrapped method's."""
+
+    inner: Any
+    mesh: Mesh
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "mesh"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def for_layer(self, i: int) -> "ShardedMethod":
+        return ShardedMethod(self.inner.for_layer(i), self.mesh)
+
+    def step(self, state: Any, *, q, k, v, g, beta, active=None):
+        """The wrapped ``step`` per shard. q, k ``[B, Hk, dk]``; v ``[B, H, dv]``; g ``[B, H]`` or
+        ``[B, H, dk]``; beta ``[B, H]``; active ``[B]``. Returns ``(o [B, H, dv], state)``."""
+        _check_split(self.mesh, batch=q.shape[0], key_heads=q.shape[1], heads=v.shape[1])
+        heads, batch = P("data", "model"), P("data")
+        specs = _state_specs(state)
+        args = (state, q, k, v, g, beta)
+        in_specs = (specs, heads, heads, heads, heads, heads)
+
+        def local(state, q, k, v, g, beta, *rest):
+            return self.inner.step(state, q=q, k=k, v=v, g=g, beta=beta, active=rest[0] if rest else None)
+
+        if active is not None:
+            args, in_specs = args + (active,), in_specs + (batch,)
+        return _shard_map(local, self.mesh, in_specs, (heads, specs))(*args)
+
+    def prefill(self, *, q, k, v, g, beta, lengths=None, state=None):
+        """The wrapped ``prefill`` per shard. q, k ``[B, T, Hk, dk]``; v ``[B, T, H, dv]``; g, beta
+        ``[B, T, H, ...]``; lengths ``[B]``. Returns ``(o [B, T, H, dv], state)``."""
+        _check_split(self.mesh, batch=q.shape[0], key_heads=q.shape[2], heads=v.shape[2])
+        seq, batch = P("data", None, "model"), P("data")
+        out_state = _state_specs(jax.eval_shape(lambda: self.inner.init(
+            q.shape[0], v.shape[2], q.shape[-1], v.shape[-1], per_channel_decay=g.ndim == 4)))
+        args, in_specs = (q, k, v, g, beta), (seq,) * 5
+        names = ["lengths", "state"]
+        given = [x for x in (lengths, state) if x is not None]
+        in_specs += tuple(batch if n == "lengths" else _state_specs(state)
+                          for n, x in zip(names, (lengths, state)) if x is not None)
+
+        def local(q, k, v, g, beta, *rest):
+            extra = dict(zip([n for n, x in zip(names, (lengths, state)) if x is not None], rest))
+            return self.inner.prefill(q=q, k=k, v=v, g=g, beta=beta, **extra)
+
+        return _shard_map(local, self.mesh, in_specs, (seq, out_state))(*args, *given)
+
+
+def shard_method(method: Any, mesh: Optional[Mesh]) -> Any:
+    """``method`` with its recurrence run per shard on ``mesh`` (``ShardedMethod``); ``method``
+    itself without a mesh."""
+    if mesh is None or isinstance(method, ShardedMethod):
+        return method
+    return ShardedMethod(method, mesh)
 
 
 def shard_batch(ids: Any, mesh: Mesh, *, name: str = "ids") -> jax.Array:
@@ -146,4 +218,5 @@ def shard_batch(ids: Any, mesh: Mesh, *, name: str = "ids") -> jax.Array:
     return jax.device_put(ids, NamedSharding(mesh, P("data")))
 
 
-__all__ = ["AXES", "cache_specs", "check_method", "constrain_cache", "make_mesh", "param_specs", "shard_batch", "shard_params"]
+__all__ = ["AXES", "ShardedMethod", "cache_specs", "constrain_cache", "make_mesh", "param_specs", "shard_batch",
+           "shard_method", "shard_params"]
