@@ -3,7 +3,8 @@ architectures (tiny configs with 8 heads), the fp32 and LeapQuant states and the
 and 8x1, the sharded logits equal the unsharded ones (fp32: to round-off; LeapQuant: a different
 summation order can move a code across a rounding boundary, so the sharded logits must be as close
 to fp32's as the unsharded ones), greedy tokens are the same, and every state leaf is split by
-head. The Pallas kernels (interpret mode) run per shard with the layers scanned, on the 2x4 mesh. The checks run in a child process: the device count is fixed when JAX starts."""
+head. The Pallas kernels (interpret mode) run per shard with the layers scanned, on the 2x4 mesh
+(the dense fp32 step on GDN, the LeapQuant step and flush on KDA). The checks run in a child process: the device count is fixed when JAX starts."""
 
 from __future__ import annotations
 
@@ -65,18 +66,17 @@ for arch in ("gdn", "kda"):
 # the kernels per shard: Pallas (interpret mode here) under shard_map, scanned layers
 import dataclasses
 from models.base import scan_params
-for arch in ("gdn", "kda"):
+mesh = make_mesh(2, 4)
+for arch, name in (("gdn", "fp32"), ("kda", "leapquant")):
     a, cfg, params = tiny(arch)
-    mesh = make_mesh(2, 4)
-    for name in ("fp32", "leapquant"):
-        ref_m = make_method(name, window=4) if name == "leapquant" else make_method(name)
-        ker_m = make_method(name, window=4, impl="pallas") if name == "leapquant" else make_method(name, impl="pallas")
-        ref = score(a, params, cfg, ids[:, :6], method=ref_m)[0]
-        scfg = dataclasses.replace(cfg, scan_layers=True)
-        got = score(a, scan_params(params, cfg), scfg, ids[:, :6], method=ker_m, mesh=mesh)[0]
-        fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
-        out["runs"].append({"arch": arch, "method": name + "-pallas", "mesh": [2, 4], "to_unsharded": rel(got, ref),
-                            "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)})
+    ref_m = make_method(name, window=4) if name == "leapquant" else make_method(name)
+    ker_m = make_method(name, window=4, impl="pallas") if name == "leapquant" else make_method(name, impl="pallas")
+    ref = score(a, params, cfg, ids[:, :6], method=ref_m)[0]
+    scfg = dataclasses.replace(cfg, scan_layers=True)
+    got = score(a, scan_params(params, cfg), scfg, ids[:, :6], method=ker_m, mesh=mesh)[0]
+    fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
+    out["runs"].append({"arch": arch, "method": name + "-pallas", "mesh": [2, 4], "to_unsharded": rel(got, ref),
+                        "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)})
 from models.sharding import shard_batch
 try:
     shard_batch(np.zeros((3, 2), np.int32), make_mesh(2, 4))
@@ -101,7 +101,7 @@ def test_sharded_decoding_matches_unsharded(runs):
     assert runs["devices"] == 8
     got = {(r["arch"], r["method"], tuple(r["mesh"])) for r in runs["runs"]}
     assert got == ({(a, m, s) for a in ("gdn", "kda") for m in ("fp32", "leapquant") for s in ((1, 8), (2, 4), (8, 1))}
-                   | {(a, m + "-pallas", (2, 4)) for a in ("gdn", "kda") for m in ("fp32", "leapquant")})
+                   | {("gdn", "fp32-pallas", (2, 4)), ("kda", "leapquant-pallas", (2, 4))})
     for r in runs["runs"]:
         if r["method"] in ("fp32", "fp32-pallas"):
             assert r["to_unsharded"] < 1e-5, r
