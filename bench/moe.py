@@ -7,7 +7,7 @@ For each token count: ``ragged`` (sorted pairs, one ``lax.ragged_dot`` per proje
 ``scan`` (experts one by one over all tokens, masked) on the same random bf16 weights and uniform
 random routing, both checked against each other; median ms over ``repeats`` calls after a
 warm-up. The defaults are Kimi-Linear-48B-A3B's expert shape. Results: ``<out>/moe-<date>.json``
-and ``.md``; ``models.moe.pick_algorithm("auto")`` follows them.
+and ``.md``; ``models.moe.pick_algorithm("auto")`` picks the faster one measured.
 """
 
 from __future__ import annotations

@@ -7,12 +7,14 @@ Kimi's ``w1``/``w3``/``w2``, transformers' fused ``gate_up_proj``); the routers 
 models.
 
 Many tokens (prefill, large decode batches) run one of two algorithms over the same weights:
+``"scan"`` visits the experts one at a time in a ``lax.scan`` over all tokens and masks by the
+routing weights (``E / k`` times the arithmetic of the routed pairs, in plain dense matmuls);
 ``"ragged"`` sorts the (token, expert) pairs by expert and runs one ``lax.ragged_dot`` per
-projection (each expert's weights read once, only the routed pairs computed); ``"scan"`` visits
-the experts one at a time in a ``lax.scan`` over all tokens and masks by the routing weights
-(``E / k`` times the arithmetic, but plain dense matmuls). ``"auto"`` picks by backend as
-measured by ``python -m bench.moe``: ``scan`` on the CPU, where XLA's ``ragged_dot`` is slow
-(512 tokens, 32 experts, top 4: 44 ms against 157 ms), ``ragged`` elsewhere.
+projection (only the routed pairs computed). ``"auto"`` is ``scan``, the faster one measured by
+``python -m bench.moe``: on the H200 (JAX 0.11.2, 256 experts, top 8, ``D`` 2304, ``I`` 1024,
+``bench/results/moe-20261130-194946.md``) 24 against 85 ms at 2,048 tokens and 76 against 340 ms
+at 8,192, a tie at 256 (10.2 against 9.6 ms); on a 2-core CPU 44 against 157 ms at 512 tokens
+over 32 experts.
 """
 
 from __future__ import annotations
@@ -30,12 +32,10 @@ ALGORITHMS = ("auto", "ragged", "scan")
 
 
 def pick_algorithm(algorithm: str) -> str:
-    """``"ragged"`` or ``"scan"`` for ``algorithm`` (``"auto"``: by the default backend)."""
+    """``"ragged"`` or ``"scan"`` for ``algorithm`` (``"auto"``: ``scan``, module docstring)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"MoE algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if algorithm == "auto":
-        return "scan" if jax.default_backend() == "cpu" else "ragged"
-    return algorithm
+    return "scan" if algorithm == "auto" else algorithm
 
 
 def routed_experts(x: Array, weights: Array, idx: Array, *, w1: Array, w3: Array, w2: Array,
