@@ -53,6 +53,28 @@ def _load(path):
     return arch, config, to_device(params), config_json
 
 
+def _add_runtime_options(p: argparse.ArgumentParser, *, compute: str, why: str) -> None:
+    """``--compute`` (default ``compute``; ``why`` says why that default) and ``--scan-layers``:
+    how the model runs (``models.base.with_runtime``), not what it is."""
+    from models.layers import COMPUTE_MODES
+
+    p.add_argument("--compute", choices=COMPUTE_MODES, default=compute,
+                   help="matmul precision: exact (fp32 operands) or fast (bf16 operands, fp32 accumulation, "
+                        f"bf16 attention caches); {why}")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the repeating blocks of layers under one lax.scan (a smaller program, a slower step "
+                        "on a GPU); the same model and tokens up to round-off")
+
+
+def _load_runtime(args):
+    """``_load`` of ``args.checkpoint``, set to run as ``--compute`` and ``--scan-layers`` say."""
+    from models.base import with_runtime
+
+    arch, config, params, config_json = _load(args.checkpoint)
+    config, params = with_runtime(config, params, compute=args.compute, scan_layers=args.scan_layers)
+    return arch, config, params, config_json
+
+
 def _check_checkpoint(path) -> None:
     if not Path(path).is_dir():
         raise FileNotFoundError(f"checkpoint {path}: no such directory")
@@ -150,6 +172,10 @@ def run_generate(args) -> int:
     prefix = None
     if args.load_state is not None:
         prefix = load_prefix(args.load_state)
+        if prefix.compute != args.compute:
+            raise PrefixStateError(f"--load-state {args.load_state} was saved under --compute {prefix.compute} and "
+                                   f"this run has --compute {args.compute}: pass --compute {prefix.compute} to "
+                                   "load it")
     tokenizer = _tokenizer(args.checkpoint)
     if args.prompt:
         if tokenizer is None:
@@ -158,7 +184,7 @@ def run_generate(args) -> int:
     else:
         prompts, flag = list(args.prompt_ids or []), "--prompt-ids"
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    arch, config, params, config_json = _load(args.checkpoint)
+    arch, config, params, config_json = _load_runtime(args)
     for b, p in enumerate(prompts):
         check_token_ids(p, config.vocab_size, name=flag if len(prompts) == 1 else f"{flag} (prompt {b + 1})")
     if args.stop_ids is not None:
@@ -175,12 +201,12 @@ def run_generate(args) -> int:
         except PrefixStateError as err:
             if prefix is None:
                 raise PrefixStateError(f"--save-state: {err}") from None
-            raise PrefixStateError(f"--load-state {args.load_state}: {err} (load it with the checkpoint and "
-                                   "--state options it was saved with)") from None
+            raise PrefixStateError(f"--load-state {args.load_state}: {err} (load it with the checkpoint, "
+                                   "--state options and --compute it was saved with)") from None
         if state is not None:
             save_prefix(args.save_state, state)
         generated = [tokens]
-        prompts = [(prefix.ids.tolist() if prefix is not None else []) + [int(t) for t in (prompts or [[]])[0]]]
+        prompts = [(prefix.all_ids.tolist() if prefix is not None else []) + [int(t) for t in (prompts or [[]])[0]]]
     else:
         gen = generate(arch, params, config, prompts, method=method, max_new_tokens=args.max_new_tokens,
                        sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces))
@@ -190,6 +216,7 @@ def run_generate(args) -> int:
     texts = [tokenizer.decode(t) for t in generated] if tokenizer is not None else None
     if args.json:
         result = {"command": "generate", "checkpoint": str(args.checkpoint), "method": method_label(args),
+                  "compute": args.compute, "scan_layers": args.scan_layers,
                   "prompt_ids": [list(map(int, p)) for p in prompts], "generated_ids": generated,
                   "stop_ids": list(stop), "seconds": round(seconds, 3), "traces": traces}
         if args.load_state is not None:
@@ -213,7 +240,7 @@ def run_score(args) -> int:
     _check_output(args.out, "--out", folder=False)
     _check_output(args.record_traces, "--record-traces", folder=True)
     ids = _load_ids(args.ids_file)
-    arch, config, params, _ = _load(args.checkpoint)
+    arch, config, params, _ = _load_runtime(args)
     ids = check_token_ids(ids, config.vocab_size, name="--ids-file ids")
     t0 = time.time()
     logits, traces = score(arch, params, config, ids, method=method, record=bool(args.record_traces))
@@ -224,8 +251,8 @@ def run_score(args) -> int:
     written = [str(p) for p in write_traces(args.record_traces, traces)] if args.record_traces else []
     if args.json:
         print(json.dumps({"command": "score", "checkpoint": str(args.checkpoint), "method": method_label(args),
-                          "shape": list(logits.shape), "out": str(out), "seconds": round(seconds, 3),
-                          "traces": written}))
+                          "compute": args.compute, "scan_layers": args.scan_layers, "shape": list(logits.shape),
+                          "out": str(out), "seconds": round(seconds, 3), "traces": written}))
     else:
         print(f"wrote {out} {tuple(logits.shape)}")
     return 0
@@ -256,10 +283,13 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--stop-ids", type=_id_list,
                    help="comma-separated stop ids, '' for none (default: the checkpoint's eos ids)")
     p.add_argument("--save-state", type=Path, metavar="FILE",
-                   help="save the state right after the prompt (one prompt; a LeapQuant state only at a window "
-                        "boundary, a prompt of a multiple of --window tokens) to a new prefix-state file")
+                   help="save the state after the prompt (one prompt) to a new prefix-state file: a windowed "
+                        "state (leapquant, ...) at the prompt's last window boundary, with the prompt tokens after "
+                        "it, which a load feeds through decode steps; the tokens are those a load of the file "
+                        "gives (a run without the file prefills the whole prompt: the same up to round-off)")
     p.add_argument("--load-state", type=Path, metavar="FILE",
-                   help="start from a --save-state file of the same checkpoint and --state options")
+                   help="start from a --save-state file of the same checkpoint, --state options and --compute")
+    _add_runtime_options(p, compute="fast", why="fast is what serving engines run")
     _add_state_options(p)
     p.set_defaults(func=run_generate)
 
@@ -267,6 +297,8 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
     p.add_argument("--ids-file", required=True, type=Path, help=".npy int array [B, T]")
     p.add_argument("--out", required=True, type=Path, help=".npy float32 logits [B, T, vocab]")
+    _add_runtime_options(p, compute="exact", why="exact leaves the state format as the only difference between "
+                                                 "runs")
     _add_state_options(p)
     p.set_defaults(func=run_score)
 

@@ -11,17 +11,29 @@ consumed (its *prefix*): every leaf of its cache row, with two reductions.
 * Attention caches (KV, or MLA's latents) keep their first ``n`` positions, ``n`` the prefix
   length, not the cache's ``max_len``; the restore pads them with zeros, which attention masks.
 
-With them: the prefix ``ids [n]`` and the ``logits [vocab]`` that follow them, from which the
-next token is sampled. Leaves are named per layer (``layers.3.state.checkpoint.residual.codes``)
-whatever the cache layout (``config.scan_layers``), so a prefix taken in one layout restores in
-the other.
+With them: the prefix ``ids [n]``, the ``logits [vocab]`` that follow them (from which the next
+token is sampled), and ``pending [m]``, tokens that follow the prefix but are not in its state.
+A sequence of any length ``L`` is kept (``models.serving.DecodePool.boundary_state``, what
+``generate --save-state`` writes) as its state at its last window boundary ``B`` (``L`` rounded
+down to a multiple of the window ``p``, ``window_boundary``) and the ``L - B < p`` tokens after
+it as pending ids, which a restore feeds through decode steps
+(``models.serving.DecodePool.restore``). A per-step method's window is one token: its prefix
+holds every token and no pending ids. A sequence shorter than one window keeps the empty state
+(``n = 0``: no ids, and no logits, ``logits [0]``) and all its tokens as pending ids.
+
+Leaves are named per layer (``layers.3.state.checkpoint.residual.codes``) whatever the cache
+layout (``config.scan_layers``), so a prefix taken in one layout restores in the other. The
+model's ``compute`` (``models.layers``: ``exact`` or ``fast``) is recorded: it sets the dtype of
+the attention caches and the rounding of every matmul the sequence continues with, so a prefix
+restores only under the ``compute`` it was made with.
 
 A file is a safetensors file: the arrays, and string metadata with a format version, the model's
 fingerprint (``models.calibrate.model_fingerprint``), the state method's identity (its
-``repr``), the layout of every array (name, dtype, shape) and a sha256 digest of all of it.
-``load_prefix`` refuses a damaged file and ``check_prefix`` one made for another model or
-method, with ``PrefixStateError``, before anything is restored. dtypes safetensors cannot store
-(``bfloat16``, the ``float8`` formats) travel as unsigned integers of the same width.
+``repr``), the ``compute``, the layout of every array (name, dtype, shape) and a sha256 digest
+of all of it (the pending ids included). ``load_prefix`` refuses a damaged file and
+``check_prefix`` one made for another model, method or ``compute``, with ``PrefixStateError``,
+before anything is restored. dtypes safetensors cannot store (``bfloat16``, the ``float8``
+formats) travel as unsigned integers of the same width.
 
 ``checkpoint_every`` takes prefix states every ``N`` tokens of a long sequence teacher-forced
 through the decode step: the prefix-caching analog, with the bytes each one holds.
@@ -48,9 +60,12 @@ from models.base import finish_cache, layer_caches, take_rows
 Array = jax.Array
 
 FORMAT = "leapquant-prefix-state"
-VERSION = "1"
+# Version 2 added the pending ids and the compute.
+VERSION = "2"
 # Metadata keys of a file, all covered by its digest (besides the digest itself).
-META_KEYS = ("format", "version", "model_type", "fingerprint", "method", "layout")
+META_KEYS = ("format", "version", "model_type", "fingerprint", "method", "compute", "layout")
+# Arrays of a file besides the cache leaves (``CACHE_PREFIX`` + leaf name).
+TOKEN_ARRAYS = ("ids", "pending", "logits")
 CACHE_PREFIX = "cache."
 # dtypes safetensors stores as they are; any other travels as an unsigned integer of its width.
 NATIVE_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -61,16 +76,24 @@ DEFAULT_EVERY = 16
 
 class PrefixStateError(ValueError):
     """A prefix state that cannot be taken, read or restored: off a window boundary, a damaged
-    file, or a file made for another model or state method."""
+    file, or a file made for another model, state method or compute."""
+
+
+def _no_ids() -> np.ndarray:
+    return np.zeros((0,), np.int32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrefixState:
-    """One sequence's state after its prefix (module docstring).
+    """One sequence's state after its prefix, and the tokens that follow it (module docstring).
 
-    ids ``[n]`` int32, the prefix; logits ``[vocab]`` float32, the next-token logits after it;
+    ids ``[n]`` int32, the prefix, the tokens the state has consumed (``n >= 0``);
+    logits ``[vocab]`` float32, the next-token logits after them (``[0]`` when ``n = 0``);
     leaves: name -> array ``[1, ...]`` (batch of one; attention caches ``[1, n, ...]``);
-    fingerprint, method, model_type: the model and state method it belongs to.
+    fingerprint, method, model_type, compute: the model, state method and ``config.compute``
+    it belongs to; pending ``[m]`` int32, tokens after the prefix that are not in the state,
+    fed through decode steps on restore (empty for a state taken where the sequence ends).
+    ``n + m >= 1``.
     """
 
     ids: np.ndarray
@@ -79,11 +102,19 @@ class PrefixState:
     fingerprint: str
     method: str
     model_type: str
+    compute: str
+    pending: np.ndarray = dataclasses.field(default_factory=_no_ids)
 
     @property
     def length(self) -> int:
-        """Tokens consumed (the prefix length ``n``)."""
+        """Tokens the state has consumed (the prefix length ``n``), the pending ids not counted."""
         return int(self.ids.shape[0])
+
+    @property
+    def all_ids(self) -> np.ndarray:
+        """``[n + m]`` int32: the prefix, then the pending ids; every token a sequence restored
+        from this state has consumed once its pending ids are fed."""
+        return np.concatenate([self.ids, self.pending]).astype(np.int32)
 
     @property
     def state_bytes(self) -> int:
@@ -92,8 +123,16 @@ class PrefixState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in all: the cache leaves, the ids and the logits."""
-        return self.state_bytes + int(self.ids.nbytes) + int(self.logits.nbytes)
+        """Bytes held in all: the cache leaves, the ids, the pending ids and the logits."""
+        return self.state_bytes + int(self.ids.nbytes) + int(self.pending.nbytes) + int(self.logits.nbytes)
+
+
+def window_boundary(length: int, method) -> int:
+    """The last window boundary at or before ``length`` tokens of a stream started at a boundary:
+    ``length`` rounded down to a multiple of ``method.window`` (``length`` itself for a per-step
+    method, whose window is one token)."""
+    p = int(getattr(method, "window", 1))
+    return int(length) // p * p
 
 
 # ----------------------------------------------------------------------------- leaf names
@@ -134,9 +173,11 @@ def empty_cache(arch, config, *, method, batch: int, max_len: int):
     return arch.init_cache(config, batch=batch, max_len=max_len, method=method)
 
 
+@functools.lru_cache(maxsize=64)
 def _layout(arch, config, method) -> tuple[dict, dict]:
     """``(shapes, length_axes)`` of a batch-1 prefix's kept leaves: name -> ``ShapeDtypeStruct``
-    (at ``max_len`` 1), and name -> the axis that grows with ``max_len`` (attention caches)."""
+    (at ``max_len`` 1), and name -> the axis that grows with ``max_len`` (attention caches).
+    Cached (tracing a LeapQuant ``init_cache`` takes a tenth of a second): callers only read it."""
     def kept(max_len):
         return jax.eval_shape(
             lambda: _saved_named(_per_layer(arch.init_cache(config, batch=1, max_len=max_len, method=method),
@@ -154,23 +195,37 @@ def _layout(arch, config, method) -> tuple[dict, dict]:
 # ----------------------------------------------------------------------------- take / check / restore
 
 
-def take_prefix(arch, params, config, cache, row: int, *, method, ids, logits) -> PrefixState:
+def take_prefix(arch, params, config, cache, row: int, *, method, ids, logits, pending=()) -> PrefixState:
     """The prefix state of sequence ``row`` of ``cache`` (any batch, any layout), in host memory.
 
-    ids: the ``n`` tokens the row has consumed (``n == cache["pos"][row]``); logits ``[vocab]``:
-    its next-token logits. Raises ``PrefixStateError`` when a LeapQuant stream of the row is off
-    its window boundary (records held in the open window).
+    ids: the ``n`` tokens the row has consumed (``n == cache["pos"][row]``, 0 for an empty row);
+    logits ``[vocab]``: its next-token logits (``None`` when ``n = 0``: none follow no token);
+    pending ``[m]``: tokens that follow, kept with the state for a restore to feed
+    (``n + m >= 1``). Raises ``PrefixStateError`` when a LeapQuant stream of the row is off its
+    window boundary (records held in the open window).
     """
     from models.calibrate import model_fingerprint
+    from models.decode import check_token_ids
 
     batch = cache["pos"].shape[0]
     if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < batch:
         raise ValueError(f"row must be an integer in [0, {batch}), got {row!r}")
     sub = jax.tree.map(np.asarray, _per_layer(take_rows(cache, jnp.asarray([row], jnp.int32)), config))
     n = int(sub["pos"][0])
-    ids = np.asarray(ids, np.int32).reshape(-1)
+    ids = check_token_ids(ids, config.vocab_size, name="ids").reshape(-1)
     if ids.shape[0] != n:
         raise ValueError(f"ids hold {ids.shape[0]} tokens but row {row} of the cache has consumed {n}")
+    pending = check_token_ids(pending, config.vocab_size, name="pending").reshape(-1)
+    if n + pending.shape[0] < 1:
+        raise ValueError("a prefix state holds at least one token: the row has consumed none and no pending ids "
+                         "were given")
+    if n == 0:
+        if logits is not None and np.size(logits):
+            raise ValueError("an empty row (no token consumed) has no next-token logits; pass logits=None")
+        logits = np.zeros((0,), np.float32)
+    elif logits is None or np.size(logits) != config.vocab_size:
+        raise ValueError(f"logits must be the row's next-token logits [{config.vocab_size}], got "
+                         f"{None if logits is None else np.shape(logits)}")
     for path, x in jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_stream)[0]:
         if _is_stream(x) and int(x.pos[0]):
             where = ".".join(_key_name(k) for k in path)
@@ -185,12 +240,14 @@ def take_prefix(arch, params, config, cache, row: int, *, method, ids, logits) -
         leaves[name] = np.take(x, np.arange(n), axis=axes[name]) if name in axes else x
     logits = np.asarray(logits, np.float32).reshape(-1)
     return PrefixState(ids=ids, logits=logits, leaves=leaves, fingerprint=model_fingerprint(config, params),
-                       method=repr(method), model_type=str(config.model_type))
+                       method=repr(method), model_type=str(config.model_type), compute=str(config.compute),
+                       pending=pending)
 
 
 def check_prefix(prefix: PrefixState, arch, params, config, *, method) -> None:
-    """Raises ``PrefixStateError`` unless ``prefix`` belongs to this model (fingerprint) and state
-    method (``repr``) and every leaf has the name, dtype and shape this model's cache needs."""
+    """Raises ``PrefixStateError`` unless ``prefix`` belongs to this model (fingerprint), state
+    method (``repr``) and ``config.compute``, its ids and pending ids are token ids of this
+    vocabulary, and every leaf has the name, dtype and shape this model's cache needs."""
     from models.calibrate import model_fingerprint
 
     if prefix.model_type != str(config.model_type):
@@ -201,14 +258,22 @@ def check_prefix(prefix: PrefixState, arch, params, config, *, method) -> None:
                                f"{prefix.fingerprint[:12]}..., this model's is {fingerprint[:12]}...)")
     if prefix.method != repr(method):
         raise PrefixStateError(f"the prefix state was saved with state method {prefix.method}, not {method!r}")
+    if prefix.compute != config.compute:
+        # Caught before the leaves: under the other compute the attention caches have another
+        # dtype, and a restored state would continue with matmuls rounded unlike its own.
+        raise PrefixStateError(f"the prefix state was made with compute={prefix.compute!r} and this model runs "
+                               f"with compute={config.compute!r}; restore it under compute={prefix.compute!r}")
     n = prefix.length
-    if prefix.ids.dtype != np.int32 or prefix.ids.ndim != 1 or n < 1:
-        raise PrefixStateError(f"the prefix ids must be int32 [n] with n >= 1, got {prefix.ids.dtype} "
-                               f"{prefix.ids.shape}")
-    if prefix.ids.min() < 0 or prefix.ids.max() >= config.vocab_size:
-        raise PrefixStateError(f"the prefix ids fall outside the vocabulary [0, {config.vocab_size})")
-    if prefix.logits.dtype != np.float32 or prefix.logits.shape != (config.vocab_size,):
-        raise PrefixStateError(f"the prefix logits must be float32 [{config.vocab_size}], got "
+    for name, ids in (("ids", prefix.ids), ("pending ids", prefix.pending)):
+        if ids.dtype != np.int32 or ids.ndim != 1:
+            raise PrefixStateError(f"the prefix {name} must be int32 [n], got {ids.dtype} {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+            raise PrefixStateError(f"the prefix {name} fall outside the vocabulary [0, {config.vocab_size})")
+    if n + prefix.pending.shape[0] < 1:
+        raise PrefixStateError("the prefix state holds no token (no ids, no pending ids)")
+    vocab = config.vocab_size if n else 0  # no logits follow an empty prefix
+    if prefix.logits.dtype != np.float32 or prefix.logits.shape != (vocab,):
+        raise PrefixStateError(f"the prefix logits must be float32 [{vocab}] after {n} ids, got "
                                f"{prefix.logits.dtype} {prefix.logits.shape}")
     shapes, axes = _layout(arch, config, method)
     problems = [f"missing leaf {name}" for name in shapes if name not in prefix.leaves]
@@ -230,12 +295,16 @@ def check_prefix(prefix: PrefixState, arch, params, config, *, method) -> None:
 
 
 def restore_cache(arch, params, config, prefix: PrefixState, *, method, max_len: int):
-    """A batch-1 cache of ``max_len`` positions (in ``config``'s layout) holding ``prefix``:
-    attention caches zero-padded past the prefix, LeapQuant streams with an empty window.
+    """A batch-1 cache of ``max_len`` positions (in ``config``'s layout) holding ``prefix``'s
+    state, after its ``ids``: attention caches zero-padded past the prefix, LeapQuant streams
+    with an empty window. Its pending ids are the caller's to feed (``decode_tokens``;
+    ``models.serving.DecodePool.restore`` does), so ``max_len`` must hold them too.
     ``check_prefix`` runs first: nothing is built for a prefix of another model or method."""
     check_prefix(prefix, arch, params, config, method=method)
-    if prefix.length > max_len:
-        raise ValueError(f"the prefix holds {prefix.length} tokens, more than max_len = {max_len}")
+    m = prefix.pending.shape[0]
+    if prefix.length + m > max_len:
+        raise ValueError(f"the prefix holds {prefix.length} tokens and {m} pending ids, more than "
+                         f"max_len = {max_len}")
     empty = jax.eval_shape(lambda: _per_layer(arch.init_cache(config, batch=1, max_len=max_len, method=method),
                                               config))
     _, axes = _layout(arch, config, method)
@@ -291,12 +360,12 @@ def save_prefix(path, prefix: PrefixState, *, overwrite: bool = False) -> Path:
         raise IsADirectoryError(f"{path} is a folder; give a file name for the prefix state")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; not overwriting it")
-    arrays = {"ids": prefix.ids, "logits": prefix.logits}
+    arrays = {"ids": prefix.ids, "pending": prefix.pending, "logits": prefix.logits}
     arrays.update({CACHE_PREFIX + name: x for name, x in prefix.leaves.items()})
     layout = [[name, np.asarray(x).dtype.name, list(np.shape(x))] for name, x in arrays.items()]
     stored = {name: _stored(np.asarray(x)) for name, x in arrays.items()}
     meta = {"format": FORMAT, "version": VERSION, "model_type": prefix.model_type, "fingerprint": prefix.fingerprint,
-            "method": prefix.method, "layout": json.dumps(layout)}
+            "method": prefix.method, "compute": prefix.compute, "layout": json.dumps(layout)}
     meta["sha256"] = _digest(meta, stored)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -339,7 +408,7 @@ def load_prefix(path) -> PrefixState:
         layout = {name: (dtype, tuple(shape)) for name, dtype, shape in json.loads(meta["layout"])}
     except (ValueError, TypeError) as err:
         raise PrefixStateError(f"{path}: unreadable layout metadata ({err})") from None
-    if set(layout) != set(stored) or not {"ids", "logits"} <= set(layout):
+    if set(layout) != set(stored) or not set(TOKEN_ARRAYS) <= set(layout):
         raise PrefixStateError(f"{path}: the arrays ({sorted(stored)}) do not match the layout ({sorted(layout)})")
     arrays = {}
     for name, (dtype, shape) in layout.items():
@@ -354,7 +423,8 @@ def load_prefix(path) -> PrefixState:
         arrays[name] = x.view(want)
     return PrefixState(ids=arrays["ids"], logits=arrays["logits"],
                        leaves={n[len(CACHE_PREFIX):]: x for n, x in arrays.items() if n.startswith(CACHE_PREFIX)},
-                       fingerprint=meta["fingerprint"], method=meta["method"], model_type=meta["model_type"])
+                       fingerprint=meta["fingerprint"], method=meta["method"], model_type=meta["model_type"],
+                       compute=meta["compute"], pending=arrays["pending"])
 
 
 # ----------------------------------------------------------------------------- prefix caching
@@ -434,4 +504,5 @@ __all__ = [
     "restore_cache",
     "save_prefix",
     "take_prefix",
+    "window_boundary",
 ]

@@ -14,9 +14,14 @@ pools of the same model, state method, sampling and size.
 Each slot samples with its own key, split exactly as ``models.decode.generate`` splits a batch of
 one, so what a sequence samples does not depend on what else shares the pool: greedy tokens are
 those of ``generate`` on its prompt alone, and sampled ones too wherever the two programs' logits
-(which may differ in their last bits) pick the same token. ``serve`` drives a queue of requests
-through a pool; ``save``/``restore`` move one sequence's state out of and into a slot
-(``models.prefix_state``).
+(which may differ in their last bits) pick the same token. Tokens teacher-forced through decode
+steps (``feed``, a restored state's pending ids) do not use up the key: the token after the last
+of them is drawn with the key that would have drawn the first token after the prompt.
+
+``serve`` drives a queue of requests through a pool; ``save``/``restore`` move one sequence's
+state out of and into a slot, ``boundary_state`` takes the state of a sequence of any length at
+its last window boundary (``models.prefix_state``), and ``generate_one`` runs one sequence,
+optionally from or into a prefix state.
 
 The pool runs on one device (no ``mesh``), and keeps its per-slot bookkeeping on the host: each
 step sends the slots' tokens and keys and reads back the new tokens.
@@ -37,7 +42,8 @@ from models.base import put_rows, take_rows
 from models.calibrate import check_state_method
 from models.decode import PROMPT_BUCKET, check_token_ids
 from models.layers import Sampling, sample_next
-from models.prefix_state import PrefixState, check_prefix, empty_cache, restore_cache, take_prefix
+from models.prefix_state import (PrefixState, check_prefix, empty_cache, restore_cache, take_prefix,
+                                 window_boundary)
 
 Array = jax.Array
 
@@ -112,7 +118,8 @@ class DecodePool:
     """Live decode states of up to ``pool.slots`` sequences (module docstring).
 
     Host-side per slot: whether it is in use, its pending token (sampled, not yet fed), its
-    position and consumed ids, its sampling key. On the device: the cache (batch ``slots``) and
+    position and consumed ids, its sampling key and the key that drew the pending token (a token
+    fed in its place is drawn again with it). On the device: the cache (batch ``slots``) and
     ``logits [slots, vocab]``, each slot's last next-token logits.
     """
 
@@ -127,6 +134,7 @@ class DecodePool:
         self.logits = jnp.zeros((s, config.vocab_size), jnp.float32)
         key = np.asarray(jax.random.PRNGKey(0))
         self._keys = np.zeros((s,) + key.shape, key.dtype)
+        self._drew = np.zeros((s,) + key.shape, key.dtype)
         self._active = np.zeros(s, bool)
         self._pending = np.zeros(s, np.int32)
         self._pos = np.zeros(s, np.int64)
@@ -194,10 +202,11 @@ class DecodePool:
 
     # -- entering and leaving
 
-    def _occupy(self, slot: int, sub_cache, sub_logits, first, keys, ids) -> int:
+    def _occupy(self, slot: int, sub_cache, sub_logits, first, keys, drew, ids) -> int:
         self.cache, self.logits = _write(self.cache, self.logits, jnp.asarray([slot], jnp.int32), sub_cache,
                                          sub_logits)
         self._keys[slot] = np.asarray(keys)[0]
+        self._drew[slot] = np.asarray(drew)[0]
         self._pending[slot] = int(np.asarray(first)[0])
         self._pos[slot] = len(ids)
         self._ids[slot] = list(map(int, ids))
@@ -213,31 +222,90 @@ class DecodePool:
             raise ValueError("the prompt needs at least one token")
         self.check_fits(prompt.shape[0], budget)
         slot = self._free_slot(slot)
+        drew = np.asarray(jax.random.PRNGKey(seed))[None]
+        cache, last, first, keys = self._prefill_one(prompt, drew)
+        return self._occupy(slot, cache, last, first, keys, drew, prompt)
+
+    def _prefill_one(self, prompt: np.ndarray, keys: np.ndarray, *, length: Optional[int] = None):
+        """Prefill of the first ``length`` (default all, ``>= 1``) tokens of ``prompt [n]`` from an
+        empty row, in the program of the prompt's bucket (the tokens past ``length`` are padding):
+        ``(cache of batch 1, last logits [1, vocab], first token [1], keys [1, ...])``."""
         n, bucket = prompt.shape[0], self.pool.bucket
         t = min(-(-n // bucket) * bucket, self.max_len)
         ids = np.zeros((1, t), np.int32)
         ids[0, :n] = prompt
-        keys = np.asarray(jax.random.PRNGKey(seed))[None]
-        cache, last, first, keys = _prefill(self.arch, self.params, self.config, self._blank, ids,
-                                            np.array([n], np.int32), keys, method=self.method,
-                                            sampling=self.pool.sampling)
-        return self._occupy(slot, cache, last, first, keys, prompt)
+        lengths = np.array([n if length is None else length], np.int32)
+        return _prefill(self.arch, self.params, self.config, self._blank, ids, lengths, keys, method=self.method,
+                        sampling=self.pool.sampling)
 
     def restore(self, prefix: PrefixState, *, budget: int, seed: int = 0, slot: Optional[int] = None) -> int:
-        """Writes a prefix state into ``slot`` (default: the lowest free one) and samples its next
-        token from the prefix's logits with ``PRNGKey(seed)``; returns the slot. The prefix is
-        checked first (``models.prefix_state.check_prefix``): a refused one changes nothing."""
-        self.check_fits(prefix.length, budget, name="the prefix")
+        """Writes a prefix state into ``slot`` (default: the lowest free one), feeds its pending ids
+        through decode steps of that slot (``feed``; the other slots wait) and samples its next
+        token with ``PRNGKey(seed)``: after the last pending id, or from the prefix's logits when
+        it has none. Returns the slot. The prefix is checked first
+        (``models.prefix_state.check_prefix``): a refused one changes nothing."""
+        check_prefix(prefix, self.arch, self.params, self.config, method=self.method)
+        m = prefix.pending.shape[0]
+        self.check_fits(prefix.length + m, budget, name="the prefix and its pending ids" if m else "the prefix")
         slot = self._free_slot(slot)
         cache = restore_cache(self.arch, self.params, self.config, prefix, method=self.method, max_len=self.max_len)
-        logits = jnp.asarray(prefix.logits)[None]
-        first, keys = _sample_rows(logits, jnp.asarray(jax.random.PRNGKey(seed))[None], self.pool.sampling)
-        return self._occupy(slot, cache, logits, first, keys, prefix.ids)
+        drew = np.asarray(jax.random.PRNGKey(seed))[None]
+        if not m:
+            logits = jnp.asarray(prefix.logits)[None]
+            first, keys = _sample_rows(logits, jnp.asarray(drew), self.pool.sampling)
+            return self._occupy(slot, cache, logits, first, keys, drew, prefix.ids)
+        # No token is drawn before the pending ids are fed: the one after them is drawn with
+        # PRNGKey(seed), as generate draws the first token after a prompt.
+        logits = jnp.zeros((1, self.config.vocab_size), jnp.float32)
+        self._occupy(slot, cache, logits, np.zeros(1, np.int32), drew, drew, prefix.ids)
+        self.feed(slot, prefix.pending)
+        return slot
+
+    def boundary_state(self, ids: Sequence[int] = (), *, prefix: Optional[PrefixState] = None) -> PrefixState:
+        """The prefix state of a sequence of any length at its last window boundary ``B``, with
+        the tokens after ``B`` as its pending ids: what ``restore`` continues from. ``save``, by
+        contrast, takes a slot whose sequence ends at ``B``.
+
+        The sequence is ``ids [m]`` alone, or ``prefix`` (its ids, then its pending ids) followed
+        by ``ids``. ``B`` is the sequence's length rounded down to a multiple of the method's
+        window from where the prefix's state ends (``models.prefix_state.window_boundary``; the
+        whole sequence for a per-step method). The state at ``B`` is a prefill of ``ids[:B]``
+        (in the program ``insert`` runs for ``ids``; the empty state for ``B = 0``) or, after a
+        ``prefix`` whose state ends before ``B``, its restore with the tokens up to ``B`` fed
+        through decode steps, in a free slot that is freed again. A prefix that already ends at
+        ``B`` comes back with the tokens appended to its pending ids.
+        """
+        ids = check_token_ids(ids, self.config.vocab_size, name="ids").reshape(-1)
+        if prefix is None:
+            if ids.shape[0] < 1:
+                raise ValueError("boundary_state needs ids or a prefix state")
+            self.check_fits(ids.shape[0], 1, name="the sequence")
+            b = window_boundary(ids.shape[0], self.method)
+            if b:
+                # The prompt's own bucket, whatever b: one prefill program per bucket, as insert.
+                cache, last, _, _ = self._prefill_one(ids, np.asarray(jax.random.PRNGKey(0))[None], length=b)
+                logits = last[0]
+            else:
+                cache, logits = self._blank, None
+            return take_prefix(self.arch, self.params, self.config, cache, 0, method=self.method, ids=ids[:b],
+                               logits=logits, pending=ids[b:])
+        check_prefix(prefix, self.arch, self.params, self.config, method=self.method)
+        rest = np.concatenate([prefix.pending, ids]).astype(np.int32)
+        n = prefix.length
+        self.check_fits(n + rest.shape[0], 1, name="the sequence")
+        b = n + window_boundary(rest.shape[0], self.method)
+        if b == n:
+            return dataclasses.replace(prefix, pending=rest)
+        slot = self.restore(dataclasses.replace(prefix, pending=rest[:b - n]), budget=1)
+        state = self.save(slot)
+        self.evict(slot)
+        return dataclasses.replace(state, pending=rest[b - n:])
 
     def save(self, slot: int) -> PrefixState:
         """The prefix state of slot ``slot`` (``models.prefix_state.take_prefix``): its consumed
-        ids, its cache row and its next-token logits. A LeapQuant stream must be at a window
-        boundary (``PrefixStateError`` otherwise)."""
+        ids, its cache row and its next-token logits, no pending ids. A LeapQuant stream must be
+        at a window boundary (``PrefixStateError`` otherwise; ``boundary_state`` takes a sequence
+        of any length)."""
         slot = self._check_slot(slot, in_use=True)
         return take_prefix(self.arch, self.params, self.config, self.cache, slot, method=self.method,
                            ids=self._ids[slot], logits=self.logits[slot])
@@ -259,6 +327,7 @@ class DecodePool:
                                                    tokens.astype(np.int32), active, self._keys,
                                                    method=self.method, sampling=self.pool.sampling)
         nxt = np.asarray(nxt)
+        self._drew[active] = self._keys[active]
         self._keys = np.array(keys)
         for s in np.flatnonzero(active):
             self._ids[s].append(int(tokens[s]))
@@ -275,16 +344,19 @@ class DecodePool:
 
     def feed(self, slot: int, ids: Sequence[int]) -> int:
         """Teacher-forces ``ids [m]`` through decode steps of ``slot`` alone (its pending token is
-        dropped; the other slots wait) and returns the token sampled after the last one."""
+        dropped; the other slots wait) and returns the token sampled after the last one, drawn
+        with the key that drew the dropped token (the tokens fed use up no key)."""
         slot = self._check_slot(slot, in_use=True)
         ids = check_token_ids(ids, self.config.vocab_size, name="ids").reshape(-1)
         if self._pos[slot] + ids.shape[0] > self.max_len:
             raise ValueError(f"slot {slot} holds {int(self._pos[slot])} tokens; {ids.shape[0]} more exceed "
                              f"max_len = {self.max_len}")
         only = np.arange(self.slots) == slot
+        key = self._drew[slot].copy()
         for t in ids:
             tokens = self._pending.copy()
             tokens[slot] = t
+            self._keys[slot] = key
             self._run(tokens, only)
         return int(self._pending[slot])
 
@@ -364,33 +436,55 @@ def serve(pool: DecodePool, requests: Sequence[Sequence[int]], *, max_new_tokens
 def generate_one(arch, params, config, *, method, prompt: Sequence[int] = (), prefix: Optional[PrefixState] = None,
                  max_new_tokens: int, stop_ids: Sequence[int] = (), sampling: Sampling = Sampling(), seed: int = 0,
                  keep_state: bool = False) -> tuple[list[int], Optional[PrefixState]]:
-    """One sequence through a one-slot pool: ``prompt [n]`` prefilled, or ``prefix`` restored and
-    ``prompt`` (possibly empty) fed after it through decode steps; then up to ``max_new_tokens``
-    new tokens (stop tokens kept). Returns ``(tokens, state)``, ``state`` the prefix state right
-    after the prompt when ``keep_state`` (taken before any token is generated, so an off-boundary
-    LeapQuant state fails first), else ``None``.
+    """One sequence through a one-slot pool: ``prompt [n]``, or ``prefix`` (restored, its pending
+    ids fed) and then ``prompt`` (possibly empty) fed through decode steps; then up to
+    ``max_new_tokens`` new tokens (stop tokens kept). Returns ``(tokens, state)``: ``state`` is
+    ``None``, or with ``keep_state`` the state of the whole sequence before any new token
+    (``DecodePool.boundary_state``: at its last window boundary, the tokens after it pending).
 
-    The pool holds the prompt rounded up to its bucket plus the new tokens: what ``generate``
-    allocates for one prompt, so a prompt decodes with the same attention extent either way.
+    With ``keep_state`` the run continues from that state as a restore of it would: restored,
+    its pending ids fed through decode steps, then sampled from. So a ``keep_state`` run and a
+    run from the state it returns (``prefix=state``, no ``prompt``; in memory or through
+    ``save_prefix``/``load_prefix``) are the same computation: bit-identical logits and tokens
+    (same backend, ``seed`` and sampling).
+
+    Without ``keep_state`` a ``prompt`` alone is prefilled whole, as ``models.decode.generate``
+    prefills it. For a per-step method ``keep_state`` changes nothing (the boundary is the
+    prompt's end: the same prefill, bit-identical logits). For a windowed method (``leapquant``,
+    ``int8-w``, ...) off a window boundary, ``keep_state`` prefills the prompt up to its last
+    boundary and runs the rest through decode steps: the same maths, rounded differently, so the
+    logits agree with the whole-prompt prefill's to round-off only, and greedy tokens agree but
+    at near-ties. (On the tiny test models, relative logit differences: with ``compute="exact"``
+    about 1e-5 after the prompt, up to 2e-3 once a later flush rounds a residual code of the two
+    states apart; with ``compute="fast"`` none for GDN, and about 5e-3 (up to 7e-3 later) for KDA,
+    whose MLA attention prefills with expanded keys and decodes in the absorbed form, which bf16
+    operands round apart.)
+
+    The pool holds the whole sequence rounded up to the prompt bucket plus the new tokens: what
+    ``generate`` allocates for it as one prompt, so it decodes with the same attention extent
+    whichever way it came in.
     """
     budget = _positive_int(max_new_tokens, "max_new_tokens")
     extra = check_token_ids(prompt, config.vocab_size, name="prompt").reshape(-1)
     if prefix is None and extra.shape[0] < 1:
         raise ValueError("generate_one needs a prompt or a prefix state")
+    total = extra.shape[0]
     if prefix is not None:
         check_prefix(prefix, arch, params, config, method=method)  # before anything compiles
-    n = prefix.length if prefix is not None else extra.shape[0]
-    fed = extra.shape[0] if prefix is not None else 0
-    max_len = -(-n // PROMPT_BUCKET) * PROMPT_BUCKET + fed + budget
+        total += prefix.length + prefix.pending.shape[0]
+    max_len = -(-total // PROMPT_BUCKET) * PROMPT_BUCKET + budget
     pool = DecodePool(arch, params, config, method=method,
                       pool=PoolConfig(slots=1, max_len=max_len, sampling=sampling))
+    state = None
+    if keep_state:
+        state = prefix = pool.boundary_state(extra, prefix=prefix)
+        extra = extra[:0]
     if prefix is None:
         slot = pool.insert(extra, budget=budget, seed=seed)
     else:
         slot = pool.restore(prefix, budget=budget, seed=seed)
-        if fed:
+        if extra.shape[0]:
             pool.feed(slot, extra)
-    state = pool.save(slot) if keep_state else None
     return decode_slot(pool, slot, max_new_tokens=budget, stop_ids=stop_ids), state
 
 

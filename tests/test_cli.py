@@ -151,3 +151,41 @@ def test_study_errors_says_when_a_per_step_format_diverges(tmp_path, capsys):
     assert (tmp_path / "d.png").stat().st_size > 0
     assert main(argv) == 0
     assert f"diverged: the state overflowed fp32 by token {diverged['diverged_by_token']}" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- model commands
+
+
+def test_score_and_generate_take_compute_and_scan_layers(tmp_path, capsys):
+    """``score --compute fast`` (bf16 matmul operands) differs from the default exact run, by
+    round-off only; ``--scan-layers`` runs the same model in the scanned layout (``score`` and
+    ``generate``)."""
+    from models.checkpoint import save_converted
+    from models.training.model import hf_config, init_params
+
+    cj = hf_config("gdn", vocab_size=64, eos_token_id=0, size="tiny")  # three GDN layers, then attention
+    ckpt = save_converted(tmp_path / "ckpt", config_json=cj, params=init_params(cj, seed=0))
+    np.save(tmp_path / "ids.npy", np.random.default_rng(5).integers(0, 64, (2, 12)))
+
+    def score(*flags):
+        out = tmp_path / "logits.npy"
+        argv = ["score", str(ckpt), "--ids-file", str(tmp_path / "ids.npy"), "--out", str(out), "--json", *flags]
+        assert main(argv) == 0
+        return np.load(out), _json(capsys)
+
+    exact, r = score()
+    assert r["compute"] == "exact" and r["scan_layers"] is False
+    fast, r = score("--compute", "fast")
+    assert r["compute"] == "fast" and 0 < rel(fast, exact) < 2e-2
+    scanned, r = score("--scan-layers")
+    assert r["scan_layers"] is True and rel(scanned, exact) < 1e-5
+
+    def generate(*flags):
+        argv = ["generate", str(ckpt), "--prompt-ids", "3,1,4,1,5,9,2,6", "--max-new-tokens", "6", "--stop-ids", "",
+                "--json", *flags]
+        assert main(argv) == 0
+        return _json(capsys)
+
+    unrolled, scanned = generate(), generate("--scan-layers")
+    assert unrolled["compute"] == "fast" and scanned["scan_layers"] is True
+    assert scanned["generated_ids"] == unrolled["generated_ids"]

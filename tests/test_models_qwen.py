@@ -210,8 +210,9 @@ def test_cli_generate_and_score_with_traces(next_tiny, tmp_path, capsys):
     from models.cli import main
 
     prompt = ",".join(map(str, PROMPTS[1]))
+    # exact matmuls, as transformers computes in fp32 (generate's default is the bf16-operand "fast")
     assert main(["generate", str(next_tiny.ckpt), "--prompt-ids", prompt, "--max-new-tokens", str(GREEDY_TOKENS),
-                 "--state", "fp32", "--json", "--record-traces", str(tmp_path / "gen")]) == 0
+                 "--state", "fp32", "--compute", "exact", "--json", "--record-traces", str(tmp_path / "gen")]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["generated_ids"] == [mh.reference_greedy(next_tiny.hf, PROMPTS[1], GREEDY_TOKENS)]
     trace = load_trace(tmp_path / "gen" / "layer00.npz")

@@ -5,13 +5,17 @@ attention), with the fp32 state and 8-bit LeapQuant.
 * ``serve`` with fewer slots than requests gives every request the tokens ``generate`` gives it
   alone, and the pool's step is traced once however slots fill and empty.
 * save -> file -> restore (into another slot, another sequence beside it) -> continue gives the
-  logits of uninterrupted decoding bit for bit; the same across the scanned cache layout.
+  logits of uninterrupted decoding bit for bit, a LeapQuant state taken at its last window
+  boundary with the prompt's last tokens pending included; the same across the scanned layout.
 * damaged files, files of another model or method, and saves off a LeapQuant window boundary are
   refused by name, with the pool and any existing file left as they were.
-* ``checkpoint_every`` and ``leapquant generate --save-state / --load-state``.
+* ``checkpoint_every`` and ``leapquant generate --save-state / --load-state`` (prompts on and off
+  a window boundary: the tokens of a plain ``generate``), ``--compute`` and its refusal on load.
 
-Prompts fit one bucket and the pools hold ``bucket + MAX_NEW`` positions (what ``generate``
-allocates), and all tests share the pools of a module fixture: each program compiles once.
+The pools hold ``bucket + MAX_NEW`` positions (what ``generate`` allocates for a prompt of one
+bucket), and all tests share the pools of a module fixture: each program compiles once. The
+command-line tests write each model once as a checkpoint, and the prompts of a test share one
+bucket, so that each of its programs compiles once too.
 """
 
 from __future__ import annotations
@@ -113,6 +117,10 @@ def prompts_for(rng, n: int, *, low: int = 1) -> list[list[int]]:
     return [rng.integers(0, VOCAB, int(t)).tolist() for t in rng.integers(low, PROMPT_BUCKET + 1, n)]
 
 
+def rel(x, y) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64) - y) / np.linalg.norm(np.asarray(y, np.float64)))
+
+
 def leaves(tree) -> list[np.ndarray]:
     import jax
 
@@ -176,26 +184,44 @@ def test_pool_refuses_what_does_not_fit(tiny):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_save_restore_continue_is_bit_exact(tiny, method, tmp_path):
     rng = np.random.default_rng([11, len(tiny.name), len(method)])
-    # LeapQuant saves at a window boundary: after a prompt of one window.
-    prompt = rng.integers(0, VOCAB, WINDOW if method == "leapquant" else int(rng.integers(1, 17))).tolist()
+    # LeapQuant keeps a prompt shorter than its window as the empty state and 13 pending ids (the
+    # command-line test below takes one past a window, the state after one window and 5 pending).
+    prompt = rng.integers(0, VOCAB, 13 if method == "leapquant" else int(rng.integers(1, 17))).tolist()
+    budget = MAX_LEN - len(prompt)
     pool = tiny.pool(method)
-    pool.insert(prompts_for(rng, 1)[0], budget=MAX_NEW, slot=0)
-    src = pool.insert(prompt, budget=MAX_NEW, slot=1)
-    prefix = pool.save(src)
-    assert prefix.ids.tolist() == prompt and np.array_equal(prefix.logits, np.asarray(pool.logits[src]))
+    whole = pool.insert(prompt, budget=budget, slot=0)  # the whole prompt prefilled, as generate does
+    prefix = pool.boundary_state(prompt)
+    boundary = 0 if method == "leapquant" else len(prompt)
+    assert prefix.ids.tolist() == prompt[:boundary] and prefix.pending.tolist() == prompt[boundary:]
+    assert prefix.all_ids.tolist() == prompt and prefix.compute == "exact"
     if method == "leapquant":
         assert not [n for n in prefix.leaves if "buffer" in n or n.endswith("state.pos")]
         assert any(n.endswith("state.checkpoint.residual.codes") for n in prefix.leaves)
+        assert prefix.logits.shape == (0,)
+    src = pool.restore(prefix, budget=budget, slot=1)
+    if method == "fp32":  # no pending ids: the slot is the prefill's, what save takes again
+        again = pool.save(src)
+        assert np.array_equal(again.logits, prefix.logits) and np.array_equal(again.logits, pool.logits[src])
+        assert all(np.array_equal(again.leaves[n], x) for n, x in prefix.leaves.items())
     pending = int(pool.pending[src])
-    # 20 steps run past the next window boundary (a flush) from the restored checkpoint.
-    want_tokens, want_logits = run_steps(pool, src, 20)
+    # The steps run past the next window boundary (a flush) from the restored checkpoint.
+    steps = [(pool.step(), np.array(pool.logits)) for _ in range(budget - 1)]
+    want_tokens, want_logits = [int(t[src]) for t, _ in steps], [x[src] for _, x in steps]
+    # Against the whole-prompt prefill: a per-step state is the same computation; LeapQuant's
+    # decode steps round differently (relative logit differences of about 1e-5 after the prompt;
+    # a later flush can round a residual code of the two states apart, up to 2e-3), in the same
+    # tokens.
+    assert [int(t[whole]) for t, _ in steps] == want_tokens
+    error = max(rel(x[whole], x[src]) for _, x in steps)
+    assert error == 0 if method == "fp32" else 0 < error < 1e-2
 
     loaded = ps.load_prefix(ps.save_prefix(tmp_path / "prefix.safetensors", prefix))
+    assert loaded.pending.tolist() == prefix.pending.tolist() and loaded.compute == prefix.compute
     pool = tiny.pool(method)
     pool.insert(prompts_for(rng, 1)[0], budget=MAX_NEW, slot=1)
-    dst = pool.restore(loaded, budget=MAX_NEW, slot=2)
+    dst = pool.restore(loaded, budget=budget, slot=2)
     assert int(pool.pending[dst]) == pending and pool.ids(dst) == prompt
-    got_tokens, got_logits = run_steps(pool, dst, 20)
+    got_tokens, got_logits = run_steps(pool, dst, budget - 1)
     assert got_tokens == want_tokens
     for want, got in zip(want_logits, got_logits):
         assert np.array_equal(want, got)
@@ -261,8 +287,10 @@ def test_damaged_and_foreign_files_are_refused_and_change_nothing(tiny, tmp_path
     foreign_weights = other_model.save(other_model.insert(prompt, budget=MAX_NEW))
     fp32 = tiny.pool("fp32")
     foreign_method = fp32.save(fp32.insert(prompt, budget=MAX_NEW))
-    for prefix, words in ((foreign_weights, "another model"), (foreign_method, "state method")):
-        loaded = ps.load_prefix(ps.save_prefix(tmp_path / f"{words}.safetensors", prefix))
+    foreign_compute = dataclasses.replace(ps.load_prefix(good), compute="fast")
+    for prefix, words in ((foreign_weights, "another model"), (foreign_method, "state method"),
+                          (foreign_compute, "made with compute='fast' and this model runs with compute='exact'")):
+        loaded = ps.load_prefix(ps.save_prefix(tmp_path / f"{words[:13]}.safetensors", prefix))
         with pytest.raises(ps.PrefixStateError, match=words):
             pool.restore(loaded, budget=MAX_NEW, slot=0)
     assert np.array_equal(pool.active, active)
@@ -284,13 +312,21 @@ def test_file_keeps_dtypes_safetensors_lacks(tmp_path):
               "a.fp8": rng.standard_normal((1, 4)).astype(jnp.float8_e4m3fn),
               "b.int8": rng.integers(-128, 128, (1, 2, 2)).astype(np.int8), "pos": np.array([3], np.int32)}
     prefix = ps.PrefixState(ids=rng.integers(0, VOCAB, 3).astype(np.int32), logits=rng.standard_normal(VOCAB)
-                            .astype(np.float32), leaves=arrays, fingerprint="f" * 64, method="m", model_type="t")
+                            .astype(np.float32), leaves=arrays, fingerprint="f" * 64, method="m", model_type="t",
+                            compute="fast", pending=np.array([5, 7], np.int32))
     back = ps.load_prefix(ps.save_prefix(tmp_path / "prefix.safetensors", prefix))
     assert sorted(back.leaves) == sorted(arrays)
     for name, x in arrays.items():
         got = back.leaves[name]
         assert got.dtype == x.dtype and got.tobytes() == x.tobytes()
     assert np.array_equal(back.ids, prefix.ids) and np.array_equal(back.logits, prefix.logits)
+    assert back.pending.tolist() == [5, 7] and back.compute == "fast" and back.nbytes == prefix.nbytes
+    # The pending ids are covered by the digest.
+    data = (tmp_path / "prefix.safetensors").read_bytes()
+    (tmp_path / "pending.safetensors").write_bytes(data.replace(np.array([5, 7], np.int32).tobytes(),
+                                                                np.array([5, 8], np.int32).tobytes(), 1))
+    with pytest.raises(ps.PrefixStateError, match="damaged"):
+        ps.load_prefix(tmp_path / "pending.safetensors")
 
 
 def test_save_is_refused_off_a_window_boundary(tiny):
@@ -305,6 +341,32 @@ def test_save_is_refused_off_a_window_boundary(tiny):
         pool.step()
     with pytest.raises(ps.PrefixStateError, match=f"holds 3 records of its {WINDOW}-record window after 19 tokens"):
         pool.save(window)
+
+
+def test_boundary_state_of_a_short_or_continued_sequence(gdn):
+    """Shorter than one window: the empty state, every token pending. After a prefix: the state at
+    the sequence's new last boundary, reached by decode steps from the prefix's state, which
+    restores to the logits of the prefix restored and fed the same tokens, bit for bit."""
+    rng = np.random.default_rng(37)
+    first, more = rng.integers(0, VOCAB, 5).tolist(), rng.integers(0, VOCAB, 14).tolist()
+    pool = gdn.pool("leapquant")
+    short = pool.boundary_state(first)
+    assert short.length == 0 and short.pending.tolist() == first and short.logits.shape == (0,)
+    assert all(x.shape[1] == 0 for n, x in short.leaves.items() if n.startswith("layers.2."))  # no k, v rows
+    with pytest.raises(ps.PrefixStateError, match="holds no token"):
+        pool.restore(dataclasses.replace(short, pending=short.pending[:0]), budget=2)
+
+    later = pool.boundary_state(more, prefix=short)
+    assert later.ids.tolist() == (first + more)[:WINDOW] and later.pending.tolist() == (first + more)[WINDOW:]
+    assert not pool.active.any()
+    fed = pool.restore(short, budget=MAX_LEN - 19, slot=0)
+    pool.feed(fed, more)
+    restored = pool.restore(later, budget=MAX_LEN - 19, slot=1)
+    assert pool.ids(fed) == pool.ids(restored) == first + more
+    assert np.array_equal(pool.logits[fed], pool.logits[restored])
+    for _ in range(MAX_LEN - 19 - 1):
+        assert len(set(pool.step()[[fed, restored]].tolist())) == 1
+        assert np.array_equal(pool.logits[fed], pool.logits[restored])
 
 
 # ----------------------------------------------------------------------------- prefix caching
@@ -347,38 +409,115 @@ def cli(capsys, *argv):
     return code, captured.out, captured.err
 
 
-def test_generate_saves_and_loads_the_state_after_the_prompt(gdn, tmp_path, capsys):
-    ckpt = save_converted(tmp_path / "ckpt", config_json=gdn.config_json, params=init_params(gdn.config_json, seed=0))
+CHECKPOINTS = {}
+
+
+def checkpoint_of(tiny: Tiny, tmp_path_factory):
+    """``tiny``'s model written as a converted checkpoint, once per architecture."""
+    if tiny.name not in CHECKPOINTS:
+        CHECKPOINTS[tiny.name] = save_converted(tmp_path_factory.mktemp(f"ckpt-{tiny.name}") / "ckpt",
+                                                config_json=tiny.config_json,
+                                                params=init_params(tiny.config_json, seed=0))
+    return CHECKPOINTS[tiny.name]
+
+
+def generated(capsys, *argv) -> tuple[list, dict]:
+    code, out, err = cli(capsys, *argv)
+    assert code == 0, err
+    result = json.loads(out)
+    return result["generated_ids"], result
+
+
+# Per method: the --compute of the command-line runs and their prompt lengths, each test's in one
+# bucket. LeapQuant under the default (fast) on a window boundary and off it (the state after one
+# window, 5 tokens pending); fp32, whose window is one token, under exact, in the programs of the
+# tests above.
+CLI_RUNS = {"leapquant": ("fast", (2 * WINDOW, WINDOW + 5)), "fp32": ("exact", (9, PROMPT_BUCKET))}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_generate_from_a_saved_state_gives_the_tokens_of_plain_generate(tiny, method, tmp_path, tmp_path_factory,
+                                                                        capsys):
+    """``--save-state`` and ``--load-state`` print the tokens of a plain ``generate``: those of
+    ``models.decode.generate`` on the config of that ``--compute``. The two state runs are the same
+    computation (bit for bit, checked in the same programs from Python); the plain run prefills
+    the whole prompt and agrees with them to round-off (on these prompts, exactly in tokens).
+    The files record the compute, and hold the attention rows in its dtype."""
+    from models.base import with_runtime
+    from models.layers import kv_dtype
+
+    compute, lengths = CLI_RUNS[method]
+    ckpt = checkpoint_of(tiny, tmp_path_factory)
+    config, params = with_runtime(tiny.config, tiny.params, compute=compute)
+    run = ("generate", ckpt, "--max-new-tokens", MAX_NEW, "--stop-ids", "", "--json", "--state", method)
+    run += ("--bits", 8) if method == "leapquant" else ("--compute", compute)
+    rng = np.random.default_rng([41, len(tiny.name), len(method)])
+    for length in lengths:
+        prompt = rng.integers(0, VOCAB, length).tolist()
+        ids, state = ",".join(map(str, prompt)), tmp_path / f"{length}.safetensors"
+        plain, result = generated(capsys, *run, "--prompt-ids", ids)
+        assert result["compute"] == compute and plain == generate(tiny.arch, params, config, [prompt],
+                                                                  method=METHODS[method], max_new_tokens=MAX_NEW).tokens
+        assert generated(capsys, *run, "--prompt-ids", ids, "--save-state", state)[0] == plain
+        loaded, result = generated(capsys, *run, "--load-state", state)
+        assert loaded == plain and result["prompt_ids"] == [prompt]
+        prefix = ps.load_prefix(state)
+        boundary = length // WINDOW * WINDOW if method == "leapquant" else length
+        assert prefix.ids.tolist() == prompt[:boundary] and prefix.pending.tolist() == prompt[boundary:]
+        kv = [n for n in prefix.leaves if n.startswith("layers.2.")]  # the attention layer's cache
+        assert prefix.compute == compute and kv
+        assert {prefix.leaves[n].dtype for n in kv} == {np.dtype(kv_dtype(compute))}
+
+    # The last prompt's save path (its state taken in memory, restored) and load path (the file
+    # restored), in the pool generate_one made for it: the same logits, bit for bit.
+    bucket = -(-lengths[-1] // PROMPT_BUCKET) * PROMPT_BUCKET
+    pool = DecodePool(tiny.arch, params, config, method=METHODS[method],
+                      pool=PoolConfig(slots=1, max_len=bucket + MAX_NEW))
+    runs = []
+    for source in (pool.boundary_state(prompt), prefix):
+        slot = pool.restore(source, budget=MAX_NEW)
+        runs.append([np.array(pool.logits[slot])] + run_steps(pool, slot, MAX_NEW - 1)[1])
+        pool.evict(slot)
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def test_generate_saves_and_loads_the_state_after_the_prompt(gdn, tmp_path, tmp_path_factory, capsys):
+    ckpt = checkpoint_of(gdn, tmp_path_factory)
     other = save_converted(tmp_path / "other", config_json=gdn.config_json,
                            params=init_params(gdn.config_json, seed=1))
     rng = np.random.default_rng(29)
     prompt, more = rng.integers(0, VOCAB, 9).tolist(), rng.integers(0, VOCAB, 4).tolist()
     ids = ",".join(map(str, prompt))
     run = ("generate", ckpt, "--max-new-tokens", MAX_NEW, "--stop-ids", "", "--json")
+    exact = ("--compute", "exact")
 
-    def generated(*argv):
-        code, out, err = cli(capsys, *run, *argv)
-        assert code == 0, err
-        return json.loads(out)["generated_ids"]
-
+    # --compute exact: the Python API on the model's own (exact) config.
     state = tmp_path / "state.safetensors"
-    plain = generated("--prompt-ids", ids)
+    plain = generated(capsys, *run, *exact, "--prompt-ids", ids)[0]
     assert plain == [gdn.alone(prompt, "fp32")]
-    assert generated("--prompt-ids", ids, "--save-state", state) == plain
-    assert generated("--load-state", state) == plain
-    assert generated("--load-state", state, "--prompt-ids", ",".join(map(str, more))) == \
+    assert generated(capsys, *run, *exact, "--prompt-ids", ids, "--save-state", state)[0] == plain
+    assert generated(capsys, *run, *exact, "--load-state", state)[0] == plain
+    assert generated(capsys, *run, *exact, "--load-state", state, "--prompt-ids", ",".join(map(str, more)))[0] == \
         [gdn.alone(prompt + more, "fp32")]
+
+    prefix = ps.load_prefix(state)
+    kv = [n for n in prefix.leaves if n.startswith("layers.2.")]  # the attention layer's k, v
+    assert prefix.compute == "exact" and kv and {prefix.leaves[n].dtype.name for n in kv} == {"float32"}
+    # A file that says it was made under --compute fast: refused by its metadata, before the model loads.
+    fast_state = ps.save_prefix(tmp_path / "fast.safetensors", dataclasses.replace(prefix, compute="fast"))
 
     saved = state.read_bytes()
     for argv, words in (
         (("--prompt-ids", ids, "--save-state", state), "exists; not overwriting"),
         (("--prompt-ids", ids, "--prompt-ids", ids, "--save-state", tmp_path / "new"), "takes one prompt"),
-        (("--load-state", state, "--state", "leapquant"), "state method"),
+        (("--load-state", state, "--state", "leapquant", *exact), "state method"),
+        (("--load-state", state), "saved under --compute exact and this run has --compute fast: pass --compute exact"),
+        (("--load-state", fast_state, *exact), "pass --compute fast"),
         (("--load-state", tmp_path / "missing.safetensors"), "no such prefix-state file"),
         ((), "--prompt or --prompt-ids"),
     ):
         code, out, err = cli(capsys, *run, *argv)
         assert code == 2 and out == "" and words in err, err
-    code, out, err = cli(capsys, "generate", other, "--max-new-tokens", 2, "--load-state", state)
+    code, out, err = cli(capsys, "generate", other, "--max-new-tokens", 2, "--load-state", state, *exact)
     assert code == 2 and "another model" in err and "--load-state" in err, err
     assert state.read_bytes() == saved and not (tmp_path / "new").exists()
