@@ -24,7 +24,15 @@ Cache
     format of the state method ``M`` (``leapquant_jax.make_method(...)``: ``init``,
     ``prefill``, ``step``, ``to_dense``, and ``for_layer(i)``, the method layer ``i`` uses, which
     ``run_decoder_stack`` applies) plus their short-convolution tails; attention layers keep a
-    KV cache of ``L`` positions.
+    KV cache of ``L`` positions. The layers' caches are ``cache["layers"]`` (one per layer) or,
+    with ``config.scan_layers``, ``cache["head"]``, ``cache["blocks"]`` (stacked, leaves
+    ``[repeats, B, ...]``) and ``cache["tail"]`` (``finish_cache``); ``layer_caches`` gives
+    one per layer either way and ``take_rows``/``put_rows`` cut and write sequences.
+
+Runtime
+    ``config.compute`` (``"exact"`` or ``"fast"``, ``models/layers.py``) and
+    ``config.scan_layers`` say how the model runs (``RUNTIME_FIELDS``); ``with_runtime`` sets
+    them and moves the params to the matching layout.
 
 Forward
     ``forward(params, config, ids, cache, *, method, mode, lengths=None, active=None,
