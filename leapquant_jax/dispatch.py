@@ -27,33 +27,15 @@ def _kernels():
     return api, None
 
 
-def resolve_impl(config: LeapQuantConfig, state: LeapQuantState) -> str:
-    """``"pallas"`` or ``"reference"`` for this config and state; raises if ``"pallas"`` cannot run."""
-    if config.impl == "reference":
-        return "reference"
-    api, why = _kernels()
-    if why is None:
-        why = api.unsupported_reason(config, state)
-    if config.impl == "pallas":
-        if why is not None:
-            raise ValueError(f"impl='pallas' cannot run here: {why}")
-        return "pallas"
-    on_gpu = jax.default_backend() == "gpu"
-    if api is None and on_gpu:
-        raise RuntimeError(f"impl='auto' on a GPU, but {why}; fix the installation or pass impl='reference'")
-    return "pallas" if why is None and on_gpu else "reference"
-
-
-def resolve_dense_impl(impl: str, values: jax.Array, token: Token) -> str:
-    """``"pallas"`` or ``"reference"`` for a per-step dense state ``values [B, H, dk, dv]`` (fp32 or
-    bf16), by the same rule as ``resolve_impl``."""
+def _resolve(impl: str, reason) -> str:
+    # reason(api) -> why the kernels cannot take the inputs, or None
     if impl not in ("auto", "reference", "pallas"):
         raise ValueError(f"impl must be 'auto', 'reference' or 'pallas', got {impl!r}")
     if impl == "reference":
         return "reference"
     api, why = _kernels()
     if why is None:
-        why = api.dense_unsupported_reason(values, token)
+        why = reason(api)
     if impl == "pallas":
         if why is not None:
             raise ValueError(f"impl='pallas' cannot run here: {why}")
@@ -62,6 +44,17 @@ def resolve_dense_impl(impl: str, values: jax.Array, token: Token) -> str:
     if api is None and on_gpu:
         raise RuntimeError(f"impl='auto' on a GPU, but {why}; fix the installation or pass impl='reference'")
     return "pallas" if why is None and on_gpu else "reference"
+
+
+def resolve_impl(config: LeapQuantConfig, state: LeapQuantState) -> str:
+    """``"pallas"`` or ``"reference"`` for this config and state; raises if ``"pallas"`` cannot run."""
+    return _resolve(config.impl, lambda api: api.unsupported_reason(config, state))
+
+
+def resolve_dense_impl(impl: str, values: jax.Array, token: Token) -> str:
+    """``"pallas"`` or ``"reference"`` for a per-step dense state ``values [B, H, dk, dv]`` (fp32 or
+    bf16), by the same rule as ``resolve_impl``."""
+    return _resolve(impl, lambda api: api.dense_unsupported_reason(values, token))
 
 
 def dense_step(impl: str, values: jax.Array, token: Token) -> tuple[jax.Array, jax.Array]:
