@@ -31,14 +31,16 @@ def rel(x, y) -> float:
     return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
-def tiny(arch: str):
-    """``(arch, config, params)`` of a tiny random model with 4 value heads (2 key heads on GDN)."""
+def tiny(arch: str, heads: int = 4, key_heads: int = 2):
+    """``(arch, config, params)`` of a tiny random model with ``heads`` linear-attention value heads
+    (GDN: ``key_heads`` key heads) and as many attention heads (GDN: ``key_heads`` KV heads)."""
     cj = hf_config(arch, vocab_size=64, eos_token_id=0, size="tiny")
     if arch == "gdn":
-        cj.update(linear_num_value_heads=4, linear_num_key_heads=2, num_attention_heads=4, num_key_value_heads=2)
+        cj.update(linear_num_value_heads=heads, linear_num_key_heads=key_heads, num_attention_heads=heads,
+                  num_key_value_heads=key_heads)
     else:
-        cj["linear_attn_config"]["num_heads"] = 4
-        cj.update(num_attention_heads=4, num_key_value_heads=4)
+        cj["linear_attn_config"]["num_heads"] = heads
+        cj.update(num_attention_heads=heads, num_key_value_heads=heads)
     a = architecture_for_config(cj)
     return a, a.config_from_hf(cj), to_device(init_params(cj, seed=0))
 

@@ -13,8 +13,8 @@ routing weights (``E / k`` times the arithmetic of the routed pairs, in plain de
 projection (only the routed pairs computed). ``"auto"`` is ``scan``, the faster one measured by
 ``python -m bench.moe``: on the H200 (JAX 0.11.2, 256 experts, top 8, ``D`` 2304, ``I`` 1024,
 ``bench/results/moe-20261130-194946.md``) 24 against 85 ms at 2,048 tokens and 76 against 340 ms
-at 8,192, a tie at 256 (10.2 against 9.6 ms); on a 2-core CPU 44 against 157 ms at 512 tokens
-over 32 experts.
+at 8,192, a tie at 256 (10.2 against 9.6 ms); on a 2-core CPU (exact compute, 512 tokens, 32
+experts, top 4, ``D`` 256, ``I`` 128, ``bench/results/moe-20261130-213056.md``) 76 against 330 ms.
 """
 
 from __future__ import annotations

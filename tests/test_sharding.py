@@ -23,23 +23,12 @@ import json
 import jax
 import numpy as np
 from leapquant_jax import make_method
-from models.checkpoint import architecture_for_config
-from models.decode import generate, score, to_device
+from models.decode import generate, score
 from models.sharding import constrain_cache, make_mesh
-from models.training.model import hf_config, init_params
+from bench.sharded_check import rel, tiny as tiny_model
 
 def tiny(arch):
-    cj = hf_config(arch, vocab_size=64, eos_token_id=0, size="tiny")
-    if arch == "gdn":
-        cj.update(linear_num_value_heads=8, linear_num_key_heads=8, num_attention_heads=8, num_key_value_heads=8)
-    else:
-        cj["linear_attn_config"]["num_heads"] = 8
-        cj.update(num_attention_heads=8, num_key_value_heads=8)
-    a = architecture_for_config(cj)
-    return a, a.config_from_hf(cj), to_device(init_params(cj, seed=0))
-
-def rel(x, y):
-    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+    return tiny_model(arch, heads=8, key_heads=8)
 
 out = {"devices": len(jax.devices()), "runs": []}
 ids = np.random.default_rng(0).integers(1, 64, (8, 10))
