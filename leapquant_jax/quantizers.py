@@ -59,6 +59,14 @@ def _safe_divisor(scale: Array) -> Array:
 # ----------------------------------------------------------------------------- packing
 
 
+CODE_PARTS = {8: 1, 4: 2, 6: 4}   # key-row parts of the planar layout (module docstring)
+
+
+def code_parts(bits: int) -> int:
+    """Key-row parts the packed codes split into: 1 (8 bits), 2 (4 bits), 4 (6 bits)."""
+    return CODE_PARTS[bits]
+
+
 def pack_codes(codes: Array, bits: int) -> Array:
     """Packs unsigned codes ``[..., dk, dv]`` (values < 2**bits) into bytes along ``dk``.
 
@@ -72,12 +80,12 @@ def pack_codes(codes: Array, bits: int) -> Array:
     if bits == 4:
         if dk % 2:
             raise ValueError(f"4-bit packing needs dk divisible by 2, got dk={dk}")
-        h = dk // 2
+        h = dk // code_parts(4)
         return c[..., :h, :] | (c[..., h:, :] << 4)
     if bits == 6:
         if dk % 4:
             raise ValueError(f"6-bit packing needs dk divisible by 4, got dk={dk}")
-        m = dk // 4
+        m = dk // code_parts(6)
         a, b, cc, d = (c[..., i * m:(i + 1) * m, :] for i in range(4))
         planes = [q | (((d >> (2 * p)) & 3) << 6) for p, q in enumerate((a, b, cc))]
         return jnp.concatenate(planes, axis=-2)
@@ -101,7 +109,8 @@ def unpack_codes(packed: Array, bits: int) -> Array:
 
 def packed_rows(dk: int, bits: int) -> int:
     """Rows of the packed code array for ``dk`` key rows."""
-    return {8: dk, 6: 3 * dk // 4, 4: dk // 2}[bits]
+    n = dk // code_parts(bits)
+    return {8: n, 6: 3 * n, 4: n}[bits]
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -272,6 +281,7 @@ __all__ = [
     "IntTensor",
     "QTensor",
     "ScaledFloatTensor",
+    "code_parts",
     "column_absmax",
     "get_format",
     "pack_codes",

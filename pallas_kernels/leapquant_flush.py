@@ -1,7 +1,7 @@
 """LeapQuant window flush (docs/design.md §3, §6): reconstruct ``S_p``, fit, smooth, quantize, write.
 
 Why: once per window the state is materialised in fp32 and rounded once into the next
-checkpoint. Two implementations with one contract (``impl``):
+checkpoint. Three implementations with one contract (``impl``):
 
 * ``split`` (the fastest on the H200 when every window is full): three stages.
   1. A kernel with one program per (sequence, head, value block ``BV``) reconstructs
@@ -24,6 +24,21 @@ checkpoint. Two implementations with one contract (``impl``):
   registers (reading and writing only the checkpoint and the buffer); the fit's
   ``r (r + 1)`` Gram reductions and the records loop are serial per program, which leaves
   it latency-bound at one or two programs per SM.
+* ``stream``: one program per (sequence, head) that never forms the fp32 state as a whole.
+  ``S = base * deq(Z) + L^T M`` with ``base = D0 c``, ``L = [D0 K_old; d_j k_j]`` and
+  ``M = [U_old; u_j]`` (one padded tile each); the fit's products ``Q S``, ``Z S^T`` and
+  ``K S`` are read off the codes with the step's exact int8-digit dots (``shared.digit_read``)
+  plus two small dots through ``L`` and ``M``; CholeskyQR2 forms each Gram matrix as one dot
+  and applies the triangular solve as one; the residual is rebuilt in chunks of
+  ``STREAM_CHUNK`` key rows from registers, once for the smoothing scales and column maxima
+  and once to quantize. It reads the checkpoint and the records once and writes the
+  checkpoint once (``flush_bytes``: 49 KB per GDN head, 53 KB per KDA head at 8 bits, window
+  16); the buffer is not zeroed (every slot is past the reset ``pos``, and reads are masked
+  by it). Compiled on the H200 it agrees with the reference (8-bit GDN: codes within one
+  step, 5e-5 of them different) but ran at 8.8 ms per flush at batch 512 with 8 warps (54 ms
+  with 4, 90 ms with 2: the program's many live tiles exceed the register file; not yet
+  profiled), against the split flush's 3.2 ms (``bench/results/kernels-20261130-225439``),
+  so ``auto`` does not take it.
 
 Which sequences flush: ``only_full=True`` skips (the kernels read and write nothing for)
 sequences whose window is not full (``pos < p``); ``only_full=False`` flushes every sequence,
@@ -34,14 +49,16 @@ split flush's XLA stage runs over the whole batch whatever the positions, so ``i
 windows fill at once pays the split flush's rate, a batch at spread-out positions pays only
 for its full windows.
 
-Rounding: fp32 throughout; the split flush's records dot runs as 3xTF32 on the GPU (about
-fp32's accuracy); fp16 rounding of ``K``, ``U``; the code rounding. Summation order differs
+Rounding: fp32 throughout; the split flush's records dot and the stream flush's small dots run
+as 3xTF32 on the GPU (about fp32's accuracy), the stream flush's code reads as exact int32
+sums of a 22-bit fixed-point split of each vector; fp16 rounding of ``K``, ``U``; the code rounding. Summation order differs
 from the XLA reference, so a code sitting on a rounding boundary may differ by one step; the
 decoded states agree to a quantization step on those few elements.
 
 Bytes moved per flushed head: ``flush_bytes`` (the fused count: read the checkpoint and the
-``p`` records, write both; the split flush adds the fp32 state written once and read three
-times, ``16 dk dv``, plus ``S^T Q_0`` and the factors).
+``p`` records, write both; the stream flush writes only the checkpoint; the split flush adds
+the fp32 state written once and read three times, ``16 dk dv``, plus ``S^T Q_0`` and the
+factors).
 
 Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
@@ -61,7 +78,7 @@ from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
-from .shared import load_code_parts, num_parts, window_decay_part
+from .shared import digit_read, digit_read_t, load_code_parts, num_parts, tile_from_rows, tile_rows, window_decay_part
 from .support import unsupported_reason
 
 f32 = jnp.float32
@@ -111,6 +128,22 @@ def _scale_to_unit_max(cols):
     return [[x / m for x in col] for col in cols]
 
 
+def store_codes(codes_out, q_int, bits, dk, start, rows):
+    """Packs and stores signed codes: ``q_int`` holds one ``[rows, dv]`` int32 tile per code part
+    (key rows ``i * dk / parts + start + [0, rows)``), written to packed byte rows
+    ``start + [0, rows)`` of each plane (the planar layout of ``leapquant_jax.quantizers``)."""
+    if bits == 8:
+        codes_out[pl.ds(start, rows), :] = q_int[0].astype(jnp.int8)
+    elif bits == 4:
+        lo, hi = (x + 8 for x in q_int)
+        codes_out[pl.ds(start, rows), :] = (lo | (hi << 4)).astype(jnp.uint8)
+    else:
+        a, b, c_, d4 = (x + 32 for x in q_int)
+        m = dk // num_parts(bits)
+        for p_, quarter in enumerate((a, b, c_)):
+            codes_out[pl.ds(p_ * m + start, rows), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
+
+
 def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
     """Steps shared by both flushes: smooth the residual parts ``S`` (``[n, dv]`` each, factors
     already subtracted), quantize, pack and write codes, scales, ``c``, ``K``, ``U``; zero the buffer.
@@ -129,16 +162,7 @@ def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, out
     new_scale = colmax / qmax
     div = jnp.where(new_scale > 0, new_scale, 1.0)
     q_int = [jnp.clip(round_half_even(s / div[None, :]), -qmax, qmax).astype(jnp.int32) for s in S]
-    if bits == 8:
-        codes_out[...] = q_int[0].astype(jnp.int8)
-    elif bits == 4:
-        lo, hi = (x + 8 for x in q_int)
-        codes_out[...] = (lo | (hi << 4)).astype(jnp.uint8)
-    else:
-        a, b, c_, d4 = (x + 32 for x in q_int)
-        m = dk // 4
-        for p_, quarter in enumerate((a, b, c_)):
-            codes_out[pl.ds(p_ * m, m), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
+    store_codes(codes_out, q_int, bits, dk, 0, dk // num_parts(bits))
     scale_out[...] = new_scale
     if smoothing:
         for c, sl in zip(cs, slices):
@@ -327,11 +351,190 @@ def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
     _run(body, pos, window, only_full)
 
 
+def _pad16(n: int) -> int:
+    """Rows of a dot operand holding ``n`` rows: a power of two, at least 16 (a Triton dot's least size)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _entries(x, k):
+    """``x [R, R]`` -> nested lists ``e[a][b] = x[a, b]`` for ``a, b < k`` (scalars, by equal splits)."""
+    rows = tile_rows(x, k)
+    return [[v.reshape(()) for v in jnp.split(row, row.shape[0])[:k]] for row in rows]
+
+
+def _stream_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, warm_start, fit_iters, only_full,
+                   chunk, precision):
+    """The stream flush: one program per (sequence, head), no fp32 state in device memory."""
+    it = iter(refs)
+    pos_ref, start_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = _input_refs(
+        it, smoothing, rank)
+    codes_out, scale_out = next(it), next(it)
+    smooth_out = next(it) if smoothing else None
+    ck_out, cu_out = (next(it), next(it)) if rank else (None, None)
+
+    pos = pos_ref[...]
+    parts = num_parts(bits)
+    n = dk // parts
+    slices = _part_slices(bits, dk)
+    rp, lp = _pad16(rank), _pad16(rank + window)
+    qmax = qmax_for_bits(bits)
+
+    def dot(a, b, contract):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=f32)
+
+    def body():
+        # Every load first: nothing below waits on memory after the first reduction, and the
+        # outputs (aliased to these inputs) are written only after everything is read.
+        codes = load_code_parts(codes_ref, bits, dk, dtype=jnp.int8)                    # parts [n, dv]
+        scale = scale_ref[...]
+        smooth = [smooth_ref[sl] for sl in slices] if smoothing else None
+        old_k = [[ck_ref[c, sl].astype(f32) for sl in slices] for c in range(rank)]
+        old_u = [cu_ref[c, :].astype(f32) for c in range(rank)]
+        rec_k = [[bk_ref[j, sl].astype(f32) for sl in slices] for j in range(window)]
+        rec_u = [bu_ref[j, :].astype(f32) for j in range(window)]
+        rec_g = [[bg_ref[j, sl].astype(f32) for sl in slices] if per_channel else bg_ref[j].astype(f32)
+                 for j in range(window)]
+        start = [[start_ref[c, sl] for sl in slices] for c in range(rank)]
+
+        # Window decays in log space, masked before exp (a fully decayed head gives zeros, not NaN).
+        live = [j < pos for j in range(window)]
+        acc, cum = None, []
+        for j in range(window):
+            g = [jnp.where(live[j], x, 0.0) for x in rec_g[j]] if per_channel else jnp.where(live[j], rec_g[j], 0.0)
+            acc = g if acc is None else ([a + b for a, b in zip(acc, g)] if per_channel else acc + g)
+            cum.append(acc)
+
+        def per_part(x, i):
+            return x[i] if per_channel else x
+
+        D0 = [jnp.exp(per_part(acc, i)) for i in range(parts)]
+        # S = base * deq(Z) + L^T M, with L = [D0 * K_old; d_j * k_j] (key side) and M = [U_old; u_j]
+        base = [D0[i] * smooth[i] if smoothing else D0[i] for i in range(parts)]
+        L = []
+        for i in range(parts):
+            rows = [D0[i] * old_k[c][i] for c in range(rank)]
+            for j in range(window):
+                d = jnp.exp(jnp.where(live[j], per_part(acc, i) - per_part(cum[j], i), -jnp.inf))
+                rows.append(jnp.where(live[j], d * rec_k[j][i], 0.0))
+            L.append(tile_from_rows(rows, lp, n))                                         # [lp, n]
+        M = tile_from_rows(old_u + [jnp.where(live[j], rec_u[j], 0.0) for j in range(window)], lp, dv)
+
+        def read(x):
+            """``x S`` for rows ``x`` (parts ``[rp, n]``) -> ``[rp, dv]``."""
+            small = sum(dot(xi, li, ((1,), (1,))) for xi, li in zip(x, L))                 # [rp, lp]
+            return digit_read([xi * b for xi, b in zip(x, base)], codes) * scale[None, :] + dot(small, M, ((1,), (0,)))
+
+        def read_t(z):
+            """``z S^T`` for rows ``z [rp, dv]`` -> parts ``[rp, n]``."""
+            small = dot(z, M, ((1,), (1,)))                                                 # [rp, lp]
+            ct = digit_read_t(z * scale[None, :], codes)
+            return [c * b + dot(small, li, ((1,), (0,))) for c, b, li in zip(ct, base, L)]
+
+        if rank:
+            # --- Compensator Tokens: subspace iteration and CholeskyQR2 on [rp, n] tiles of rows
+            q = [tile_from_rows([start[c][i] for c in range(rank)], rp, n) for i in range(parts)]
+            if warm_start:
+                k0 = [tile_from_rows([old_k[c][i] for c in range(rank)], rp, n) for i in range(parts)]
+                nrm = sum(jnp.sum(x * x, axis=1) for x in k0)                               # [rp]
+                top = jnp.where(nrm == 0.0, WARM_START_TOPUP, 0.0)[:, None]
+                q = [x + top * s0 for x, s0 in zip(k0, q)]
+            for _ in range(fit_iters):
+                y = read_t(read(q))
+                m = None
+                for x in y:
+                    mx = jnp.max(jnp.abs(x))
+                    m = mx if m is None else jnp.maximum(m, mx)
+                m = jnp.where(m > NORMAL_TINY, m, 1.0)
+                q = [x / m for x in y]
+                for _round in range(2):
+                    q = _cholesky_qr_tiles(q, rank, rp, dot)
+            new_u = jnp.clip(read(q), -FP16_MAX, FP16_MAX).astype(jnp.float16)                # [rp, dv]
+            new_k = [x.astype(jnp.float16) for x in q]                                        # parts [rp, n]
+            K16 = [x.astype(f32) for x in new_k]
+            U16 = new_u.astype(f32)
+
+        # --- residual R = S - K^T U from the rounded factors, in chunks of key rows; smoothing,
+        # the column scales, then the codes (the chunk is rebuilt from registers, never stored)
+        nc = n // chunk
+
+        def split_rows(x, axis):
+            return [x] if nc == 1 else jnp.split(x, nc, axis=axis)
+
+        pieces = []
+        for i in range(parts):
+            pieces.append(dict(codes=split_rows(codes[i], 0), L=split_rows(L[i], 1),
+                               K=split_rows(K16[i], 1) if rank else None,
+                               base=split_rows(base[i], 0) if base[i].ndim else [base[i]] * nc))
+
+        def residual(i, j):
+            pc = pieces[i]
+            b = pc["base"][j]
+            b = b[:, None] if b.ndim else b
+            r_ = b * (pc["codes"][j].astype(f32) * scale[None, :]) + dot(pc["L"][j], M, ((0,), (0,)))
+            if rank:
+                r_ = r_ - dot(pc["K"][j], U16, ((0,), (0,)))
+            return r_                                                                        # [chunk, dv]
+
+        cs, colmax = {}, None
+        for j in range(nc):
+            for i in range(parts):
+                r_ = residual(i, j)
+                if smoothing:
+                    cs[i, j] = jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(r_), axis=1) / dv), SMOOTH_FLOOR)
+                    r_ = r_ / cs[i, j][:, None]
+                mx = jnp.max(jnp.abs(r_), axis=0)
+                colmax = mx if colmax is None else jnp.maximum(colmax, mx)
+        new_scale = colmax / qmax
+        div = jnp.where(new_scale > 0, new_scale, 1.0)
+        for j in range(nc):
+            q_int = []
+            for i in range(parts):
+                r_ = residual(i, j)
+                if smoothing:
+                    r_ = r_ / cs[i, j][:, None]
+                q_int.append(jnp.clip(round_half_even(r_ / div[None, :]), -qmax, qmax).astype(jnp.int32))
+                if smoothing:
+                    smooth_out[pl.ds(i * n + j * chunk, chunk)] = cs[i, j]
+            store_codes(codes_out, q_int, bits, dk, j * chunk, chunk)
+        scale_out[...] = new_scale
+        if rank:
+            for i, sl in enumerate(slices):
+                for c, row in enumerate(tile_rows(new_k[i], rank)):
+                    ck_out[c, sl] = row
+            for c, row in enumerate(tile_rows(new_u, rank)):
+                cu_out[c, :] = row
+
+    _run(body, pos, window, only_full)
+
+
+def _cholesky_qr_tiles(a, rank, rp, dot):
+    """One round of Cholesky QR on rows: ``a`` parts ``[rp, n]`` (rows past ``rank`` zero) -> ``Q``.
+
+    The Gram matrix is one dot; the factor is the reference's (``compensators.unrolled_cholesky``:
+    pivots clamped, rows without a direction of their own dropped); the triangular solve is
+    carried out on the ``r x r`` coefficients and applied as one dot.
+    """
+    gram = sum(dot(x, x, ((1,), (1,))) for x in a)                                          # [rp, rp]
+    e = _entries(gram, rank)
+    chol, keep = unrolled_cholesky(e, gram_shift(sum(e[i][i] for i in range(rank)), rank))
+    coef = []
+    for i in range(rank):
+        row = [(1.0 if m == i else 0.0) - sum(chol[i][j] * coef[j][m] for j in range(i)) for m in range(rank)]
+        coef.append([jnp.where(keep[i], x / chol[i][i], 0.0) for x in row])
+    ri, ci = jnp.arange(rp)[:, None], jnp.arange(rp)[None, :]
+    t = jnp.zeros((rp, rp), f32)
+    for i in range(rank):
+        for m in range(rank):
+            t = jnp.where((ri == i) & (ci == m), coef[i][m], t)
+    return [dot(t, x, ((1,), (0,))) for x in a]
+
+
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _checkpoint_io(config, state):
-    """The in-place outputs shared by both flushes: arrays, their block specs ``[..]`` per head."""
+def _checkpoint_io(config, state, buffer=True):
+    """The in-place outputs of the flushes (the buffer's only where it is zeroed): arrays, their
+    block specs ``[..]`` per head."""
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
     p, r = config.window, config.effective_rank
@@ -345,8 +548,9 @@ def _checkpoint_io(config, state):
         outs.append(ckpt.smooth); out_specs.append(spec(dk))
     if r:
         outs += [ckpt.comp_k, ckpt.comp_u]; out_specs += [spec(r, dk), spec(r, dv)]
-    outs += [buf.k, buf.u, buf.g]
-    out_specs += [spec(p, dk), spec(p, dv), spec(p, dk) if state.per_channel_decay else spec(p)]
+    if buffer:
+        outs += [buf.k, buf.u, buf.g]
+        out_specs += [spec(p, dk), spec(p, dv), spec(p, dk) if state.per_channel_decay else spec(p)]
     return outs, out_specs, spec
 
 
@@ -384,7 +588,8 @@ def _inputs(config, state, spec_k, spec_v, start):
     return args, specs
 
 
-IMPLS = ("auto", "split", "fused")
+IMPLS = ("auto", "split", "fused", "stream")
+STREAM_NUM_WARPS = 4
 # ``auto`` with ``only_full``: the split flush when at least this fraction of the batch flushes,
 # else the fused one (which pays only for full windows). Break-even points measured on the H200
 # at batch 512 (bench/results/kernels-20261129-155805-sweep: all full, split 3.33 ms / fused
@@ -430,6 +635,44 @@ def flush_fused(config, state, *, only_full, num_warps=None, interpret=None) -> 
         interpret=interpret, name=_name(config, state, "fused"),
     )(*args)
     return _new_state(config, state, res, only_full)
+
+
+STREAM_CHUNK = 32   # key rows of the stream flush's residual chunks (fewer where a code part is shorter)
+
+
+def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interpret=None) -> LeapQuantState:
+    """The stream flush: one kernel, one program per (sequence, head), reading the checkpoint and
+    the records once and writing the checkpoint once (the buffer is left as it is)."""
+    interpret = default_interpret() if interpret is None else interpret
+    bsz, h, dk, dv = state.shape
+    p, r = config.window, config.effective_rank
+    n = dk // num_parts(config.bits)
+    ch = min(STREAM_CHUNK, n) if chunk is None else chunk
+    if not is_pow2(ch) or n % ch or ch < 16:
+        raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {n} rows of a code part")
+    outs, out_specs, spec = _checkpoint_io(config, state, buffer=False)
+
+    def spec_k(*lead, vec=True):
+        return spec(*lead, dk) if vec else spec(*lead)
+
+    def spec_v(*lead):
+        return spec(*lead, dv)
+
+    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed))
+    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    kernel = functools.partial(
+        _stream_kernel, bits=config.bits, rank=r, window=p, dk=dk, dv=dv, per_channel=state.per_channel_decay,
+        smoothing=config.smoothing, warm_start=config.warm_start, fit_iters=config.fit_iters, only_full=only_full,
+        chunk=ch, precision=precision)
+    res = pl.pallas_call(
+        kernel, grid=(bsz, h), in_specs=specs, out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
+        input_output_aliases={2 + i: i for i in range(len(outs))},
+        compiler_params=compiler_params(num_warps=num_warps or STREAM_NUM_WARPS),
+        interpret=interpret, name=_name(config, state, "stream"),
+    )(*args)
+    buf = state.buffer
+    return _new_state(config, state, list(res) + [buf.k, buf.u, buf.g], only_full)
 
 
 def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None):
@@ -511,17 +754,21 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``only_full=True``: only sequences with ``pos >= p`` (``windowed.maybe_flush``).
 
     state: ``LeapQuantState`` (updated in place when the caller's ``jit`` donates it). Returns
-    the state with new checkpoints, zeroed buffers and ``pos = 0`` for the flushed sequences.
-    ``impl``: ``"split"``, ``"fused"`` (module docstring) or ``"auto"`` (the split flush for
-    every sequence; with ``only_full``, chosen at run time by the fraction of full windows,
-    ``SPLIT_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split flush's
-    first stage; ``num_warps``: of the per-head kernel (fused, or the split's last stage).
+    the state with new checkpoints and ``pos = 0`` for the flushed sequences, their buffers
+    zeroed (the stream flush leaves them: no slot at or past ``pos`` is read).
+    ``impl``: ``"split"``, ``"fused"``, ``"stream"`` (module docstring) or ``"auto"`` (the split
+    flush for every sequence; with ``only_full``, chosen at run time by the fraction of full
+    windows, ``SPLIT_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split
+    flush's first stage; ``num_warps``: of the per-head kernel (fused, stream, or the split's
+    last stage).
     """
     _check(config, state, impl)
     interpret = default_interpret() if interpret is None else interpret
     kw = dict(only_full=only_full, num_warps=num_warps, interpret=interpret)
     if impl == "fused":
         return flush_fused(config, state, **kw)
+    if impl == "stream":
+        return flush_stream(config, state, **kw)
     if impl == "split" or not only_full:
         return flush_split(config, state, block_v=block_v, **kw)
     frac = jnp.mean((state.pos >= config.window).astype(f32))
@@ -537,6 +784,8 @@ def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, im
     ckpt = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
     records = e * config.window * (dk + dv + (dk if per_channel else 1))
     n = 2 * (ckpt + records) + 4 * r * dk + 4
+    if impl == "stream":
+        n -= records          # the buffer is read, not zeroed
     if impl == "split":
         # S written once, read by Y = S Z, U = S^T K^T and stage 3 (one more read per extra
         # fit round), S^T Q_0 written and read, the factors written and read
@@ -554,5 +803,5 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_bytes", "flush_fused", "flush_split", "leapquant_flush",
+__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_bytes", "flush_fused", "flush_split", "flush_stream", "leapquant_flush",
            "leapquant_flush_reference", "split_fit", "split_quantize", "split_reconstruct"]

@@ -19,10 +19,28 @@ Compensator Tokens ``(K, U)`` are ``r`` records with decay 1 placed before the r
 Codes at 6 and 4 bits are unpacked in registers from the planar layout of
 ``leapquant_jax.quantizers`` (each byte plane pairs with a contiguous slice of the vector).
 
-Grid: one program per (sequence, head, value block ``BV``). Each program walks the key rows in
-chunks (``chunk`` rows of every code part per iteration; by default the whole part, no loop),
-reading each chunk of codes, record keys, ``K`` and the vectors once. The value-side data
-(scales, ``u``, ``U``) is read for the program's block.
+Grid: one program per (sequence, ``heads_per_program`` consecutive heads, value block ``BV``);
+by default one head. Each program walks the key rows in chunks (``chunk`` rows of every code
+part per iteration; by default the whole part, no loop), reading each chunk of codes, record
+keys and log-decays, ``K`` and the vectors once. The value-side data (scales, ``u``, ``U``) is
+read for the program's block.
+
+Load order: a program moves few bytes, so the step is bound by memory latency rather than
+bandwidth (on the H200 it reached about half the copy bandwidth on its bytes), and Triton
+issues loads in program order without hoisting one above a reduction. So a program reads
+``pos`` (the record loads' masks need it), then issues the loads of all its heads that the
+code reads need: the codes first (the most bytes), then per code part the record keys (and
+KDA's record log-decays), ``K``, the smoothing scales and the token's key-side vectors (and
+GDN's record log-decays). Then, head after head: the decays, the vectors, the record and
+Compensator-Token products and their key-row sums, the digit scales and the code reads; only
+then the value side (record values, column scales, ``U``, ``v``, ``beta``), whose loads,
+issued at the top, held registers through the code reads: fewer programs per SM (KDA
+spilled), slower on the H200 than the memory round they save. KDA's per-channel decays are
+computed once per code part, from that part's log-decays, and serve both the digit scale and
+the reads (a register value cannot be sliced per part in the Pallas Triton lowering). The
+new record's key side is stored from the loaded vectors. With several chunks per part, each
+loop iteration loads its chunk's codes and key side first, and a pre-pass over the whole key
+range gives the digit scales (summing KDA's decays once more).
 
 The two code reads (``reduce="dot"``, the default where a chunk is at least 32 rows) run on
 the int8 tensor cores: each vector is split into three balanced int8 digits of one fixed-point
@@ -37,7 +55,9 @@ value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference`
 ``pos >= p`` writes nothing (no out-of-bounds store) and its output is unspecified.
 
 Fastest on the H200 at batch 512 (``bench/results``): ``reduce="dot"``, the whole part per
-chunk, ``BV = dv``, 2 warps for GDN and 1 for KDA.
+chunk, ``BV = dv``, 2 warps for GDN and 1 for KDA, one head per program (two heads, their
+loads in flight together, hold twice the registers: 266.8 against 212.7 µs per step for GDN at
+2 warps in ``bench/results/kernels-20261130-225439``).
 
 Rounding: fp32 arithmetic, but for the digit split above. The record is rounded to the
 record dtype when stored, for later tokens; the token's own
@@ -66,44 +86,29 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, load, pl
-from .shared import load_code_parts, num_parts, window_decay_part
+from .shared import DIGIT_BITS, DIGIT_SCALE_FLOOR, DIGITS, code_planes, int8_digits, num_parts, unpack_codes, window_decays
 from .support import unsupported_reason
 
 f32 = jnp.float32
 
 
-DIGIT_BITS = 22     # fixed-point bits of a vector split into int8 digits (DIGITS of them)
-DIGITS = 3
 DOT_ROWS = 16       # rows of a Triton dot operand (the digit rows, zero-padded)
-DIGIT_SCALE_FLOOR = 2.0 ** -100   # least max |x| of a digit split: 2**DIGIT_BITS / floor stays finite
 RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
 
 
-def vector_scale(x):
+def vector_scale(*pieces):
     """``(2**DIGIT_BITS / m, m / 2**DIGIT_BITS)`` for ``m = max |x|``, ``m`` floored at ``DIGIT_SCALE_FLOOR``.
+
+    ``x`` may come as equal-shaped pieces (a vector's code parts): one cross-thread max of
+    their elementwise maximum.
 
     The floor keeps ``2**DIGIT_BITS / m`` finite when ``m`` is zero or denormal (a vector
     decayed by ``exp(G)`` with ``G`` below about -87): unfloored, a denormal ``m`` gives an
     infinite ``inv`` and, where the GPU flushes ``x`` to zero, ``0 * inf = NaN`` digits.
     Entries below the floor's resolution (``2**-122``) read as zero.
     """
-    m = jnp.maximum(jnp.max(jnp.abs(x)), DIGIT_SCALE_FLOOR)
+    m = jnp.maximum(jnp.max(functools.reduce(jnp.maximum, (jnp.abs(x) for x in pieces))), DIGIT_SCALE_FLOOR)
     return (2.0 ** DIGIT_BITS) / m, m * (2.0 ** -DIGIT_BITS)
-
-
-def int8_digits(x, inv):
-    """Balanced base-256 digits ``d_0 + 256 d_1 + 65536 d_2 = round(x * inv)``, each ``[n]`` int32 in int8 range.
-
-    ``|x * inv| <= 2**22`` keeps ``|d_2| <= 65``; the rounding error is at most
-    ``1.25 * 2**-23 max|x|`` per element (half a step, plus the fp32 rounding of ``x * inv``).
-    """
-    xi = jnp.floor(x * inv + 0.5).astype(jnp.int32)
-    out = []
-    for _ in range(DIGITS - 1):
-        d = ((xi + 128) & 255) - 128
-        out.append(d)
-        xi = (xi - d) >> 8
-    return out + [xi]
 
 
 def digit_rows(vectors, invs, n):
@@ -126,7 +131,7 @@ def undigit(acc, v):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot):
+def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot, heads):
     it = iter(refs)
     pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(7))
     codes_ref, scale_ref = next(it), next(it)
@@ -138,70 +143,212 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
     parts = num_parts(bits)
     n = dk // parts                                   # key rows per code part
     ch = chunk                                        # key rows per part per loop iteration
+    nch = n // ch
     bv = o_ref.shape[-1]
-    pos = pos_ref[...]
-    live = jnp.arange(window) < pos                   # [p]
     rec = jnp.dtype(rec_dtype)
     comp_tile = rank > 0 and (rank & (rank - 1)) == 0
-    if not per_channel:
-        D0, d = window_decay_part(bg_ref, live, None, False)                     # [], [p]
-        a_new = jnp.exp(g_ref[...])
-    if use_dot:
-        # The code reads run on the int8 tensor cores: both vectors (smoothed, and with KDA's
-        # per-channel decays folded in; GDN's scalar decays are applied after) split into int8
-        # digits with one fixed-point scale per vector over the whole key range, from a
-        # pre-pass over the vectors (which are small next to the codes).
-        z1, z2 = b_ref[...], q_ref[...]
+    every = slice(None)
+    pos = pos_ref[...]                        # first: the record loads' masks wait on it
+    live = jnp.arange(window) < pos           # [p]
+    first_block = pl.program_id(2) == 0       # outside pl.when: interpret mode needs it there
+
+    def at(t):
+        """Indexer of head ``t``'s block: the refs have a head axis only when the program holds
+        several heads (one head's axis is squeezed, so the default program is the one-head kernel)."""
+        if heads == 1:
+            return lambda *idx: idx if idx else ...
+        t = jnp.int32(t)        # interpret mode's masked load cannot take a Python int index
+        return lambda *idx: (t, *idx)
+
+    # Loads, separated from the arithmetic: Triton issues loads in program order and does not
+    # hoist one above a reduction (a barrier), so a load made late costs a memory round trip.
+    def load_key_side(t, start):
+        """Per code part: its rows ``start + [0, ch)`` of every key-side input; records masked to live slots."""
+        a, out = at(t), []
+        for i in range(parts):
+            sl = pl.ds(i * n + start, ch)
+            x = dict(kb=load(bk_ref.at[a(every, sl)], mask=live[:, None], other=0.0))       # [p, ch]
+            if per_channel:
+                x["gb"] = load(bg_ref.at[a(every, sl)], mask=live[:, None], other=0.0)      # [p, ch]
+            if comp_tile:
+                x["kc"] = ck_ref[a(every, sl)]                                             # [r, ch]
+            elif rank:
+                x["kc"] = [ck_ref[a(c, sl)] for c in range(rank)]
+            if smoothing:
+                x["sm"] = smooth_ref[a(sl)]
+            x.update(q=q_ref[a(sl)], w=w_ref[a(sl)], b=b_ref[a(sl)])
+            if per_channel:
+                x["g"] = g_ref[a(sl)]
+            out.append(x)
+        return out
+
+    def load_head_decays(t):
+        """GDN's record log-decays and the token's (scalar decays serve every key row; KDA's
+        per-channel ones come with the key side)."""
         if per_channel:
-            D0_all, _ = window_decay_part(bg_ref, live, pl.ds(0, dk), True)
-            z1, z2 = D0_all * z1, D0_all * jnp.exp(g_ref[...]) * z2
+            return {}
+        a = at(t)
+        return dict(gb=load(bg_ref.at[a(every)], mask=live, other=0.0), g=g_ref[a()])     # [p], []
+
+    def load_value_side(t, vs):
+        """The value-side inputs, added to ``vs``."""
+        a = at(t)
+        vs.update(ub=load(bu_ref.at[a(every, every)], mask=live[:, None], other=0.0),       # [p, BV]
+                  scale=scale_ref[a(every)], v=v_ref[a(every)], beta=beta_ref[a()])
+        if comp_tile:
+            vs["cu"] = cu_ref[a(every, every)]                                             # [r, BV]
+        elif rank:
+            vs["cu"] = [cu_ref[a(c, every)] for c in range(rank)]
+        return vs
+
+    def head_decays(vs):
+        if not per_channel:
+            vs["D0"], vs["d"] = window_decays(vs["gb"], live)                            # [], [p]
+            vs["a_new"] = jnp.exp(vs["g"])
+        return vs
+
+    def whole_scales(t):
+        """The digit scales of a head walked in several chunks: a pre-pass over the whole key
+        range of the vectors the chunks split (small next to the codes)."""
+        a = at(t)
+        z1, z2 = b_ref[a(every)], q_ref[a(every)]
+        if per_channel:
+            gb = load(bg_ref.at[a(every, every)], mask=live[:, None], other=0.0).astype(f32)   # [p, dk]
+            D0 = jnp.exp(jnp.sum(gb, axis=0))
+            z1, z2 = D0 * z1, D0 * jnp.exp(g_ref[a(every)]) * z2
         if smoothing:
-            z1, z2 = smooth_ref[...] * z1, smooth_ref[...] * z2
-        (inv1, back1), (inv2, back2) = vector_scale(z1), vector_scale(z2)
+            sm = smooth_ref[a(every)]
+            z1, z2 = sm * z1, sm * z2
+        return vector_scale(z1), vector_scale(z2)
 
     # Products are accumulated over the key chunks and reduced once at the end: acc [ch, BV]
     # elementwise (or [DOT_ROWS, BV] int32 from the dot), kacc [p, ch] (records), cacc [r, ch]
     # (compensators), kq [ch].
-    def chunk_body(j, carry):
+    def key_sums(k1, k2, c1, c2, kq):
+        """The record, Compensator-Token and ``k . q`` products summed over the key rows."""
+        if comp_tile:
+            c1, c2 = jnp.sum(c1, axis=1), jnp.sum(c2, axis=1)                       # [r]
+        else:
+            c1, c2 = tuple(jnp.sum(c) for c in c1), tuple(jnp.sum(c) for c in c2)
+        return jnp.sum(k1, axis=1), jnp.sum(k2, axis=1), c1, c2, jnp.sum(kq)          # [p], [p], ..., []
+
+    def chunk_terms(code_bytes, kparts, vs, carry, scales):
+        """One chunk's products added to ``carry``, with ``scales`` of the digit split. When the
+        chunk is the whole part (one chunk), the scales come from its vectors instead, and the
+        key-row sums are made here, before the code reads, so the ``[p, ch]`` products hold no
+        registers through them."""
         acc1, acc2, k1, k2, c1, c2, kq = carry
-        start = j * ch if isinstance(j, int) else pl.multiple_of(j * ch, ch)
-        codes = load_code_parts(codes_ref, bits, dk, start, ch, jnp.int8 if use_dot else f32)
-        for i in range(parts):
-            sl = pl.ds(i * n + start, ch)
+        terms, digit_vectors, scale_vectors = [], [], []
+        for x in kparts:
             if per_channel:
-                D0_, dd = window_decay_part(bg_ref, live, sl, True)                # [ch], [p, ch]
+                D0_, dd = window_decays(x["gb"], live)                                  # [ch], [p, ch]
             else:
-                D0_ = D0
-            x1 = b_ref[sl]
-            q = q_ref[sl]
-            kq = kq + w_ref[sl] * q
-            x2 = (jnp.exp(g_ref[sl]) if per_channel else a_new) * q
+                D0_, dd = vs["D0"], None
+            x1, q = x["b"], x["q"]
+            kq = kq + x["w"] * q
+            a_new = jnp.exp(x["g"]) if per_channel else vs["a_new"]
+            x2 = a_new * q
             y1, y2 = D0_ * x1, D0_ * x2
-            kb = load(bk_ref.at[:, sl], mask=live[:, None], other=0.0).astype(f32)   # [p, ch]
+            terms.append((x, x1, x2, y1, y2, dd))
+            # The code reads fold C and the decays into the vectors: smoothed, and with KDA's
+            # per-channel decays; GDN's scalar decays are applied after the dot.
+            if use_dot and not per_channel:
+                y1, y2 = x1, q
+            if smoothing:
+                y1, y2 = x["sm"] * y1, x["sm"] * y2
+            digit_vectors.append((y1, y2))
+            if use_dot and nch == 1 and per_channel:
+                # KDA's x2 scale from (D0 exp(g)) q, the product whole_scales takes: the digits
+                # do not depend on the chunking
+                s2 = (D0_ * a_new) * q
+                y2 = x["sm"] * s2 if smoothing else s2
+            scale_vectors.append((y1, y2))
+
+        def digit_scales():
+            if not use_dot or nch > 1:
+                return scales
+            return (vector_scale(*(s1 for s1, _ in scale_vectors)),
+                    vector_scale(*(s2 for _, s2 in scale_vectors)))
+
+        # Where the scales' two reductions go was measured on the H200 (batch 512, 32 heads of
+        # 128, us per step): KDA before the record products (253 against 261), GDN after (213
+        # against 215).
+        if per_channel:
+            scales = digit_scales()
+        for x, x1, x2, y1, y2, dd in terms:
+            kb = x["kb"].astype(f32)
             if per_channel:
                 kb = kb * dd
             k1 = k1 + kb * x1[None, :]
             k2 = k2 + kb * x2[None, :]
             if comp_tile:
-                kc = ck_ref[:, sl].astype(f32)                                        # [r, ch]
+                kc = x["kc"].astype(f32)
                 c1 = c1 + kc * y1[None, :]
                 c2 = c2 + kc * y2[None, :]
             elif rank:
-                kcs = [ck_ref[c, sl].astype(f32) for c in range(rank)]
+                kcs = [kc.astype(f32) for kc in x["kc"]]
                 c1 = tuple(a + kc * y1 for a, kc in zip(c1, kcs))
                 c2 = tuple(a + kc * y2 for a, kc in zip(c2, kcs))
-            if use_dot and not per_channel:
-                y1, y2 = x1, q
-            if smoothing:
-                sm = smooth_ref[sl]
-                y1, y2 = sm * y1, sm * y2
+        if nch == 1:
+            k1, k2, c1, c2, kq = key_sums(k1, k2, c1, c2, kq)
+        scales = digit_scales()
+        for (y1, y2), codes in zip(digit_vectors, unpack_codes(code_bytes, bits, jnp.int8 if use_dot else f32)):
             if use_dot:
-                acc1 = acc1 + jax.lax.dot(digit_rows([y1, y2], [inv1, inv2], ch), codes[i],
+                acc1 = acc1 + jax.lax.dot(digit_rows([y1, y2], [scales[0][0], scales[1][0]], ch), codes,
                                           preferred_element_type=jnp.int32)
             else:
-                acc1 = acc1 + codes[i] * y1[:, None]
-                acc2 = acc2 + codes[i] * y2[:, None]
-        return acc1, acc2, k1, k2, c1, c2, kq
+                acc1 = acc1 + codes * y1[:, None]
+                acc2 = acc2 + codes * y2[:, None]
+        return (acc1, acc2, k1, k2, c1, c2, kq), scales
+
+    def finish(t, carry, vs, scales, kparts=None):
+        """Head ``t``'s output and new record from its key-row sums (its key side from
+        ``kparts``, the whole parts' loads, where given: no load waits at the end)."""
+        a = at(t)
+        acc1, acc2, kx1, kx2, c1, c2, kq = carry
+        if not per_channel:
+            kx1, kx2 = vs["d"] * kx1, vs["d"] * kx2
+        scale = vs["scale"]
+        ub = vs["ub"].astype(f32)                                                     # [p, BV]
+        if use_dot:
+            (_, back1), (_, back2) = scales
+            z1, z2 = undigit(acc1, 0) * back1, undigit(acc1, 1) * back2
+            if not per_channel:
+                z1, z2 = vs["D0"] * z1, (vs["D0"] * vs["a_new"]) * z2
+        else:
+            z1, z2 = jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
+        r1 = scale * z1 + jnp.sum(kx1[:, None] * ub, axis=0)
+        r2 = scale * z2 + jnp.sum(kx2[:, None] * ub, axis=0)
+        if comp_tile:
+            cu = vs["cu"].astype(f32)                                                  # [r, BV]
+            r1 = r1 + jnp.sum(c1[:, None] * cu, axis=0)
+            r2 = r2 + jnp.sum(c2[:, None] * cu, axis=0)
+        else:
+            for c in range(rank):
+                uc = vs["cu"][c].astype(f32)
+                r1 = r1 + c1[c] * uc
+                r2 = r2 + c2[c] * uc
+        u = vs["beta"] * (vs["v"] - r1)
+        u_r = u.astype(rec)
+        o_ref[a(every)] = r2 + u * kq
+
+        @pl.when(pos < window)
+        def _append():
+            bu_out[a(pos, every)] = u_r
+
+        @pl.when((pos < window) & first_block)
+        def _append_key_side():
+            if kparts is None:
+                pieces = [(every, w_ref[a(every)], g_ref[a(every)] if per_channel else None)]
+            else:
+                pieces = [(pl.ds(i * n, n), x["w"], x.get("g")) for i, x in enumerate(kparts)]
+            # log-decays clamped as windowed.append_record
+            for sl, w, g in pieces:
+                bk_out[a(pos, sl)] = w.astype(rec)
+                if per_channel:
+                    bg_out[a(pos, sl)] = jnp.maximum(g, RECORD_LOG_DECAY_MIN).astype(rec)
+            if not per_channel:
+                bg_out[a(pos)] = jnp.maximum(vs["g"], RECORD_LOG_DECAY_MIN).astype(rec)
 
     if comp_tile:
         c0 = jnp.zeros((rank, ch), f32)
@@ -210,51 +357,35 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
     acc0 = ((jnp.zeros((DOT_ROWS, bv), jnp.int32), None) if use_dot
             else (jnp.zeros((ch, bv), f32), jnp.zeros((ch, bv), f32)))
     init = acc0 + (jnp.zeros((window, ch), f32), jnp.zeros((window, ch), f32), c0, c0, jnp.zeros((ch,), f32))
-    nch = n // ch
-    carry = chunk_body(0, init) if nch == 1 else jax.lax.fori_loop(0, nch, chunk_body, init)
-    acc1, acc2, k1, k2, c1, c2, kq = carry
 
-    kx1 = jnp.sum(k1, axis=1)                                                     # [p]
-    kx2 = jnp.sum(k2, axis=1)
-    if not per_channel:
-        kx1, kx2 = d * kx1, d * kx2
-    scale = scale_ref[...]
-    ub = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                 # [p, BV]
-    if use_dot:
-        z1, z2 = undigit(acc1, 0) * back1, undigit(acc1, 1) * back2
-        if not per_channel:
-            z1, z2 = D0 * z1, (D0 * a_new) * z2
+    # The value side (record values, column scales, U, v, beta) is loaded after a head's code
+    # reads, before its sums: loaded with the rest, it held registers through the reads (GDN
+    # 128 -> 167 per thread, 8 -> 6 programs per SM; KDA spilled 20 times more), which cost
+    # more on the H200 than the memory round it saves (231 against 220 us a step for GDN, 329
+    # against 258 for KDA; exploratory runs and Nsight Compute, not kept in bench/results).
+    if nch == 1:
+        # The codes (the most bytes) and the key side of every head first, then the arithmetic.
+        code_bytes = [code_planes(codes_ref, bits, n, 0, ch, at(t)) for t in range(heads)]
+        key_side = [load_key_side(t, 0) for t in range(heads)]
+        decays = [load_head_decays(t) for t in range(heads)]
+        for t in range(heads):
+            vs = head_decays(decays[t])
+            carry, scales = chunk_terms(code_bytes[t], key_side[t], vs, init, None)
+            finish(t, carry, load_value_side(t, vs), scales, key_side[t])
     else:
-        z1, z2 = jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
-    r1 = scale * z1 + jnp.sum(kx1[:, None] * ub, axis=0)
-    r2 = scale * z2 + jnp.sum(kx2[:, None] * ub, axis=0)
-    if comp_tile:
-        cu = cu_ref[...].astype(f32)                                               # [r, BV]
-        r1 = r1 + jnp.sum(jnp.sum(c1, axis=1)[:, None] * cu, axis=0)
-        r2 = r2 + jnp.sum(jnp.sum(c2, axis=1)[:, None] * cu, axis=0)
-    else:
-        for c in range(rank):
-            uc = cu_ref[c, :].astype(f32)
-            r1 = r1 + jnp.sum(c1[c]) * uc
-            r2 = r2 + jnp.sum(c2[c]) * uc
-    u = beta_ref[...] * (v_ref[...] - r1)
-    u_r = u.astype(rec)
-    o_ref[...] = r2 + u * jnp.sum(kq)
+        # A loop over chunks: each iteration loads its chunk (codes first), then adds its terms.
+        decays = [load_head_decays(t) for t in range(heads)]
+        for t in range(heads):
+            vs = head_decays(decays[t])
+            scales = whole_scales(t) if use_dot else None
 
-    first_block = pl.program_id(2) == 0       # outside pl.when: interpret mode needs it there
+            def chunk_body(j, carry, t=t, vs=vs, scales=scales):
+                start = pl.multiple_of(j * ch, ch)
+                code_bytes = code_planes(codes_ref, bits, n, start, ch, at(t))
+                return chunk_terms(code_bytes, load_key_side(t, start), vs, carry, scales)[0]
 
-    @pl.when(pos < window)
-    def _append():
-        bu_out[pos, :] = u_r
-
-    @pl.when((pos < window) & first_block)
-    def _append_key_side():
-        bk_out[pos, :] = w_ref[...].astype(rec)
-        g_rec = jnp.maximum(g_ref[...], RECORD_LOG_DECAY_MIN).astype(rec)   # as windowed.append_record
-        if per_channel:
-            bg_out[pos, :] = g_rec
-        else:
-            bg_out[pos] = g_rec
+            acc1, acc2, *keys = jax.lax.fori_loop(0, nch, chunk_body, init)
+            finish(t, (acc1, acc2, *key_sums(*keys)), load_value_side(t, vs), scales)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -299,10 +430,10 @@ def default_reduce(chunk: int) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_v", "chunk", "reduce", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "heads_per_program", "interpret"))
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, block_v: int | None = None,
                    chunk: int | None = None, reduce: str | None = None, num_warps: int | None = None, num_stages: int = 1,
-                   interpret: bool | None = None):
+                   heads_per_program: int = 1, interpret: bool | None = None):
     """One in-window decode step. Same contract as ``windowed.step_reference``.
 
     state: ``LeapQuantState``; token: ``Token`` with ``[B, H, ...]`` fields. The buffer is
@@ -310,7 +441,9 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     inside one); otherwise XLA copies it first. Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
     ``reduce``: how the code reads are summed, ``"dot"`` (int8 digits on the tensor cores;
     needs ``chunk >= 32``) or ``"lanes"`` (fp32 products summed across threads); the default
-    takes ``dot`` where it can.
+    takes ``dot`` where it can. ``heads_per_program``: consecutive heads of one sequence per
+    program (a power of two dividing ``H``; default 1), their code and key-side loads issued
+    together before any head is computed.
     """
     why = unsupported_reason(config, state)
     if why is not None:
@@ -324,6 +457,9 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ch = default_chunk(dk, config.bits, state.per_channel_decay) if chunk is None else chunk
     if (dk // num_parts(config.bits)) % ch or ch & (ch - 1) or ch < 16:
         raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {dk // num_parts(config.bits)} rows of a code part")
+    hp = heads_per_program
+    if not isinstance(hp, int) or hp < 1 or hp & (hp - 1) or h % hp:
+        raise ValueError(f"heads_per_program={hp!r} must be a power of two dividing the {h} heads")
     reduce = default_reduce(ch) if reduce is None else reduce
     num_warps = default_num_warps(state.per_channel_decay) if num_warps is None else num_warps
     if reduce not in REDUCES:
@@ -335,34 +471,36 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     p, r = config.window, config.effective_rank
     rows = packed_rows(dk, config.bits)
 
-    vec_k = pl.BlockSpec((None, None, dk), lambda i, j, c: (i, j, 0))
-    vec_v = pl.BlockSpec((None, None, bv), lambda i, j, c: (i, j, c))
-    scalar = pl.BlockSpec((None, None), lambda i, j, c: (i, j))
+    hb = None if hp == 1 else hp          # the head axis of a block: squeezed for one head
+    vec_k = pl.BlockSpec((None, hb, dk), lambda i, j, c: (i, j, 0))
+    vec_v = pl.BlockSpec((None, hb, bv), lambda i, j, c: (i, j, c))
+    scalar = pl.BlockSpec((None, hb), lambda i, j, c: (i, j))
     args = [state.pos.astype(jnp.int32), token.q.astype(f32), token.w.astype(f32), token.b.astype(f32),
             token.v.astype(f32), token.g.astype(f32), token.beta.astype(f32), ckpt.residual.codes, ckpt.residual.scale]
     specs = [pl.BlockSpec((None,), lambda i, j, c: (i,)), vec_k, vec_k, vec_k, vec_v,
              vec_k if per_channel else scalar, scalar,
-             pl.BlockSpec((None, None, rows, bv), lambda i, j, c: (i, j, 0, c)), vec_v]
+             pl.BlockSpec((None, hb, rows, bv), lambda i, j, c: (i, j, 0, c)), vec_v]
     if config.smoothing:
         args.append(ckpt.smooth)
         specs.append(vec_k)
     if r:
         args += [ckpt.comp_k, ckpt.comp_u]
-        specs += [pl.BlockSpec((None, None, r, dk), lambda i, j, c: (i, j, 0, 0)),
-                  pl.BlockSpec((None, None, r, bv), lambda i, j, c: (i, j, 0, c))]
-    k_spec = pl.BlockSpec((None, None, p, dk), lambda i, j, c: (i, j, 0, 0))
-    u_spec = pl.BlockSpec((None, None, p, bv), lambda i, j, c: (i, j, 0, c))
-    g_spec = k_spec if per_channel else pl.BlockSpec((None, None, p), lambda i, j, c: (i, j, 0))
+        specs += [pl.BlockSpec((None, hb, r, dk), lambda i, j, c: (i, j, 0, 0)),
+                  pl.BlockSpec((None, hb, r, bv), lambda i, j, c: (i, j, 0, c))]
+    k_spec = pl.BlockSpec((None, hb, p, dk), lambda i, j, c: (i, j, 0, 0))
+    u_spec = pl.BlockSpec((None, hb, p, bv), lambda i, j, c: (i, j, 0, c))
+    g_spec = k_spec if per_channel else pl.BlockSpec((None, hb, p), lambda i, j, c: (i, j, 0))
     first_buf = len(args)
     args += [buf.k, buf.u, buf.g]
     specs += [k_spec, u_spec, g_spec]
 
     kernel = functools.partial(
         _step_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=per_channel,
-        smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch, use_dot=reduce == "dot")
+        smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch, use_dot=reduce == "dot",
+        heads=hp)
     o, bk, bu, bg = pl.pallas_call(
         kernel,
-        grid=(bsz, h, dv // bv),
+        grid=(bsz, h // hp, dv // bv),
         in_specs=specs,
         out_specs=[vec_v, k_spec, u_spec, g_spec],
         out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), f32), jax.ShapeDtypeStruct(buf.k.shape, buf.k.dtype),

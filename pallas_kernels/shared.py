@@ -1,10 +1,14 @@
 """Kernel helpers the decode step and the window flush share: the packed residual codes' planar
-layout (``num_parts``, ``load_code_parts``) and the window's log-space decays
-(``window_decay_part``). Used inside Pallas kernel bodies only."""
+layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``), the window's
+log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on the tensor cores (``DIGIT_BITS``,
+``digit_split``, ``digit_read``, ``digit_read_t``). Used inside Pallas kernel bodies only."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+from leapquant_jax.quantizers import code_parts
 
 from ._compat import load, pl
 
@@ -12,8 +16,34 @@ f32 = jnp.float32
 
 
 def num_parts(bits: int) -> int:
-    """Key-row parts the packed codes split into: 1 (8 bits), 2 (4 bits), 4 (6 bits)."""
-    return {8: 1, 4: 2, 6: 4}[bits]
+    """Key-row parts the packed codes split into: 1 (8 bits), 2 (4 bits), 4 (6 bits)
+    (``quantizers.code_parts``, the reference's layout)."""
+    return code_parts(bits)
+
+
+def code_planes(codes_ref, bits: int, n: int, start=0, rows: int | None = None, at=lambda *idx: idx):
+    """The packed byte rows of a chunk of codes, not yet unpacked: one plane at 8 and 4 bits,
+    three planes of ``n`` rows each at 6 bits (``unpack_codes`` turns them into codes).
+
+    ``at`` maps the (rows, columns) index to the ref's full index (a leading head index where a
+    block holds several heads). Loading and unpacking are apart so that a kernel can issue its
+    other loads before any arithmetic waits on the codes.
+    """
+    rows = n if rows is None else rows
+    planes = 3 if bits == 6 else 1
+    return [codes_ref[at(pl.ds(i * n + start, rows), slice(None))] for i in range(planes)]
+
+
+def unpack_codes(planes, bits: int, dtype=f32):
+    """Signed codes ``[rows, BV]`` of ``dtype`` per key-row part from ``code_planes``' bytes."""
+    if bits == 8:
+        return [planes[0].astype(dtype)]
+    if bits == 4:
+        p = planes[0].astype(jnp.int32)
+        return [((p & 15) - 8).astype(dtype), ((p >> 4) - 8).astype(dtype)]
+    planes = [x.astype(jnp.int32) for x in planes]
+    top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
+    return [((q & 63) - 32).astype(dtype) for q in planes] + [(top - 32).astype(dtype)]
 
 
 def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None, dtype=f32):
@@ -22,34 +52,120 @@ def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = N
     Part ``i`` holds key rows ``i * dk / parts + start + [0, rows)``; ``rows`` defaults to the
     whole part. Every part of a chunk comes from the same packed byte rows (planar layout).
     """
-    n = dk // num_parts(bits)
-    rows = n if rows is None else rows
-    if bits == 8:
-        return [codes_ref[pl.ds(start, rows), :].astype(dtype)]
-    if bits == 4:
-        p = codes_ref[pl.ds(start, rows), :].astype(jnp.int32)
-        return [((p & 15) - 8).astype(dtype), ((p >> 4) - 8).astype(dtype)]
-    planes = [codes_ref[pl.ds(i * n + start, rows), :].astype(jnp.int32) for i in range(3)]
-    top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
-    return [((q & 63) - 32).astype(dtype) for q in planes] + [(top - 32).astype(dtype)]
+    return unpack_codes(code_planes(codes_ref, bits, dk // num_parts(bits), start, rows), bits, dtype)
 
 
-def window_decay_part(g_ref, live, part, per_channel: bool):
-    """Log-space decays of the live records for key rows ``part`` (a ``pl.ds``).
-
-    Returns ``(D0, d)``: ``D0 = exp(G_l)`` (``[]`` or ``[n]``) and ``d_j = exp(G_l - G_j)`` for
-    live slots, 0 for dead ones (``[p]`` or ``[p, n]``). Dead slots are never loaded.
-    """
-    if per_channel:
-        g = load(g_ref.at[:, part], mask=live[:, None], other=0.0).astype(f32)   # [p, n]
-        G = jnp.cumsum(g, axis=0)
-        G_l = jnp.sum(g, axis=0)                                                   # [n]
-        d = jnp.exp(jnp.where(live[:, None], G_l[None, :] - G, -jnp.inf))
-        return jnp.exp(G_l), d
-    g = load(g_ref, mask=live, other=0.0).astype(f32)                              # [p]
+def window_decays(g, live):
+    """``(D0, d)`` from the records' log-decays ``g`` (``[p]``, or ``[p, n]`` per channel) loaded
+    with dead slots as 0: ``D0 = exp(G_l)`` (``[]`` or ``[n]``) and ``d_j = exp(G_l - G_j)`` for
+    live slots, 0 for dead ones (masked before ``exp``, never divided)."""
+    g = g.astype(f32)
     G = jnp.cumsum(g, axis=0)
+    if g.ndim == 2:
+        G_l = jnp.sum(g, axis=0)                                                   # [n]
+        return jnp.exp(G_l), jnp.exp(jnp.where(live[:, None], G_l[None, :] - G, -jnp.inf))
     G_l = jnp.sum(g)
     return jnp.exp(G_l), jnp.exp(jnp.where(live, G_l - G, -jnp.inf))
 
 
-__all__ = ["load_code_parts", "num_parts", "window_decay_part"]
+def window_decay_part(g_ref, live, part, per_channel: bool):
+    """``window_decays`` of the live records for key rows ``part`` (a ``pl.ds``), loaded here;
+    dead slots are never loaded."""
+    if per_channel:
+        return window_decays(load(g_ref.at[:, part], mask=live[:, None], other=0.0), live)
+    return window_decays(load(g_ref, mask=live, other=0.0), live)
+
+
+# ----------------------------------------------------------------------------- exact code reads
+
+DIGIT_BITS = 22     # fixed-point bits of a vector split into int8 digits (DIGITS of them)
+DIGITS = 3
+DIGIT_SCALE_FLOOR = 2.0 ** -100   # least max |x| of a digit split: 2**DIGIT_BITS / floor stays finite
+
+
+def int8_digits(x, inv):
+    """Balanced base-256 digits ``d_0 + 256 d_1 + 65536 d_2 = round(x * inv)``, each int32 of ``x``'s shape in int8 range.
+
+    ``|x * inv| <= 2**22`` keeps ``|d_2| <= 65``; the rounding error is at most
+    ``1.25 * 2**-23 max|x|`` per element (half a step, plus the fp32 rounding of ``x * inv``).
+    """
+    xi = jnp.floor(x * inv + 0.5).astype(jnp.int32)
+    out = []
+    for _ in range(DIGITS - 1):
+        d = ((xi + 128) & 255) - 128
+        out.append(d)
+        xi = (xi - d) >> 8
+    return out + [xi]
+
+
+def digit_split(parts):
+    """Rows of ``x`` (given as key-row parts ``[R, n_i]``) as three balanced int8 digit tiles each.
+
+    Each row gets one fixed-point scale over all its parts, ``2**DIGIT_BITS / max|row|`` (the max
+    floored at ``DIGIT_SCALE_FLOOR``, so an all-zero or denormal row stays finite), and
+    ``round(x * inv) = d0 + 256 d1 + 65536 d2`` with ``|d| <= 128``: the rounding is at most about
+    ``2**-23 max|row|`` per element. Returns ``(digits, back)``: ``digits[i]`` the three int8
+    tiles of part ``i``, ``back [R]`` the factor that undoes the scale.
+    """
+    m = None
+    for x in parts:
+        mx = jnp.max(jnp.abs(x), axis=1)
+        m = mx if m is None else jnp.maximum(m, mx)
+    m = jnp.maximum(m, DIGIT_SCALE_FLOOR)
+    inv = ((2.0 ** DIGIT_BITS) / m)[:, None]
+    out = [[d.astype(jnp.int8) for d in int8_digits(x, inv)] for x in parts]
+    return out, m * (2.0 ** -DIGIT_BITS)
+
+
+def _undigit(accs, back):
+    return ((accs[2].astype(f32) * 65536.0 + accs[1].astype(f32) * 256.0) + accs[0].astype(f32)) * back[:, None]
+
+
+def digit_read(x_parts, code_parts):
+    """``x S_codes``: rows ``x`` (parts ``[R, n_i]`` fp32) times the codes (parts ``[n_i, C]`` int8).
+
+    Three exact int8 dots with int32 sums (one per digit, summed over the parts), recombined in
+    fp32. Returns ``[R, C]`` fp32, about fp32's accuracy (``digit_split``).
+    """
+    digits, back = digit_split(x_parts)
+    accs = [None] * DIGITS
+    for ds, codes in zip(digits, code_parts):
+        for k in range(DIGITS):
+            a = jax.lax.dot(ds[k], codes, preferred_element_type=jnp.int32)
+            accs[k] = a if accs[k] is None else accs[k] + a
+    return _undigit(accs, back)
+
+
+def digit_read_t(x, code_parts):
+    """``x S_codes^T``: rows ``x [R, C]`` fp32 times each code part transposed (``[n_i, C]`` int8).
+
+    Returns one ``[R, n_i]`` fp32 tile per part (the same exact digit dots as ``digit_read``).
+    """
+    (ds,), back = digit_split([x])
+    dims = (((1,), (1,)), ((), ()))
+    return [_undigit([jax.lax.dot_general(d, codes, dims, preferred_element_type=jnp.int32) for d in ds], back)
+            for codes in code_parts]
+
+
+def tile_rows(x, k: int):
+    """The first ``k`` rows of a register tile ``x [R, n]`` (``R`` a power of two) as ``[n]`` vectors.
+
+    An equal split (the only value slicing the Pallas Triton lowering has), not a gather.
+    """
+    if x.shape[0] == 1:
+        return [x.reshape(x.shape[1:])][:k]
+    return [r.reshape(x.shape[1:]) for r in jnp.split(x, x.shape[0], axis=0)[:k]]
+
+
+def tile_from_rows(rows, n_rows: int, width: int):
+    """A ``[n_rows, width]`` fp32 tile whose first rows are ``rows`` (``[width]`` each), zero below."""
+    idx = jnp.arange(n_rows)[:, None]
+    out = jnp.zeros((n_rows, width), f32)
+    for i, r in enumerate(rows):
+        out = jnp.where(idx == i, r[None, :], out)
+    return out
+
+
+__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "digit_read", "digit_read_t", "digit_split",
+           "int8_digits", "load_code_parts", "num_parts", "tile_from_rows", "tile_rows", "unpack_codes", "window_decay_part",
+           "window_decays"]

@@ -28,7 +28,7 @@ from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import api
 from pallas_kernels.dense_step import dense_step, dense_step_reference
-from pallas_kernels.leapquant_flush import leapquant_flush, leapquant_flush_reference
+from pallas_kernels.leapquant_flush import flush_stream, leapquant_flush, leapquant_flush_reference
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 
 INTERPRET = True
@@ -179,6 +179,34 @@ def test_step_kernel_reductions_and_key_chunks(reduce, chunk, kda):
     check_step(config, st, tok, reduce=reduce, chunk=chunk)
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("opts", [dict(), dict(reduce="lanes", chunk=16, block_v=32)], ids=["whole-part", "chunks"])
+def test_step_kernel_two_heads_per_program(opts, kda):
+    # each program loads both heads before computing either; with chunks, the loop per head
+    config = LeapQuantConfig(bits=8, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(50 + kda), 2, 4, 64, 64, kda, pos=[5, 1])
+    check_step(config, st, tok, heads_per_program=2, **opts)
+
+
+@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True)])
+def test_step_kernel_two_heads_per_program_lowers_to_triton(bits, kda):
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    config = LeapQuantConfig(bits=bits, window=8)
+    st = windowed.init_state(config, 2, 2, 64, 64, kda)
+    tok = token(sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
+    for opts in (dict(), dict(chunk=16, reduce="lanes")):
+        f = functools.partial(leapquant_step, config, heads_per_program=2, interpret=False, **opts)
+        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(st, tok)
+
+
+def test_step_kernel_rejects_bad_heads_per_program():
+    config = LeapQuantConfig(bits=8, window=4)
+    st, tok = live_state(config, jax.random.PRNGKey(6), 1, 2, 64, 64, False, pos=[1])
+    for hp in (0, 3, 4):
+        with pytest.raises(ValueError, match="heads_per_program"):
+            leapquant_step(config, st, tok, heads_per_program=hp, interpret=INTERPRET)
+
+
 def test_int8_digits_recombine_exactly():
     x = jnp.concatenate([jax.random.normal(jax.random.PRNGKey(0), (1000,)) * 3.0, jnp.array([0.0, 1e-30, -7.5])])
     m = jnp.max(jnp.abs(x))
@@ -242,7 +270,10 @@ def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto"):
     ref = leapquant_flush_reference(config, st, only_full=only_full)
     ker = leapquant_flush(config, copy(st), only_full=only_full, impl=impl, interpret=INTERPRET)
     np.testing.assert_array_equal(ker.pos, ref.pos)
-    for a, b in zip(jax.tree_util.tree_leaves(ker.buffer), jax.tree_util.tree_leaves(ref.buffer)):
+    # The stream flush leaves the buffer as it is (every slot is then past pos = 0, never read);
+    # the others zero it as the reference does.
+    kept = st.buffer if impl == "stream" else ref.buffer
+    for a, b in zip(jax.tree_util.tree_leaves(ker.buffer), jax.tree_util.tree_leaves(kept)):
         np.testing.assert_array_equal(a, b)
     dense = windowed.reconstruct_reference(config, st)
     d_k = windowed.decode_checkpoint(config, ker.checkpoint)
@@ -261,7 +292,7 @@ def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto"):
     return ker, ref
 
 
-@pytest.mark.parametrize("impl", ["split", "fused"])
+@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("bits", [8, 6, 4])
 def test_flush_kernel_matches_reference(bits, kda, impl):
@@ -271,7 +302,7 @@ def test_flush_kernel_matches_reference(bits, kda, impl):
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("impl", ["split", "fused"])
+@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
 def test_flush_kernel_window_16_head_128(impl, kda):
     # p >= 16: the split flush's records term is one dot; warm start from the old K
     config = LeapQuantConfig(bits=8, window=16, warm_start=True)
@@ -280,7 +311,7 @@ def test_flush_kernel_window_16_head_128(impl, kda):
 
 
 @pytest.mark.parametrize("pos", [[4, 1, 4], [4, 1, 0]], ids=["split-branch", "fused-branch"])
-@pytest.mark.parametrize("impl", ["auto", "split", "fused"])
+@pytest.mark.parametrize("impl", ["auto", "split", "fused", "stream"])
 def test_flush_kernel_only_full_windows(impl, pos):
     # auto takes the split flush when enough windows are full, else the fused one
     config = LeapQuantConfig(bits=8, window=4, warm_start=True)
@@ -291,23 +322,41 @@ def test_flush_kernel_only_full_windows(impl, pos):
         np.testing.assert_array_equal(a, b)                                   # a partial window is untouched
 
 
+@pytest.mark.parametrize("impl", ["auto", "stream"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_flush_kernel_fully_decayed_heads_and_zero_state(kda):
+def test_flush_kernel_fully_decayed_heads_and_zero_state(kda, impl):
     config = LeapQuantConfig(bits=8, window=4)
     st, _ = live_state(config, jax.random.PRNGKey(8), 2, 1, 64, 64, kda, pos=[4, 2], log_decay=-1e3, zero=True)
     # Only the newest record survives: a rank-1 state that the Compensator Tokens take whole,
     # leaving a residual of rounding noise (~1e-13) whose codes are arbitrary in both.
-    check_flush(config, st, codes_agree=False)
+    check_flush(config, st, codes_agree=False, impl=impl)
     st = windowed.init_state(config, 2, 1, 64, 64, kda)                        # all zero: zero codes, no NaN
-    ker = leapquant_flush(config, copy(st), interpret=INTERPRET)
+    ker = leapquant_flush(config, copy(st), impl=impl, interpret=INTERPRET)
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-@pytest.mark.parametrize("impl", ["split", "fused"])
+@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
 def test_flush_kernel_head_size_128_options(impl):
     config = LeapQuantConfig(bits=8, window=4, rank=2, fit_iters=2, smoothing=False)
     st, _ = live_state(config, jax.random.PRNGKey(9), 1, 1, 128, 128, False, pos=[4])
     check_flush(config, st, impl=impl)
+
+
+@pytest.mark.parametrize("options, kda", [(dict(compensators=False), False), (dict(window=32, bits=4), True)],
+                         ids=["no-compensators", "window-32-int4-kda"])
+def test_stream_flush_other_configs(options, kda):
+    config = LeapQuantConfig(**options)
+    p = config.window
+    st, _ = live_state(config, jax.random.PRNGKey(11), 2, 1, 64, 64, kda, pos=[p, p // 2 - 1])
+    check_flush(config, st, impl="stream")
+
+
+def test_stream_flush_rejects_bad_chunks():
+    config = LeapQuantConfig(bits=8, window=4)
+    st = windowed.init_state(config, 1, 1, 64, 64)
+    for chunk in (8, 24, 128):
+        with pytest.raises(ValueError, match="chunk"):
+            flush_stream(config, st, only_full=False, chunk=chunk, interpret=INTERPRET)
 
 
 # ----------------------------------------------------------------------------- through the method
@@ -375,6 +424,7 @@ def test_kernels_lower_to_triton(bits, kda):
     lower(functools.partial(leapquant_step, config, interpret=False), st, tok)
     lower(functools.partial(leapquant_step, config, reduce="lanes", interpret=False), st, tok)
     lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
+    lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
     lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
 
 

@@ -1,0 +1,163 @@
+"""``bench.kernels`` on the CPU: the load-only kernel (interpret mode against numpy, its bytes
+against ``step_bytes``, its lowering to Triton), the sweep variants, the targets and the report.
+The GPU timings themselves run in ``bench/``."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import kernels as bk
+from leapquant_jax import windowed
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels.leapquant_step import step_bytes
+
+
+def filled_state(config, bsz, h, dk, dv, kda, pos):
+    """A state whose every window slot holds a record (so that dead slots are nonzero and a
+    missing mask shows), then ``pos`` set to the given ragged positions."""
+    st = windowed.from_dense(config, bk.random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+    seq = bk.random_sequence(jax.random.PRNGKey(4), bsz, config.window, h, dk, dv, kda)
+    for i in range(config.window):
+        _, st = windowed.step_reference(config, st, bk.token_at(seq, i))
+    return st.replace(pos=jnp.asarray(pos, jnp.int32))
+
+
+def numpy_load_only(config, st, tok):
+    """The load-only kernel's reduction (its docstring) and records, in float64 numpy."""
+    ck = st.checkpoint
+    f = lambda x: np.asarray(x, np.float64)   # noqa: E731
+    codes, scale = f(ck.residual.codes), f(ck.residual.scale)
+    k, u, g = (np.array(x) for x in (st.buffer.k, st.buffer.u, st.buffer.g))
+    pos = np.asarray(st.pos)
+    bsz, h, p = k.shape[0], k.shape[1], config.window
+    o = np.zeros(codes.shape[:2] + codes.shape[-1:])
+    for i in range(bsz):
+        live = slice(0, min(pos[i], p))
+        for j in range(h):
+            s = (np.sum(f(tok.q)[i, j] + f(tok.w)[i, j] + f(tok.b)[i, j]) + np.sum(f(tok.g)[i, j]) + f(tok.beta)[i, j]
+                 + np.sum(f(ck.smooth)[i, j]) + np.sum(f(ck.comp_k)[i, j]) + np.sum(f(k[i, j, live]))
+                 + np.sum(f(g[i, j, live])))
+            col = (codes[i, j].sum(0) * scale[i, j] + f(ck.comp_u)[i, j].sum(0) + f(u[i, j, live]).sum(0)
+                   + f(tok.v)[i, j])
+            o[i, j] = col + s
+        if pos[i] < p:
+            k[i, :, pos[i]] = np.asarray(tok.w[i], k.dtype)
+            u[i, :, pos[i]] = o[i].astype(u.dtype)
+            g[i, :, pos[i]] = np.asarray(tok.g[i], g.dtype)
+    return o, k, u, g
+
+
+@pytest.mark.parametrize("bits, kda, chunk", [(8, False, None), (8, True, 16), (6, True, None), (4, False, 8)])
+def test_load_only_kernel_matches_numpy(bits, kda, chunk):
+    # bits 6: rank 6 (not a power of two, one Compensator Token row at a time) and three code planes
+    config = LeapQuantConfig(bits=bits, window=4)
+    bsz, h, dk, dv = 3, 2, 32, 32
+    st = filled_state(config, bsz, h, dk, dv, kda, [0, 2, 4])       # pos = p: reads all, writes nothing
+    tok = bk.token_at(bk.random_sequence(jax.random.PRNGKey(9), bsz, 1, h, dk, dv, kda), 0)
+    want_o, want_k, want_u, want_g = numpy_load_only(config, st, tok)
+    o, new = bk.load_only_step(config, jax.tree_util.tree_map(jnp.copy, st), tok, chunk=chunk, interpret=True)
+    np.testing.assert_allclose(np.asarray(o), want_o, rtol=1e-5, atol=1e-3)
+    np.testing.assert_array_equal(np.asarray(new.pos), [1, 3, 5])
+    for got, want in ((new.buffer.k, want_k), (new.buffer.g, want_g)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    # u's record is o rounded to fp16: the fp32 and float64 sums may straddle a rounding boundary
+    np.testing.assert_allclose(np.asarray(new.buffer.u, np.float64), want_u.astype(np.float64), rtol=2 ** -10, atol=1e-3)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_load_only_kernel_moves_step_bytes(kda):
+    # The bytes the kernel's operands give per head (the first pos records read, one record
+    # written, the token read as fp32) are step_bytes at every window position.
+    config = LeapQuantConfig(bits=8, window=4)
+    bsz, h, dk, dv = 2, 2, 32, 32
+    st = windowed.from_dense(config, bk.random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+    ck, buf = st.checkpoint, st.buffer
+
+    def per_head(x):
+        return x.dtype.itemsize * x.size // (bsz * h)
+
+    fixed = sum(per_head(x) for x in (ck.residual.codes, ck.residual.scale, ck.smooth, ck.comp_k, ck.comp_u))
+    record = sum(per_head(x) for x in (buf.k, buf.u, buf.g)) // config.window
+    token = 4 * (3 * dk + dv + (dk if kda else 1) + 1)
+    for pos in range(config.window):
+        assert fixed + pos * record + token + 4 + 4 * dv + record == step_bytes(config, dk, dv, pos, kda)
+
+
+@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
+def test_load_only_kernel_lowers_to_triton(bits, kda):
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    config = LeapQuantConfig(bits=bits, window=16)
+    st = windowed.init_state(config, 2, 2, 128, 128, kda)
+    tok = bk.token_at(bk.random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 128, 128, kda), 0)
+    for opts in bk.LOAD_ONLY_VARIANTS:
+        f = functools.partial(bk.load_only_step, config, interpret=False, **opts)
+        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(st, tok)
+
+
+def test_sweep_variants():
+    dense = bk.dense_variants(128)
+    assert [(v["block_v"], v["num_warps"]) for v in dense if v.get("num_stages", 1) == 1] == [
+        (64, 4), (64, 2), (32, 4), (32, 2), (128, 4), (128, 8)]
+    assert all(("num_stages" in v) == bk.dense_accepts("num_stages") for v in dense)
+    steps = bk.step_variants(LeapQuantConfig(bits=8), 128, 128)
+    assert [v["num_warps"] for v in steps if v.get("heads_per_program") == 2] == [2, 4]
+    flush = bk.flush_variants(True, 128)
+    assert [v["num_warps"] for v in flush if v["impl"] == "stream"] == [4, 8, 2]
+    assert (bk.bytes_impl({}), bk.bytes_impl(dict(impl="auto")), bk.bytes_impl(dict(impl="stream"))) == (
+        "split", "split", "stream")
+
+
+def timing(mode, kind, us, *, bsz=512, h=32, nbytes=1.0, fla=None, frac=None, **extra):
+    return dict(impl=f"{kind} row", kind=kind, mode=mode, batch=bsz, heads=h, us=us, bytes=nbytes,
+                speedup_vs_fla_fp32=fla, frac_copy_bw=frac, **extra)
+
+
+def test_targets_directions_and_missing_rows():
+    rows = [timing("GDN", "lq-window", 10.0, fla=4.4, bits=8, flush_impl="stream"),
+            timing("GDN", "lq-window", 10.0, bsz=32, fla=1.0, bits=8),              # not the largest batch
+            timing("KDA", "lq-window", 10.0, fla=3.0, bits=8, flush_impl="split"),
+            timing("GDN", "lq-steps", 1.0, frac=0.77, bits=8),
+            timing("GDN", "lq-flush", 750.0, nbytes=55e3 * 512 * 32, bits=8, flush_impl="stream"),
+            timing("KDA", "lq-flush", 500.0, nbytes=66e3 * 512 * 32, bits=8, flush_impl="stream")]
+    tg = bk.targets(dict(timings=rows))
+    assert len(tg) == len(bk.TARGETS)                      # every target reported, measured or not
+    got = tg[0]
+    assert got["batch"] == 512 and got["met"] and got["missing_factor"] is None
+    assert got["target"] == "GDN: LeapQuant int8 amortised per token-step vs FLA fp32, flush stream"
+    kda = tg[1]
+    assert not kda["met"] and kda["missing_factor"] == pytest.approx(3.5 / 3.0)
+    flush = [t for t in tg if t["key"] == "us"]
+    assert [(t["met"], t["missing_factor"]) for t in flush] == [(False, pytest.approx(750 / 600)), (True, None)]
+    kb = [t for t in tg if t["key"] == "kb_per_head"]
+    assert [t["measured"] for t in kb] == [pytest.approx(55.0), pytest.approx(66.0)]
+    assert [(t["met"], t["missing_factor"]) for t in kb] == [(True, None), (False, pytest.approx(1.1))]
+    dense = [t for t in tg if t["target"].endswith("Pallas fp32 dense step vs FLA fp32")]
+    assert [(t["wanted"], t["met"]) for t in dense] == [(0.95, None), (1.0, None)]   # no dense rows: not measured
+
+
+def test_markdown_sections():
+    env = dict(date="d", jax="j", devices=["cpu"], command="c")
+    rows = [timing(m, "lq-window", 10.0, fla=f, bits=8, flush_impl="split", nbytes=2e6, frac=0.5, GBps=1.0)
+            for m, f in (("GDN", 4.2), ("KDA", 3.1))]
+    for r in rows:
+        r.update(speedup_vs_pallas_fp32=2.0)
+    lo = [dict(kernel="load-only", mode="GDN", batch=512, heads=32, dk=128, dv=128, options=dict(num_warps=2),
+               bytes=1e6, us=1.0, GBps=1e3, frac_copy_bw=0.8, interpret=False),
+          dict(kernel="load-only", mode="KDA", batch=512, heads=32, dk=128, dv=128, options=dict(num_warps=4),
+               bytes=1e6, us=float("nan"), error="TypeError: x | y", interpret=False)]
+    other = [dict(impl=f"LeapQuant int{b} window", batch=512, mode=m, bits=b, us=9.0, speedup_vs_fla_fp32=s)
+             for b, m, s in ((6, "GDN", 4.6), (6, "KDA", 3.4), (4, "GDN", 5.0))]
+    md = bk.markdown(dict(environment=env, bits=8, correctness=[], timings=rows, sweep=[], notes=[],
+                          load_only=lo, other_bits=other))
+    assert "## Load-only kernel (the step's bytes)" in md
+    assert "| GDN | {'num_warps': 2} | 1.0 | 1.0 | 1000 | 80 |" in md
+    assert "error: TypeError: x / y" in md
+    assert "| 8 | 10.0 | 4.20 | 10.0 | 3.10 |" in md
+    assert "| 6 | 9.0 | 4.60 | 9.0 | 3.40 |" in md
+    assert "| 4 | 9.0 | 5.00 | - | - |" in md
+    assert "| KDA: LeapQuant int8 amortised per token-step vs FLA fp32, flush split | 3.10× | ≥ 3.50× | no | 1.13× |" in md
