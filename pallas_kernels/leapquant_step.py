@@ -271,8 +271,8 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
                     vector_scale(*(s2 for _, s2 in scale_vectors)))
 
         # Where the scales' two reductions go was measured on the H200 (batch 512, 32 heads of
-        # 128, us per step): KDA before the record products (253 against 261), GDN after (213
-        # against 215).
+        # 128, us per step, exploratory runs not kept in bench/results): KDA before the record
+        # products (253 against 261), GDN after (213 against 215).
         if per_channel:
             scales = digit_scales()
         for x, x1, x2, y1, y2, dd in terms:
