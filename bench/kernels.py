@@ -2,7 +2,7 @@
 
     python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
                             [--load-only] [--extra-bits 6 4] [--correctness full|ops|none] [--check-bits 8 6 4]
-                            [--check-flush-impls auto stream]
+                            [--check-flush-impls auto stream] [--modes gdn kda] [--time-budget SECONDS]
                             [--long-decode TOKENS] [--commit HASH] [--out bench/results]
 
 In this order:
@@ -34,6 +34,11 @@ In this order:
 heads (``synthetic.EXTREME_DECAYS``: alpha from 0, fully decayed, to exactly 1) through
 ``make_method("leapquant")`` with ``impl="pallas"`` and ``"reference"``, GDN and KDA, batch 4;
 every output and state must stay finite; errors per head against the exact fp32 recurrence.
+
+``--modes gdn`` (or ``kda``) checks and times one recurrence only, and ``--time-budget SECONDS``
+lists the optional parts still to come once the budget is spent (sweep and load-only variants,
+extra bit widths) as skipped, so that a run that must fit a device call still writes its main
+rows, targets and report.
 
 Errors are ``||out - ref|| / ||ref||``. Bytes per step are the kernels' docstring counts
 (``dense_step_bytes``, ``step_bytes``, ``flush_bytes``); FLA's fp32 kernel moves what the Pallas
@@ -220,13 +225,13 @@ def check_correctness(log, kda_modes=(False, True), bits_list=(8, 6, 4)):
     return rows
 
 
-def check_long_decode(log, tokens, *, chunk=16384, batch=4, impls=("pallas", "reference")):
+def check_long_decode(log, tokens, *, chunk=16384, batch=4, impls=("pallas", "reference"), kda_modes=(False, True)):
     """``studies.stability.extreme_decay_check`` for GDN and KDA with each ``impl``: long decodes of
     the extreme-decay heads (alpha from 0 to exactly 1), finiteness and per-head errors vs fp32."""
     from leapquant_jax.studies.stability import extreme_decay_check
 
     rows = []
-    for kda in (False, True):
+    for kda in kda_modes:
         for impl in impls:
             t0 = time.perf_counter()
             r = extreme_decay_check(make_method("leapquant", impl=impl), tokens=tokens, chunk=min(chunk, tokens),
@@ -571,19 +576,28 @@ LOAD_ONLY_VARIANTS = tuple(dict(num_warps=nw, num_stages=1) for nw in (1, 2, 4))
     dict(num_warps=2, num_stages=1, chunk=32), dict(num_warps=4, num_stages=1, chunk=32))
 
 
-def time_load_only(log, config, bsz, h, dk, dv, copy_bw):
+SKIPPED = "skipped: the run's --time-budget was spent"
+
+
+def time_load_only(log, config, bsz, h, dk, dv, copy_bw, kda_modes=(False, True), over=lambda: False):
     """Rows of the "Load-only kernel" section: each of ``LOAD_ONLY_VARIANTS`` per mode, µs per step
-    (mean over the window), bytes, GB/s and fraction of ``copy_bw`` (None off the GPU)."""
+    (mean over the window), bytes, GB/s and fraction of ``copy_bw`` (None off the GPU). Once
+    ``over()`` (the time budget), the remaining variants are listed as skipped."""
     p = config.window
     rows = []
     nbytes = {kda: sum(step_bytes(config, dk, dv, i, kda) for i in range(p)) / p * bsz * h for kda in (False, True)}
-    for kda in (False, True):
+    for kda in kda_modes:
         toks = window_tokens(bsz, h, dk, dv, kda, p)
         for opts in LOAD_ONLY_VARIANTS:
             if opts.get("chunk", 0) >= dk // num_parts(config.bits):
                 continue   # the same as the whole-part default
             row = dict(kernel=f"load-only (int{config.bits} step's bytes)", mode="KDA" if kda else "GDN", batch=bsz,
                        heads=h, dk=dk, dv=dv, options=opts, bytes=nbytes[kda], interpret=default_interpret())
+            if over():
+                row.update(us=float("nan"), error=SKIPPED)
+                rows.append(row)
+                log(row)
+                continue
             try:
                 st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
                 row["us"] = time_jax(load_only_timer(config, opts), st, toks, p)
@@ -655,9 +669,20 @@ def main(argv=None):
     ap.add_argument("--long-decode", type=int, default=0, metavar="TOKENS",
                     help="decode this many tokens of the extreme-decay heads per mode and impl (0: skip)")
     ap.add_argument("--checks-only", action="store_true", help="stop after the single-op and long-decode checks")
+    ap.add_argument("--modes", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"],
+                    help="which recurrences to check and time (a run that must fit a device call can take one)")
+    ap.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
+                    help="once this many seconds have passed, the optional parts (sweep and load-only variants, "
+                         "extra bit widths) are listed as skipped, so that the main rows and the report still come "
+                         "(0: no budget)")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
+    kda_modes = tuple(m == "kda" for m in dict.fromkeys(args.modes))
+    started = time.monotonic()
+
+    def over() -> bool:
+        return bool(args.time_budget) and time.monotonic() - started > args.time_budget
 
     def log(x):
         print(json.dumps(x) if isinstance(x, dict) else x, flush=True)
@@ -677,21 +702,23 @@ def main(argv=None):
             f.write(markdown(results))
 
     if args.correctness != "none":
-        results["correctness"] = check_single_ops(log, tuple(args.check_bits),
+        results["correctness"] = check_single_ops(log, tuple(args.check_bits), kda_modes,
                                                   flush_impls=tuple(args.check_flush_impls))
         save()
     if args.long_decode:
         results["long_decode"] = check_long_decode(log, args.long_decode,
-                                                   impls=("pallas", "reference") if _on_gpu() else ("reference",))
+                                                   impls=("pallas", "reference") if _on_gpu() else ("reference",),
+                                                   kda_modes=kda_modes)
         save()
     if args.checks_only:
         return results
     if not on_gpu:
         if args.correctness == "full":
-            results["correctness"] += check_correctness(log, bits_list=tuple(args.check_bits))
+            results["correctness"] += check_correctness(log, kda_modes, bits_list=tuple(args.check_bits))
         if args.load_only:
             cfg = LeapQuantConfig(bits=args.bits, window=args.window, impl="pallas")
-            results["load_only"] = time_load_only(log, cfg, max(args.batches), args.heads, args.dim, args.dim, None)
+            results["load_only"] = time_load_only(log, cfg, max(args.batches), args.heads, args.dim, args.dim, None,
+                                                  kda_modes, over)
             results["notes"].append("no GPU: the load-only kernel ran in interpret mode (its times mean nothing)")
         log("no GPU: timings skipped")
         save()
@@ -717,7 +744,7 @@ def main(argv=None):
         save()
 
     if args.flush_stages and not args.sweep:
-        for kda in (False, True):
+        for kda in kda_modes:
             flush_stages(kda, max(args.batches))
 
     # Sweep first (largest batch): the main timings use the fastest variant of each kernel.
@@ -725,17 +752,21 @@ def main(argv=None):
     for kda in (False, True):
         best[kda] = dict(dense=dict(block_v=min(64, dv), num_warps=4), step={}, flush={})
     if args.load_only or args.sweep:
-        results["load_only"] = time_load_only(log, config, max(args.batches), h, dk, dv, copy_bw)
+        results["load_only"] = time_load_only(log, config, max(args.batches), h, dk, dv, copy_bw, kda_modes, over)
         save()
     if args.sweep:
         bsz = max(args.batches)
-        for kda in (False, True):
+        for kda in kda_modes:
             mode = "KDA" if kda else "GDN"
             toks = window_tokens(bsz, h, dk, dv, kda, p)
 
             def sweep(kernel, variants, make_state, timer, steps, toks=toks):
                 timed = []
                 for opts in variants:
+                    if over():
+                        row = dict(kernel=kernel, mode=mode, batch=bsz, options=opts, us=float("nan"), error=SKIPPED)
+                        results["sweep"].append(row); log(row)
+                        continue
                     try:
                         us = time_jax(timer(opts), make_state(), toks, steps)
                     except Exception as err:  # a variant that does not compile is reported, not fatal
@@ -769,7 +800,7 @@ def main(argv=None):
     log(results["chosen_variants"])
 
     for bsz in args.batches:
-        for kda in (False, True):
+        for kda in kda_modes:
             mode = "KDA" if kda else "GDN"
             rows = []
             dense_b = dense_step_bytes(dk, dv, 4, kda) * bsz * h
@@ -818,7 +849,7 @@ def main(argv=None):
     for bits in args.extra_bits:
         bsz = max(args.batches)
         cfg = LeapQuantConfig(bits=bits, window=args.window, impl="pallas")
-        for kda in (False, True):
+        for kda in kda_modes:
             mode = "KDA" if kda else "GDN"
             toks = window_tokens(bsz, h, dk, dv, kda, p)
             s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
@@ -827,6 +858,11 @@ def main(argv=None):
             for what in ("window", "steps", "flush"):
                 steps = 1 if what == "flush" else p
                 row = dict(impl=f"LeapQuant int{bits} {what}", batch=bsz, mode=mode, bits=bits)
+                if over():
+                    row.update(us=float("nan"), error=SKIPPED)
+                    results.setdefault("other_bits", []).append(row)
+                    log(row)
+                    continue
                 try:
                     # the step options of the main bit width, where they fit this one's code parts
                     opts = dict(best[kda]["step"])
@@ -845,7 +881,7 @@ def main(argv=None):
             del toks, s
             save()
     if args.correctness == "full" and on_gpu:
-        results["correctness"] += check_correctness(log, bits_list=tuple(args.check_bits))
+        results["correctness"] += check_correctness(log, kda_modes, bits_list=tuple(args.check_bits))
         save()
     results["targets"] = targets(results)
     save()

@@ -161,3 +161,17 @@ def test_markdown_sections():
     assert "| 6 | 9.0 | 4.60 | 9.0 | 3.40 |" in md
     assert "| 4 | 9.0 | 5.00 | - | - |" in md
     assert "| KDA: LeapQuant int8 amortised per token-step vs FLA fp32, flush split | 3.10× | ≥ 3.50× | no | 1.13× |" in md
+
+
+def test_modes_and_time_budget_shape_the_run(tmp_path):
+    # --modes keeps one recurrence; a spent --time-budget lists the optional parts as skipped
+    out = bk.main(["--batches", "2", "--heads", "2", "--dim", "64", "--window", "4", "--correctness", "none",
+                   "--load-only", "--modes", "kda", "--out", str(tmp_path)])
+    rows = out["load_only"]
+    assert rows and {r["mode"] for r in rows} == {"KDA"} and all(np.isfinite(r["us"]) for r in rows)
+    out = bk.main(["--batches", "2", "--heads", "2", "--dim", "64", "--window", "4", "--correctness", "none",
+                   "--load-only", "--modes", "gdn", "--time-budget", "1e-9", "--out", str(tmp_path)])
+    rows = out["load_only"]
+    assert rows and {r["mode"] for r in rows} == {"GDN"}
+    assert all(r["error"] == bk.SKIPPED and np.isnan(r["us"]) for r in rows)
+    assert (tmp_path / next(p.name for p in tmp_path.glob("kernels-*.md"))).read_text()
