@@ -7,7 +7,8 @@
   ``windowed.step_reference`` (read ``u`` at ``l = pos``, append the record, output read at
   ``l = pos + 1``; no flush, no checkpoint write).
 * ``leapquant_flush(config, state) -> state``: the contract of ``windowed.flush_reference``
-  (every sequence flushes). ``leapquant_flush_full`` flushes only the sequences whose window is
+  (every sequence flushes), but for the buffer: the kernels leave its records, all past the
+  reset ``pos`` and so never read, where the reference zeroes them. ``leapquant_flush_full`` flushes only the sequences whose window is
   full and leaves the others as they are (``windowed.maybe_flush``'s result without its
   select); which flush kernel runs depends on how many windows are full
   (``leapquant_flush.SPLIT_MIN_FULL_FRACTION``).

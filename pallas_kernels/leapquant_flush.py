@@ -17,11 +17,11 @@ checkpoint. Three implementations with one contract (``impl``):
   3. A kernel with one program per (sequence, head) forms the residual ``R = S - K^T U`` from
      the rounded factors, smooths it by ``c_i = sqrt(mean_j |R_ij|)`` floored at 1e-12,
      quantizes ``R / c`` with one scale per value column (round half to even), packs the codes
-     (planar 6/4-bit layout) and writes the checkpoint and a zeroed buffer in place.
+     (planar 6/4-bit layout) and writes the checkpoint in place.
   The fp32 state goes through device memory (read three times), but every stage has many
   programs in flight; see ``bench/results`` for the measured trade.
 * ``fused``: one program per (sequence, head) does all of it with the whole fp32 tile in
-  registers (reading and writing only the checkpoint and the buffer); the fit's
+  registers (reading the checkpoint and the records, writing the checkpoint); the fit's
   ``r (r + 1)`` Gram reductions and the records loop are serial per program, which leaves
   it latency-bound at one or two programs per SM.
 * ``stream``: one program per (sequence, head) that never forms the fp32 state as a whole.
@@ -33,12 +33,16 @@ checkpoint. Three implementations with one contract (``impl``):
   ``STREAM_CHUNK`` key rows from registers, once for the smoothing scales and column maxima
   and once to quantize. It reads the checkpoint and the records once and writes the
   checkpoint once (``flush_bytes``: 49 KB per GDN head, 53 KB per KDA head at 8 bits, window
-  16); the buffer is not zeroed (every slot is past the reset ``pos``, and reads are masked
-  by it). Compiled on the H200 it agrees with the reference (8-bit GDN: codes within one
+  16). Compiled on the H200 it agrees with the reference (8-bit GDN: codes within one
   step, 5e-5 of them different) but ran at 8.8 ms per flush at batch 512 with 8 warps (54 ms
   with 4, 90 ms with 2: the program's many live tiles exceed the register file; not yet
   profiled), against the split flush's 3.2 ms (``bench/results/kernels-20261130-225439``),
   so ``auto`` does not take it.
+
+No flush writes the buffer: after it every slot is past the reset ``pos``, and every read of
+a record (the kernels' masked loads, the reference's decays masked before ``exp``) stops at
+``pos``, so zeroing it would only move bytes (``windowed.flush_reference`` returns an empty
+buffer; the kernels leave the old records, which no read reaches).
 
 Which sequences flush: ``only_full=True`` skips (the kernels read and write nothing for)
 sequences whose window is not full (``pos < p``); ``only_full=False`` flushes every sequence,
@@ -55,10 +59,9 @@ sums of a 22-bit fixed-point split of each vector; fp16 rounding of ``K``, ``U``
 from the XLA reference, so a code sitting on a rounding boundary may differ by one step; the
 decoded states agree to a quantization step on those few elements.
 
-Bytes moved per flushed head: ``flush_bytes`` (the fused count: read the checkpoint and the
-``p`` records, write both; the stream flush writes only the checkpoint; the split flush adds
-the fp32 state written once and read three times, ``16 dk dv``, plus ``S^T Q_0`` and the
-factors).
+Bytes moved per flushed head: ``flush_bytes`` (the fused and stream count: read the checkpoint
+and the ``p`` records, write the checkpoint; the split flush adds the fp32 state written once
+and read three times, ``16 dk dv``, plus ``S^T Q_0`` and the factors).
 
 Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
@@ -75,7 +78,7 @@ from leapquant_jax.compensators import (
     FP16_MAX, NORMAL_TINY, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, gram_shift, random_start, unrolled_cholesky,
 )
 from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
-from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
+from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
 from .shared import digit_read, digit_read_t, load_code_parts, num_parts, tile_from_rows, tile_rows, window_decay_part
@@ -146,11 +149,11 @@ def store_codes(codes_out, q_int, bits, dk, start, rows):
 
 def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
     """Steps shared by both flushes: smooth the residual parts ``S`` (``[n, dv]`` each, factors
-    already subtracted), quantize, pack and write codes, scales, ``c``, ``K``, ``U``; zero the buffer.
+    already subtracted), quantize, pack and write codes, scales, ``c``, ``K``, ``U``.
 
     new_k: ``r`` lists of fp16 parts ``[n]``; new_u: ``r`` fp16 rows ``[dv]``.
     """
-    codes_out, scale_out, smooth_out, ck_out, cu_out, bk_out, bu_out, bg_out = outs
+    codes_out, scale_out, smooth_out, ck_out, cu_out = outs
     qmax = qmax_for_bits(bits)
     if smoothing:
         cs = [jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(s), axis=1) / dv), SMOOTH_FLOOR) for s in S]
@@ -171,9 +174,6 @@ def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, out
         for x, sl in zip(new_k[c], slices):
             ck_out[c, sl] = x
         cu_out[c, :] = new_u[c]
-    bk_out[...] = jnp.zeros(bk_out.shape, bk_out.dtype)
-    bu_out[...] = jnp.zeros(bu_out.shape, bu_out.dtype)
-    bg_out[...] = jnp.zeros(bg_out.shape, bg_out.dtype)
 
 
 def _part_slices(bits, dk):
@@ -190,11 +190,12 @@ def _input_refs(it, smoothing, rank):
     return (*head, smooth, *comps, next(it), next(it), next(it))
 
 
-def _split_outs(it, smoothing, rank):
+def _checkpoint_outs(it, smoothing, rank):
+    """codes, scale, smooth (or None), K, U (or None): the checkpoint outputs, in place."""
     codes_out, scale_out = next(it), next(it)
     smooth_out = next(it) if smoothing else None
     ck_out, cu_out = (next(it), next(it)) if rank else (None, None)
-    return (codes_out, scale_out, smooth_out, ck_out, cu_out, next(it), next(it), next(it))
+    return codes_out, scale_out, smooth_out, ck_out, cu_out
 
 
 def _run(body, pos, window, only_full):
@@ -211,7 +212,7 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
     it = iter(refs)
     pos_ref, start_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = _input_refs(
         it, smoothing, rank)
-    outs = _split_outs(it, smoothing, rank)
+    outs = _checkpoint_outs(it, smoothing, rank)
 
     pos = pos_ref[...]
     slices = _part_slices(bits, dk)
@@ -330,9 +331,9 @@ def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
     it = iter(refs)
     pos_ref, s_ref = next(it), next(it)
     k_ref, u_ref = (next(it), next(it)) if rank else (None, None)
-    for _ in range(5 + smoothing + 2 * (rank > 0)):   # the checkpoint and buffer inputs, aliased, unread
+    for _ in range(2 + smoothing + 2 * (rank > 0)):   # the checkpoint inputs, aliased, unread
         next(it)
-    outs = _split_outs(it, smoothing, rank)
+    outs = _checkpoint_outs(it, smoothing, rank)
 
     pos = pos_ref[...]
     slices = _part_slices(bits, dk)
@@ -368,9 +369,7 @@ def _stream_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, wa
     it = iter(refs)
     pos_ref, start_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = _input_refs(
         it, smoothing, rank)
-    codes_out, scale_out = next(it), next(it)
-    smooth_out = next(it) if smoothing else None
-    ck_out, cu_out = (next(it), next(it)) if rank else (None, None)
+    codes_out, scale_out, smooth_out, ck_out, cu_out = _checkpoint_outs(it, smoothing, rank)
 
     pos = pos_ref[...]
     parts = num_parts(bits)
@@ -532,12 +531,10 @@ def _cholesky_qr_tiles(a, rank, rp, dot):
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _checkpoint_io(config, state, buffer=True):
-    """The in-place outputs of the flushes (the buffer's only where it is zeroed): arrays, their
-    block specs ``[..]`` per head."""
-    bsz, h, dk, dv = state.shape
-    ckpt, buf = state.checkpoint, state.buffer
-    p, r = config.window, config.effective_rank
+def _checkpoint_io(config, state):
+    """The in-place outputs of every flush, the checkpoint's arrays, and their block specs ``[..]`` per head."""
+    dk, dv = state.shape[2:]
+    ckpt, r = state.checkpoint, config.effective_rank
 
     def spec(*shape):
         return pl.BlockSpec((None, None) + shape, lambda i, j: (i, j) + (0,) * len(shape))
@@ -548,25 +545,22 @@ def _checkpoint_io(config, state, buffer=True):
         outs.append(ckpt.smooth); out_specs.append(spec(dk))
     if r:
         outs += [ckpt.comp_k, ckpt.comp_u]; out_specs += [spec(r, dk), spec(r, dv)]
-    if buffer:
-        outs += [buf.k, buf.u, buf.g]
-        out_specs += [spec(p, dk), spec(p, dv), spec(p, dk) if state.per_channel_decay else spec(p)]
     return outs, out_specs, spec
 
 
 def _new_state(config, state, res, only_full):
+    """The flushed state from the kernel's checkpoint outputs ``res`` (the buffer as it was)."""
     res = list(res)
     ckpt = state.checkpoint
     codes, scale = res.pop(0), res.pop(0)
     smooth = res.pop(0) if config.smoothing else ckpt.smooth
     comp_k, comp_u = (res.pop(0), res.pop(0)) if config.effective_rank else (ckpt.comp_k, ckpt.comp_u)
-    bk, bu, bg = res
     dk = state.shape[2]
     pos = jnp.where(state.pos >= config.window, 0, state.pos) if only_full else jnp.zeros_like(state.pos)
     return LeapQuantState(
         checkpoint=Checkpoint(residual=IntTensor(codes=codes, scale=scale, bits=config.bits, dk=dk), smooth=smooth,
                               comp_k=comp_k, comp_u=comp_u),
-        buffer=WindowBuffer(k=bk, u=bu, g=bg),
+        buffer=state.buffer,
         pos=pos,
     )
 
@@ -642,7 +636,7 @@ STREAM_CHUNK = 32   # key rows of the stream flush's residual chunks (fewer wher
 
 def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interpret=None) -> LeapQuantState:
     """The stream flush: one kernel, one program per (sequence, head), reading the checkpoint and
-    the records once and writing the checkpoint once (the buffer is left as it is)."""
+    the records once and writing the checkpoint once."""
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
     p, r = config.window, config.effective_rank
@@ -650,7 +644,7 @@ def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interp
     ch = min(STREAM_CHUNK, n) if chunk is None else chunk
     if not is_pow2(ch) or n % ch or ch < 16:
         raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {n} rows of a code part")
-    outs, out_specs, spec = _checkpoint_io(config, state, buffer=False)
+    outs, out_specs, spec = _checkpoint_io(config, state)
 
     def spec_k(*lead, vec=True):
         return spec(*lead, dk) if vec else spec(*lead)
@@ -671,8 +665,7 @@ def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interp
         compiler_params=compiler_params(num_warps=num_warps or STREAM_NUM_WARPS),
         interpret=interpret, name=_name(config, state, "stream"),
     )(*args)
-    buf = state.buffer
-    return _new_state(config, state, list(res) + [buf.k, buf.u, buf.g], only_full)
+    return _new_state(config, state, res, only_full)
 
 
 def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None):
@@ -754,8 +747,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``only_full=True``: only sequences with ``pos >= p`` (``windowed.maybe_flush``).
 
     state: ``LeapQuantState`` (updated in place when the caller's ``jit`` donates it). Returns
-    the state with new checkpoints and ``pos = 0`` for the flushed sequences, their buffers
-    zeroed (the stream flush leaves them: no slot at or past ``pos`` is read).
+    the state with new checkpoints and ``pos = 0`` for the flushed sequences; the buffer is left
+    as it was (no read reaches a slot at or past ``pos``; the module docstring).
     ``impl``: ``"split"``, ``"fused"``, ``"stream"`` (module docstring) or ``"auto"`` (the split
     flush for every sequence; with ``only_full``, chosen at run time by the fraction of full
     windows, ``SPLIT_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split
@@ -783,9 +776,7 @@ def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, im
     r = config.effective_rank
     ckpt = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
     records = e * config.window * (dk + dv + (dk if per_channel else 1))
-    n = 2 * (ckpt + records) + 4 * r * dk + 4
-    if impl == "stream":
-        n -= records          # the buffer is read, not zeroed
+    n = 2 * ckpt + records + 4 * r * dk + 4
     if impl == "split":
         # S written once, read by Y = S Z, U = S^T K^T and stage 3 (one more read per extra
         # fit round), S^T Q_0 written and read, the factors written and read

@@ -270,10 +270,9 @@ def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto"):
     ref = leapquant_flush_reference(config, st, only_full=only_full)
     ker = leapquant_flush(config, copy(st), only_full=only_full, impl=impl, interpret=INTERPRET)
     np.testing.assert_array_equal(ker.pos, ref.pos)
-    # The stream flush leaves the buffer as it is (every slot is then past pos = 0, never read);
-    # the others zero it as the reference does.
-    kept = st.buffer if impl == "stream" else ref.buffer
-    for a, b in zip(jax.tree_util.tree_leaves(ker.buffer), jax.tree_util.tree_leaves(kept)):
+    # The kernels leave the buffer as it was (every slot is then past pos = 0, never read), where
+    # the reference zeroes it.
+    for a, b in zip(jax.tree_util.tree_leaves(ker.buffer), jax.tree_util.tree_leaves(st.buffer)):
         np.testing.assert_array_equal(a, b)
     dense = windowed.reconstruct_reference(config, st)
     d_k = windowed.decode_checkpoint(config, ker.checkpoint)
