@@ -604,9 +604,9 @@ def _name(config, state, stage):
     return f"leapquant_flush_{stage}_{'kda' if state.per_channel_decay else 'gdn'}_int{config.bits}"
 
 
-def flush_fused(config, state, *, only_full, num_warps=None, interpret=None) -> LeapQuantState:
-    """The fused flush: one kernel, one program per (sequence, head)."""
-    interpret = default_interpret() if interpret is None else interpret
+def _per_head_flush(config, state, kernel, stage, *, only_full, num_warps, interpret, **options):
+    """The one-program-per-(sequence, head) flushes' call: checkpoint and records in, the
+    checkpoint out in place. ``kernel`` takes the refs and the static ``options`` given here."""
     bsz, h, dk, dv = state.shape
     p, r = config.window, config.effective_rank
     outs, out_specs, spec = _checkpoint_io(config, state)
@@ -618,17 +618,25 @@ def flush_fused(config, state, *, only_full, num_warps=None, interpret=None) -> 
         return spec(*lead, dv)
 
     args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed))
-    kernel = functools.partial(
-        _fused_kernel, bits=config.bits, rank=r, window=p, dk=dk, dv=dv, per_channel=state.per_channel_decay,
-        smoothing=config.smoothing, warm_start=config.warm_start, fit_iters=config.fit_iters, only_full=only_full)
+    body = functools.partial(
+        kernel, bits=config.bits, rank=r, window=p, dk=dk, dv=dv, per_channel=state.per_channel_decay,
+        smoothing=config.smoothing, warm_start=config.warm_start, fit_iters=config.fit_iters, only_full=only_full,
+        **options)
     res = pl.pallas_call(
-        kernel, grid=(bsz, h), in_specs=specs, out_specs=out_specs,
+        body, grid=(bsz, h), in_specs=specs, out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
         input_output_aliases={2 + i: i for i in range(len(outs))},
-        compiler_params=compiler_params(num_warps=num_warps or (4 if state.per_channel_decay else 8)),
-        interpret=interpret, name=_name(config, state, "fused"),
+        compiler_params=compiler_params(num_warps=num_warps),
+        interpret=interpret, name=_name(config, state, stage),
     )(*args)
     return _new_state(config, state, res, only_full)
+
+
+def flush_fused(config, state, *, only_full, num_warps=None, interpret=None) -> LeapQuantState:
+    """The fused flush: one kernel, one program per (sequence, head)."""
+    interpret = default_interpret() if interpret is None else interpret
+    return _per_head_flush(config, state, _fused_kernel, "fused", only_full=only_full, interpret=interpret,
+                           num_warps=num_warps or (4 if state.per_channel_decay else 8))
 
 
 STREAM_CHUNK = 32   # key rows of the stream flush's residual chunks (fewer where a code part is shorter)
@@ -638,34 +646,13 @@ def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interp
     """The stream flush: one kernel, one program per (sequence, head), reading the checkpoint and
     the records once and writing the checkpoint once."""
     interpret = default_interpret() if interpret is None else interpret
-    bsz, h, dk, dv = state.shape
-    p, r = config.window, config.effective_rank
-    n = dk // num_parts(config.bits)
+    n = state.shape[2] // num_parts(config.bits)
     ch = min(STREAM_CHUNK, n) if chunk is None else chunk
     if not is_pow2(ch) or n % ch or ch < 16:
         raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {n} rows of a code part")
-    outs, out_specs, spec = _checkpoint_io(config, state)
-
-    def spec_k(*lead, vec=True):
-        return spec(*lead, dk) if vec else spec(*lead)
-
-    def spec_v(*lead):
-        return spec(*lead, dv)
-
-    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed))
     precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    kernel = functools.partial(
-        _stream_kernel, bits=config.bits, rank=r, window=p, dk=dk, dv=dv, per_channel=state.per_channel_decay,
-        smoothing=config.smoothing, warm_start=config.warm_start, fit_iters=config.fit_iters, only_full=only_full,
-        chunk=ch, precision=precision)
-    res = pl.pallas_call(
-        kernel, grid=(bsz, h), in_specs=specs, out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
-        input_output_aliases={2 + i: i for i in range(len(outs))},
-        compiler_params=compiler_params(num_warps=num_warps or STREAM_NUM_WARPS),
-        interpret=interpret, name=_name(config, state, "stream"),
-    )(*args)
-    return _new_state(config, state, res, only_full)
+    return _per_head_flush(config, state, _stream_kernel, "stream", only_full=only_full, interpret=interpret,
+                           num_warps=num_warps or STREAM_NUM_WARPS, chunk=ch, precision=precision)
 
 
 def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None):
