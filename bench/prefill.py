@@ -2,15 +2,16 @@
 
     python -m bench.prefill [--tokens 4096 16384 65536] [--batches 1 8] [--heads 32] [--dim 128]
                             [--chunk 64] [--group 64]
-                            [--variants serial:default associative:default serial:highest]
-                            [--check-tokens 4096] [--serial-tokens 16384] [--commit HASH]
+                            [--variants kernel:default serial:default kernel:highest]
+                            [--check-tokens 4096] [--serial-tokens 16384] [--breakdown T BATCH]
+                            [--scan-configs 32:4 64:4 64:8 128:8] [--commit HASH]
                             [--out bench/results] [--tiny]
 
 One layer of ``--heads`` heads, ``dk = dv = --dim``, GDN and KDA, fp32 inputs (L2-normalised keys
 with a few outlier channels, decays near 1, ``beta`` in (0, 1), as in ``bench.kernels``), every
 ``(T, batch)`` in one run. Ours is ``jax.jit(chunk_delta_rule)`` in each ``--variants`` entry
-``INTER:PRECISION``: ``inter`` how the state crosses chunks (``serial``, the function's default,
-or ``associative``), ``precision`` of its matmuls (``highest``: fp32, the function's
+``INTER:PRECISION``: ``inter`` how the state crosses chunks (``kernel``: the Pallas chunk scan,
+the function's default on a GPU; ``serial``: a ``lax.scan``; or ``associative``), ``precision`` of its matmuls (``highest``: fp32, the function's
 default; ``default``: TF32 on the GPU, the math FLA's fp32 kernels use, so the like-for-like
 comparison). In this order:
 
@@ -28,6 +29,9 @@ comparison). In this order:
 4. Ours timed with the host clock around back-to-back calls after warm-up
    (``block_until_ready``), median over repeats, every case of the first variant first; and the
    token-serial ``recurrent_scan`` at batch 1, ``--serial-tokens`` tokens.
+5. ``--breakdown T BATCH``: the parts of one case timed alone (pair scores, the triangular
+   inverse, all state-independent terms; the serial part as a ``lax.scan`` and as the kernel at
+   each ``--scan-configs`` value block and warp count), if time is left.
 
 A case that does not fit in memory is skipped and marked so (never a crash), and so are the
 timings left when ``--time-budget`` seconds have passed (the default run is meant to end well
@@ -213,6 +217,15 @@ def parse_variant(text: str) -> tuple[str, str]:
     return inter, pname
 
 
+def _scan_config(text: str) -> tuple[int, int]:
+    """``"BLOCK_V:WARPS"`` -> ``(block_v, num_warps)``."""
+    try:
+        bv, warps = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a scan configuration is BLOCK_V:WARPS (two integers), got {text!r}") from None
+    return bv, warps
+
+
 def variant_label(inter: str, pname: str) -> str:
     return f"ours chunk_delta_rule {inter} ({pname})"
 
@@ -310,14 +323,48 @@ def breakdown(args, t, bsz, log) -> list[dict]:
             "state-independent terms": (jax.jit(lambda x: C._chunk_terms(x["q"], x["k"], x["v"], x["g"], x["beta"], prec)), x),
         }
         for name, (fn, arg) in parts.items():
-            row = dict(mode=mode, tokens=t, batch=bsz, part=name, chunk_heads=n)
-            try:
-                row["seconds"] = time_loop(lambda _: fn(arg), None, min_seconds=args.min_seconds, repeats=3) * 1e-6
-            except Exception as err:
-                row["skipped"] = "out of memory" if _oom(err) else _short(err)
-            rows.append(row)
-            log(row)
+            rows.append(_time_part(args, log, fn, arg, mode=mode, tokens=t, batch=bsz, part=name, chunk_heads=n))
         del x, lower
+    rows += scan_breakdown(args, t, bsz, log)
+    return rows
+
+
+def _time_part(args, log, fn, arg, **row):
+    try:
+        row["seconds"] = time_loop(lambda _: fn(arg), None, min_seconds=args.min_seconds, repeats=3) * 1e-6
+    except Exception as err:
+        row["skipped"] = "out of memory" if _oom(err) else _short(err)
+    log(row)
+    return row
+
+
+def scan_breakdown(args, t, bsz, log) -> list[dict]:
+    """The serial part alone (``o`` and the final state from the chunk terms, TF32): the lax.scan
+    (``chunked.scan_chunks``) and the Pallas kernel at each value block and warp count of
+    ``--scan-configs``, on ``t / chunk`` chunks of ``bsz * heads`` rows, and on one row of heads
+    (batch 1)."""
+    from leapquant_jax.chunked import scan_chunks
+    from pallas_kernels.chunk_scan import chunk_scan
+
+    h, d, c = args.heads, args.dim, args.chunk
+    n = t // c
+    prec = PRECISIONS["default"]
+    rows = []
+    for b in sorted({bsz, 1}):
+        r = b * h
+        keys = jax.random.split(jax.random.PRNGKey(2), 7)
+        unit = lambda k, *shape: jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5   # noqa: E731
+        terms = (unit(keys[0], r, d, d), unit(keys[1], n, r, c, d), unit(keys[2], n, r, c, d), unit(keys[3], n, r, c, d),
+                 jax.random.uniform(keys[4], (n, r, d), jnp.float32, 0.9, 1.0), unit(keys[5], n, r, c, d),
+                 jnp.tril(unit(keys[6], n, r, c, c)))
+        base = dict(mode="GDN/KDA", tokens=t, batch=b, chunk_heads=n * r)
+        fns = {"chunk scan, lax.scan": jax.jit(lambda a: scan_chunks(*a, precision=prec))}
+        for bv, warps in args.scan_configs:
+            fns[f"chunk scan, kernel (block_v {bv}, {warps} warps)"] = jax.jit(
+                lambda a, bv=bv, warps=warps: chunk_scan(*a, precision=prec, block_v=bv, num_warps=warps))
+        for name, fn in fns.items():
+            rows.append(_time_part(args, log, fn, terms, part=name, **base))
+        del terms
     return rows
 
 
@@ -333,7 +380,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--group", type=int, default=64, help="chunk_delta_rule's group (chunks in parallel at a time)")
     ap.add_argument("--variants", nargs="+", type=parse_variant,
-                    default=[parse_variant(v) for v in ("serial:default", "associative:default", "serial:highest")],
+                    default=[parse_variant(v) for v in ("kernel:default", "serial:default", "kernel:highest")],
                     help="INTER:PRECISION of ours, each timed on every case (inter: chunk_delta_rule's, "
                          "precision: highest = fp32 matmuls, default = TF32 on the GPU, the math of FLA's fp32 kernels)")
     ap.add_argument("--compile-threads", type=int, default=8, help="compilations of ours at a time, before any timing")
@@ -348,6 +395,8 @@ def main(argv=None):
                     help="seconds after which the remaining timings are skipped (and marked so)")
     ap.add_argument("--breakdown", type=int, nargs=2, metavar=("T", "BATCH"), default=[16384, 8],
                     help="time chunk_delta_rule's parts alone on this case (T 0: skip)")
+    ap.add_argument("--scan-configs", type=_scan_config, nargs="+", default=[(32, 4), (64, 4), (64, 8), (128, 8)],
+                    metavar="BLOCK_V:WARPS", help="the chunk-scan kernel's configurations timed in the breakdown")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke test")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
@@ -360,6 +409,7 @@ def main(argv=None):
         args.tokens, args.batches, args.heads, args.dim = [100, 256], [1, 2], 2, 32
         args.chunk, args.check_tokens, args.serial_tokens, args.breakdown = 16, 130, 256, [64, 2]
         args.repeats, args.min_seconds, args.compile_threads = 2, 0.05, 2
+        args.scan_configs = [(16, 4), (32, 4)]
 
     def log(x):
         print(json.dumps(x) if isinstance(x, dict) else x, flush=True)

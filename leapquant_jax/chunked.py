@@ -16,12 +16,14 @@ Its inverse ``T = (I + A)^{-1}`` gives the WY / UT-transform representation
 
 all computed with matmuls for every chunk at once. The chunk's final state is
 ``S_C = Diag(e^{G_C}) S0 + Khat^T U`` (``Khat_j = e^{G_C - G_j} * k_j``), an affine map of its initial one, ``S_C = M S0 + D`` with ``M = Diag(e^{G_C}) - Khat^T W`` and
-``D = Khat^T Uv``. Crossing chunks is the only serial part, in one of two forms (``inter``):
-a ``lax.scan`` with two ``C x dk x dv`` matmuls per chunk (``U = Uv - W S0``, then the state),
-or a parallel prefix (``lax.associative_scan``) over the maps ``(M, D)``, log-depth in the
-number of chunks. The outputs
-``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again, off the serial path. Long sequences run ``group`` chunks at a time (bounded
-memory).
+``D = Khat^T Uv``. The outputs
+``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again.
+Crossing chunks is the only serial part, in one of three forms (``inter``): a ``lax.scan``
+with four small matmuls per chunk (``U = Uv - W S0``, the outputs, then the state:
+``scan_chunks``); the same loop in one Pallas kernel that keeps the state in registers
+(``pallas_kernels.chunk_scan``, the default on a GPU); or a parallel prefix
+(``lax.associative_scan``) over the maps ``(M, D)``, log-depth in the number of chunks. Long
+sequences run ``group`` chunks at a time (bounded memory).
 
 Numerics: every exponent is a difference ``G_i - G_j`` with ``j <= i`` (or a decay from the
 chunk start), so it is ``<= 0``; differences of the wrong sign are masked *before* ``exp``
@@ -37,10 +39,13 @@ log-decay ``-x`` earlier in the same chunk they carry an absolute error of about
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .recurrence import check_lengths, check_sequence, expand_heads
 
@@ -55,7 +60,7 @@ LOG_DECAY_FLOOR = -104.0
 SUB_CHUNK = 16
 
 # How the state crosses chunks (``chunk_delta_rule(inter=...)``).
-INTER_CHUNK = ("serial", "associative")
+INTER_CHUNK = ("auto", "serial", "associative", "kernel")
 
 
 def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
@@ -183,29 +188,33 @@ def _affine_maps(w: Array, uv: Array, k_end: Array, decay: Array, precision) -> 
     return trans, drive
 
 
-def _starts_serial(state: Array, w, uv, k_end, decay, precision):
-    """Chunk after chunk: ``U_n = uv_n - w_n S_n``, ``S_{n+1} = Diag(decay_n) S_n + k_end_n^T U_n``.
+def scan_chunks(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI) -> tuple[Array, Array]:
+    """The chunks' serial part, chunk after chunk: ``U_n = uv_n - w_n S_n``,
+    ``o_n = q_n S_n + p_n U_n``, ``S_{n+1} = Diag(decay_n) S_n + k_end_n^T U_n``.
 
-    Inputs ``[N, ...]`` (chunks first), state ``[..., dk, dv]``. Returns ``(S_N, starts [N, ..., dk, dv],
-    U [N, ..., C, dv])``. Two matmuls of ``C x dk x dv`` per chunk, and nothing of size
-    ``dk x dk`` is ever formed: the form with the least memory traffic when many heads and rows
-    share each step.
+    state ``[..., dk, dv]``; per chunk (chunks first): w, k_end, q_start ``[N, ..., C, dk]``,
+    uv ``[N, ..., C, dv]``, decay ``[N, ..., dk]``, p ``[N, ..., C, C]``. Returns
+    ``(o [N, ..., C, dv], S_N [..., dk, dv])``. Four matmuls of at most ``C x dk x dv`` per chunk,
+    and nothing of size ``dk x dk`` is ever formed: the form with the least memory traffic when
+    many heads and rows share each step. ``pallas_kernels.chunk_scan`` runs the same loop in one
+    kernel.
     """
     def step(s, xs):
-        w_n, uv_n, k_n, d_n = xs
+        w_n, uv_n, k_n, d_n, q_n, p_n = xs
         u = uv_n - jnp.matmul(w_n, s, precision=precision)
+        o = jnp.matmul(q_n, s, precision=precision) + jnp.matmul(p_n, u, precision=precision)
         s_next = d_n[..., :, None] * s + jnp.einsum("...ck,...cv->...kv", k_n, u, precision=precision)
-        return s_next, (s, u)
+        return s_next, o
 
-    state, (starts, u) = jax.lax.scan(step, state, (w, uv, k_end, decay), unroll=min(2, w.shape[0]))
-    return state, starts, u
+    state, o = jax.lax.scan(step, state, (w, uv, k_end, decay, q_start, p), unroll=min(2, w.shape[0]))
+    return o, state
 
 
-def _starts_associative(state: Array, w, uv, k_end, decay, precision):
-    """The same as ``_starts_serial`` by a parallel prefix over the chunks' affine maps
+def _scan_associative(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI):
+    """``scan_chunks``'s contract by a parallel prefix over the chunks' affine maps
     ``S -> trans S + drive`` (``jax.lax.associative_scan``): log-depth instead of one dependent
     step per chunk, at the cost of ``dk x dk`` products. The form for few heads and rows (a
-    single long prompt), where a serial step per chunk leaves the GPU idle."""
+    single long prompt) where no kernel runs."""
     trans, drive = _affine_maps(w, uv, k_end, decay, precision)
 
     def compose(first, then):          # apply `first`, then `then`
@@ -216,7 +225,62 @@ def _starts_associative(state: Array, w, uv, k_end, decay, precision):
     ends = jnp.matmul(a, state, precision=precision) + b                      # state after each chunk
     starts = jnp.concatenate([state[None], ends[:-1]], axis=0)
     u = uv - jnp.matmul(w, starts, precision=precision)
-    return ends[-1], starts, u
+    o = jnp.matmul(q_start, starts, precision=precision) + jnp.matmul(p, u, precision=precision)
+    return o, ends[-1]
+
+
+def _kernel_reason(dk: int, dv: int, chunk: int) -> Optional[str]:
+    """Why ``pallas_kernels.chunk_scan`` cannot take these sizes (``None`` when it can)."""
+    for name, size in (("dk", dk), ("dv", dv), ("chunk", chunk)):
+        if size < 16 or size & (size - 1):
+            return f"{name}={size} is not a power of two >= 16"
+    return None
+
+
+def _scan_kernel(precision):
+    """``scan_chunks`` on the Pallas kernel, differentiable: a ``jax.custom_jvp`` whose derivative
+    is ``scan_chunks``'s (the kernel has no derivative of its own)."""
+    from pallas_kernels.chunk_scan import chunk_scan
+
+    def flat(state, *terms):
+        # kernel layout: rows x heads flattened, [N, R, ...]
+        lead = state.shape[:-2]
+        rows = int(np.prod(lead)) if lead else 1
+        n = terms[0].shape[0]
+        o, s = chunk_scan(state.reshape((rows,) + state.shape[-2:]),
+                          *(x.reshape((n, rows) + x.shape[1 + len(lead):]) for x in terms), precision=precision)
+        return o.reshape((n,) + lead + o.shape[2:]), s.reshape(state.shape)
+
+    @jax.custom_jvp
+    def run(state, w, uv, k_end, decay, q_start, p):
+        return flat(state, w, uv, k_end, decay, q_start, p)
+
+    @run.defjvp
+    def _jvp(primals, tangents):
+        return jax.jvp(functools.partial(scan_chunks, precision=precision), primals, tangents)
+
+    return run
+
+
+def _resolve_inter(inter: str, dk: int, dv: int, chunk: int) -> str:
+    """``inter="auto"``: the kernel on a GPU where it takes the sizes, ``serial`` elsewhere; an
+    explicit ``"kernel"`` that cannot run is an error, and so, on a GPU, is a kernels package
+    that fails to import (never a quiet switch to the slower form)."""
+    if inter not in ("auto", "kernel"):
+        return inter
+    why = _kernel_reason(dk, dv, chunk)
+    if why is None:
+        try:
+            importlib.import_module("pallas_kernels.chunk_scan")
+        except ImportError as err:
+            why = f"pallas_kernels is not importable ({err})"
+            if inter == "auto" and jax.default_backend() == "gpu":
+                raise RuntimeError(f"inter='auto' on a GPU, but {why}; fix the installation or pass inter='serial'")
+    if inter == "kernel":
+        if why is not None:
+            raise ValueError(f"inter='kernel' cannot run: {why}")
+        return "kernel"
+    return "kernel" if why is None and jax.default_backend() == "gpu" else "serial"
 
 
 def _chunk_layout(x: Array, groups: int, per_group: int, chunk: int) -> Array:
@@ -239,7 +303,7 @@ def chunk_delta_rule(
     chunk: int = 64,
     group: int = 64,
     precision=HI,
-    inter: str = "serial",
+    inter: str = "auto",
 ) -> tuple[Array, Array]:
     """The GDN/KDA delta rule over a sequence in chunkwise-parallel form (same result as
     ``recurrent_scan`` up to fp32 round-off), differentiable and jit-able.
@@ -258,10 +322,12 @@ def chunk_delta_rule(
         long sequences; the state is carried from group to group).
       precision: of the matmuls. ``HIGHEST`` (default) is fp32; ``DEFAULT`` lets a GPU use TF32
         (faster, about 1e-3 relative error).
-      inter: how the state crosses chunks. ``"serial"`` (default): one dependent step per chunk,
-        the least memory traffic; ``"associative"``: a parallel prefix over the chunks' affine
-        maps, log-depth in the number of chunks but with ``dk x dk`` products (meant for a few
-        long rows of few heads; ``python -m bench.prefill`` times both).
+      inter: how the state crosses chunks. ``"serial"``: a ``lax.scan``, one dependent step per
+        chunk; ``"kernel"``: the same loop in one Pallas kernel (``pallas_kernels.chunk_scan``:
+        ``dk``, ``dv`` and ``chunk`` powers of two >= 16; its derivative is the serial form's);
+        ``"associative"``: a parallel prefix over the chunks' affine maps, log-depth in the
+        number of chunks but with ``dk x dk`` products; ``"auto"`` (default): the kernel on a GPU
+        where it takes the sizes, ``"serial"`` elsewhere (``python -m bench.prefill`` times them).
     Returns ``(o [B, T, H, dv] fp32, final_state [B, H, dk, dv] fp32)``.
     """
     bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
@@ -300,7 +366,10 @@ def chunk_delta_rule(
         q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
     xs = tuple(_chunk_layout(x, groups, per_group, chunk) for x in (q, k, v, g, beta))   # [Ng, Npg, B, H, C, ...]
 
-    starts_of = _starts_associative if inter == "associative" else _starts_serial
+    inter = _resolve_inter(inter, dk, dv, chunk)
+    scan_of = {"serial": functools.partial(scan_chunks, precision=precision),
+               "associative": functools.partial(_scan_associative, precision=precision)}.get(inter)
+    scan_of = scan_of or _scan_kernel(precision)
 
     def run_group(state, xs):
         # Leading axes flattened: fewer dimensions compile faster (and XLA:CPU in JAX 0.10 crashes
@@ -309,13 +378,12 @@ def chunk_delta_rule(
         flat = tuple(x.reshape((-1,) + x.shape[3:]) for x in xs)
         terms = _chunk_terms(*flat, precision)
         w, uv, k_end, decay, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
-        state, starts, u = starts_of(state, w, uv, k_end, decay, precision)               # [Npg, B, H, ...]
-        o = jnp.matmul(q_start, starts, precision=precision) + jnp.matmul(p, u, precision=precision)
-        return state, o                                                                    # o [Npg, B, H, C, dv]
+        o, state = scan_of(state, w, uv, k_end, decay, q_start, p)                          # o [Npg, B, H, C, dv]
+        return state, o
 
     state, o = jax.lax.scan(run_group, initial_state.astype(f32), xs)
     o = jnp.moveaxis(o, (0, 1, 3), (1, 2, 4)).reshape(bsz, padded, h, dv)
     return o[:, :t], state
 
 
-__all__ = ["INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "unit_lower_inverse"]
+__all__ = ["INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "scan_chunks", "unit_lower_inverse"]

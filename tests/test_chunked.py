@@ -98,6 +98,68 @@ def test_gradients_match_recurrence(kda, inter):
     assert float(jnp.max(jnp.abs(gx["g"][:, :, 0]))) == 0.0
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize(
+    "tokens, chunk, group, key_heads, use_s0, lengths",
+    [
+        (63, 16, 64, 2, True, None),          # padding, GVA, an initial state
+        (130, 64, 2, None, False, (130, 64)),  # two groups of two chunks, padding, ragged lengths
+    ],
+)
+def test_kernel_scan_matches_serial_form(kda, tokens, chunk, group, key_heads, use_s0, lengths):
+    """``inter="kernel"`` (the Pallas chunk scan, interpret mode here) against ``inter="serial"``,
+    the lax.scan it replaces (itself checked against the recurrence above), on every valid token."""
+    x = _inputs(40 + tokens + kda, batch=2, tokens=tokens, heads=4, dk=32, dv=16, kda=kda, key_heads=key_heads)
+    s0 = jnp.asarray(np.random.default_rng(tokens).standard_normal((2, 4, 32, 16)) * 0.3, jnp.float32) if use_s0 else None
+    lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+    run = jax.jit(lambda x, s0, lens, inter: chunk_delta_rule(**x, initial_state=s0, lengths=lens, chunk=chunk,
+                                                              group=group, inter=inter), static_argnums=3)
+    (o, s), (o_ref, s_ref) = run(x, s0, lens, "kernel"), run(x, s0, lens, "serial")
+    assert rel(s, s_ref) < 1e-6
+    for b in range(2):
+        n = tokens if lengths is None else lengths[b]
+        assert rel(o[b, :n], o_ref[b, :n]) < 1e-6
+
+
+def test_kernel_scan_gradients_and_reasons():
+    """The kernel path differentiates through the serial form's derivative; sizes it cannot take
+    are refused by name, and ``auto`` takes the serial form off the GPU."""
+    x = _inputs(5, batch=2, tokens=40, heads=4, dk=16, dv=16, kda=True, key_heads=2)
+    s0 = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4, 16, 16)) * 0.3, jnp.float32)
+    wo = jnp.asarray(np.random.default_rng(3).standard_normal(x["v"].shape), jnp.float32)
+
+    def grad(inter):
+        def loss(x, s0):
+            o, s = chunk_delta_rule(**x, initial_state=s0, chunk=16, inter=inter)
+            return jnp.sum(o * wo) + jnp.sum(s)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, s0)
+
+    (gk, gsk), (gs, gss) = grad("kernel"), grad("serial")
+    for name in x:
+        assert rel(gk[name], gs[name]) < 1e-6, name
+    assert rel(gsk, gss) < 1e-6
+    with pytest.raises(ValueError, match="inter='kernel' cannot run: dk=8"):
+        chunk_delta_rule(**_inputs(0, batch=1, tokens=8, heads=2, dk=8, dv=16, kda=False), inter="kernel")
+    if jax.default_backend() != "gpu":
+        from leapquant_jax.chunked import _resolve_inter
+        assert _resolve_inter("auto", 128, 128, 64) == "serial"
+
+
+def test_chunk_scan_lowers_to_triton():
+    """The kernel compiles for the GPU at both precisions, with a chunk count that is not a power of two."""
+    from pallas_kernels.chunk_scan import chunk_scan
+
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    n, r, c, dk, dv = 3, 4, 64, 128, 128
+    f = jax.ShapeDtypeStruct
+    args = (f((r, dk, dv), jnp.float32), f((n, r, c, dk), jnp.float32), f((n, r, c, dv), jnp.float32),
+            f((n, r, c, dk), jnp.float32), f((n, r, dk), jnp.float32), f((n, r, c, dk), jnp.float32),
+            f((n, r, c, c), jnp.float32))
+    for precision in (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT):
+        fn = jax.jit(lambda *a, precision=precision: chunk_scan(*a, precision=precision, interpret=False))
+        jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled)(*args)
+
+
 def test_unit_lower_inverse_inverts():
     a = jnp.tril(jnp.asarray(np.random.default_rng(0).standard_normal((3, 32, 32)) * 0.3, jnp.float32), -1)
     inv = jax.jit(unit_lower_inverse)(a)
