@@ -302,9 +302,10 @@ def time_ours(fn, bsz, t, h, dk, dv, kda, *, repeats, min_seconds):
 def breakdown(args, t, bsz, log) -> list[dict]:
     """Where a case's time goes: ``chunk_delta_rule``'s parts timed alone on the same number of
     chunks (``bsz * heads * t / chunk`` chunk-heads at once, TF32): the pair scores, the unit
-    lower-triangular inverse, every state-independent term (scores, inverse, ``w``, ``uv``), and
-    the whole call per ``inter`` form."""
+    lower-triangular inverse, every state-independent term (scores, inverse, ``w``, ``uv``),
+    for KDA also with the pair-score kernel; then ``scan_breakdown``."""
     from leapquant_jax import chunked as C
+    from pallas_kernels.kda_scores import kda_pair_scores
 
     h, d, c = args.heads, args.dim, args.chunk
     n = bsz * h * (t // c)
@@ -317,11 +318,16 @@ def breakdown(args, t, bsz, log) -> list[dict]:
         lower = jnp.tril(jax.random.normal(key, (n, c, c)) * 0.05, -1)
         prec = PRECISIONS["default"]
         parts = {
-            "pair scores": (jax.jit(lambda x: C._pair_scores_kda(x["q"], x["k"], x["g"], prec)[0] if kda else
-                                    C._pair_scores_gdn(x["q"], x["k"], jnp.cumsum(x["g"], -1), prec)), x),
+            "pair scores": (jax.jit(lambda x: C.pair_scores_kda(x["q"], x["k"], C.kda_cumulative(x["g"]), prec) if kda
+                                    else C._pair_scores_gdn(x["q"], x["k"], jnp.cumsum(x["g"], -1), prec)), x),
             "unit lower inverse": (jax.jit(lambda a: C.unit_lower_inverse(a, precision=prec)), lower),
             "state-independent terms": (jax.jit(lambda x: C._chunk_terms(x["q"], x["k"], x["v"], x["g"], x["beta"], prec)), x),
         }
+        if kda:
+            parts["pair scores, kernel"] = (jax.jit(lambda x: kda_pair_scores(x["q"], x["k"], C.kda_cumulative(x["g"]),
+                                                                               precision=prec)), x)
+            parts["state-independent terms, kernel"] = (jax.jit(lambda x: C._chunk_terms(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], prec, kda_scores=C._kda_scores_kernel)), x)
         for name, (fn, arg) in parts.items():
             rows.append(_time_part(args, log, fn, arg, mode=mode, tokens=t, batch=bsz, part=name, chunk_heads=n))
         del x, lower

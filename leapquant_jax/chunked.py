@@ -106,55 +106,62 @@ def _pair_scores_gdn(q: Array, k: Array, G: Array, precision) -> Array:
     return scores * decay[..., None, :, :]
 
 
-def _pair_scores_kda(q: Array, k: Array, g: Array, precision) -> tuple[Array, Array]:
-    """KDA: ``sum_c [k_ic, q_ic] k_jc e^{G_ic - G_jc}`` for ``j <= i`` and the cumulative log-decay.
+def kda_cumulative(g: Array) -> Array:
+    """KDA: the chunk-relative cumulative log-decay ``G [..., C, dk]`` (inclusive) of per-token
+    log-decays ``g [..., C, dk]``, summed inside sub-chunks of ``SUB_CHUNK`` tokens and then
+    across them (shorter sums than one running sum over the chunk)."""
+    *lead, c, dk = g.shape
+    s = min(SUB_CHUNK, c)
+    L = jnp.cumsum(g.reshape(tuple(lead) + (c // s, s, dk)), axis=-2)          # [.., n, s, dk] local inclusive
+    ctot = jnp.cumsum(L[..., -1, :], axis=-2)                                  # through the end of each sub-chunk
+    start = jnp.concatenate([jnp.zeros_like(ctot[..., :1, :]), ctot[..., :-1, :]], axis=-2)
+    return (start[..., :, None, :] + L).reshape(g.shape)
 
-    q, k, g ``[..., C, dk]`` (g the per-token log-decay). Returns ``[..., 2, C, C]`` (``k k^T``
-    then ``q k^T``, decayed) and the chunk-relative cumulative log-decay ``G [..., C, dk]``.
 
-    With sub-chunks of ``s`` tokens: local cumulative sums ``L`` inside each sub-chunk, totals
-    ``tot`` per sub-chunk. For ``i`` in sub-chunk ``a`` and ``j`` in an earlier one ``b``,
-    ``G_i - G_j = L_i + (sum of totals strictly between b and a) + (tot_b - L_j)``: three
-    non-positive terms, so ``(k_i e^{L_i}) . (k_j e^{tot_b - L_j + between})`` is a matmul of
-    factors <= 1. Pairs inside one sub-chunk use ``e^{L_i - L_j}`` directly: an elementwise
-    product reduced over ``dk`` (one reduction for both rows, so XLA fuses it and never
-    materialises ``[s, s, dk]``).
+def pair_scores_kda(q: Array, k: Array, G: Array, precision) -> Array:
+    """KDA: ``sum_c [k_ic, q_ic] k_jc e^{G_ic - G_jc}`` for ``j <= i``, 0 above.
+
+    q, k ``[..., C, dk]``; G ``[..., C, dk]`` (``kda_cumulative``). Returns ``[..., 2, C, C]``
+    (``k k^T`` then ``q k^T``, decayed); ``pallas_kernels.kda_scores`` computes the same.
+
+    With sub-chunks of ``s`` tokens and ``S_a`` the cumulative log-decay at the last token
+    before sub-chunk ``a``: for ``i`` in ``a`` and ``j`` before it, ``G_i - G_j = (G_i - S_a) +
+    (S_a - G_j)``, two non-positive terms, so the pair is a matmul of ``x_i e^{G_i - S_a}`` by
+    ``k_j e^{S_a - G_j}``, factors ``<= 1``. Pairs inside one sub-chunk use ``e^{G_i - G_j}``
+    directly: an elementwise product reduced over ``dk``.
     """
     *lead, c, dk = k.shape
     lead = tuple(lead)
     s = min(SUB_CHUNK, c)
     n = c // s
-    split = lambda x: x.reshape(lead + (n, s, dk))               # noqa: E731
-    ks, gs = split(k), split(g)
-    rows = jnp.stack([ks, split(q)], axis=-4)                    # [.., 2, n, s, dk]
-    L = jnp.cumsum(gs, axis=-2)                                  # [.., n, s, dk] local inclusive
-    tot = L[..., -1, :]                                          # [.., n, dk]
-    ctot = jnp.cumsum(tot, axis=-2)                              # through the end of sub-chunk a
-    start = jnp.concatenate([jnp.zeros_like(ctot[..., :1, :]), ctot[..., :-1, :]], axis=-2)   # before a
-    G = (start[..., :, None, :] + L).reshape(lead + (c, dk))
+    rows = jnp.stack([k, q], axis=-3)                                         # [.., 2, C, dk]
+    Gs, ks = G.reshape(lead + (n, s, dk)), k.reshape(lead + (n, s, dk))
+    rows_s = rows.reshape(lead + (2, n, s, dk))
 
     # within a sub-chunk
     causal = jnp.tril(jnp.ones((s, s), bool))[..., None]
-    decay = _masked_exp(L[..., :, None, :] - L[..., None, :, :], causal)                # [.., n, s, s, dk]
-    inner = jnp.sum(rows[..., :, None, :] * (ks[..., None, :, :] * decay)[..., None, :, :, :, :], axis=-1)
+    decay = _masked_exp(Gs[..., :, None, :] - Gs[..., None, :, :], causal)             # [.., n, s, s, dk]
+    inner = jnp.sum(rows_s[..., :, None, :] * (ks[..., None, :, :] * decay)[..., None, :, :, :, :], axis=-1)
     # block-diagonal placement [.., 2, n, s, n, s]: elementwise, so no matmul rounds it
-    scores = inner[..., :, :, None, :] * jnp.eye(n, dtype=k.dtype)[:, None, :, None]
+    scores = (inner[..., :, :, None, :] * jnp.eye(n, dtype=k.dtype)[:, None, :, None]).reshape(lead + (2, n, s, c))
     if n > 1:
-        # across sub-chunks: sub-chunk a (rows) reads an earlier sub-chunk b (columns)
-        between = start[..., :, None, :] - ctot[..., None, :, :]                         # [.., a, b, dk]
-        earlier = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :])[:, :, None, None]   # [a, b, 1, 1]
-        right = ks[..., None, :, :, :] * _masked_exp(
-            between[..., :, :, None, :] + (tot[..., :, None, :] - L)[..., None, :, :, :], earlier)   # [.., a, b, s, dk]
-        scores = scores + jnp.einsum("...xaic,...abjc->...xaibj", rows * jnp.exp(L)[..., None, :, :, :], right,
-                                     precision=precision)
-    return scores.reshape(lead + (2, c, c)), G
+        # across sub-chunks: sub-chunk a >= 1 (rows) reads the tokens before its start (columns)
+        S = G[..., s - 1:c - 1:s, :]                                                       # [.., n-1, dk]
+        before = (jnp.arange(c)[None, :] < (jnp.arange(1, n) * s)[:, None])[..., None]     # [n-1, C, 1]
+        right = jnp.where(before, k[..., None, :, :] * _masked_exp(S[..., :, None, :] - G[..., None, :, :], before),
+                          0.0)                                                             # [.., n-1, C, dk]
+        left = rows_s[..., 1:, :, :] * jnp.exp(Gs[..., 1:, :, :] - S[..., :, None, :])[..., None, :, :, :]
+        cross = jnp.einsum("...xaic,...ajc->...xaij", left, right, precision=precision)    # [.., 2, n-1, s, C]
+        scores = scores + jnp.concatenate([jnp.zeros_like(scores[..., :1, :, :]), cross], axis=-3)
+    return scores.reshape(lead + (2, c, c))
 
 
-def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision):
+def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision, kda_scores=None):
     """Everything about a chunk that does not depend on its initial state ``S0``.
 
     q, k ``[..., C, dk]``; v ``[..., C, dv]``; g ``[..., C]`` (GDN) or ``[..., C, dk]`` (KDA);
-    beta ``[..., C]``. Returns ``(w, uv, k_end, decay, q_start, p)``: the corrections
+    beta ``[..., C]``; kda_scores: computes ``pair_scores_kda`` (KDA; ``None``: that function).
+    Returns ``(w, uv, k_end, decay, q_start, p)``: the corrections
     ``U = uv - w S0`` (``w [..., C, dk]``, ``uv [..., C, dv]``), the final state
     ``S_C = Diag(decay) S0 + k_end^T U`` (``k_end_j = e^{G_C - G_j} * k_j`` ``[..., C, dk]``,
     ``decay = e^{G_C}`` ``[..., dk]``) and the outputs ``o = q_start S0 + p U``
@@ -162,7 +169,8 @@ def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision)
     """
     c, dk = k.shape[-2:]
     if g.ndim == k.ndim:
-        scores, G = _pair_scores_kda(q, k, g, precision)
+        G = kda_cumulative(g)
+        scores = (kda_scores or pair_scores_kda)(q, k, G, precision)
         G_end = G[..., -1:, :]
     else:
         G = jnp.cumsum(g, axis=-1)
@@ -262,6 +270,22 @@ def _scan_kernel(precision):
     return run
 
 
+def _kda_scores_kernel(q: Array, k: Array, G: Array, precision) -> Array:
+    """``pair_scores_kda`` on the Pallas kernel (inputs ``[R, C, dk]``), differentiable: a
+    ``jax.custom_jvp`` whose derivative is ``pair_scores_kda``'s."""
+    from pallas_kernels.kda_scores import kda_pair_scores
+
+    @jax.custom_jvp
+    def run(q, k, G):
+        return kda_pair_scores(q, k, G, precision=precision)
+
+    @run.defjvp
+    def _jvp(primals, tangents):
+        return jax.jvp(lambda q, k, G: pair_scores_kda(q, k, G, precision), primals, tangents)
+
+    return run(q, k, G)
+
+
 def _resolve_inter(inter: str, dk: int, dv: int, chunk: int) -> str:
     """``inter="auto"``: the kernel on a GPU where it takes the sizes, ``serial`` elsewhere; an
     explicit ``"kernel"`` that cannot run is an error, and so, on a GPU, is a kernels package
@@ -271,7 +295,8 @@ def _resolve_inter(inter: str, dk: int, dv: int, chunk: int) -> str:
     why = _kernel_reason(dk, dv, chunk)
     if why is None:
         try:
-            importlib.import_module("pallas_kernels.chunk_scan")
+            for name in ("chunk_scan", "kda_scores"):
+                importlib.import_module(f"pallas_kernels.{name}")
         except ImportError as err:
             why = f"pallas_kernels is not importable ({err})"
             if inter == "auto" and jax.default_backend() == "gpu":
@@ -376,7 +401,7 @@ def chunk_delta_rule(
         # on the gradient of the KDA pair reduction with six leading dimensions).
         lead = xs[0].shape[:3]                                                             # [Npg, B, H]
         flat = tuple(x.reshape((-1,) + x.shape[3:]) for x in xs)
-        terms = _chunk_terms(*flat, precision)
+        terms = _chunk_terms(*flat, precision, kda_scores=_kda_scores_kernel if inter == "kernel" else None)
         w, uv, k_end, decay, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
         o, state = scan_of(state, w, uv, k_end, decay, q_start, p)                          # o [Npg, B, H, C, dv]
         return state, o
@@ -386,4 +411,5 @@ def chunk_delta_rule(
     return o[:, :t], state
 
 
-__all__ = ["INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "scan_chunks", "unit_lower_inverse"]
+__all__ = ["INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "kda_cumulative", "pair_scores_kda",
+           "scan_chunks", "unit_lower_inverse"]

@@ -145,9 +145,11 @@ def test_kernel_scan_gradients_and_reasons():
         assert _resolve_inter("auto", 128, 128, 64) == "serial"
 
 
-def test_chunk_scan_lowers_to_triton():
-    """The kernel compiles for the GPU at both precisions, with a chunk count that is not a power of two."""
+def test_chunk_kernels_lower_to_triton():
+    """The chunked form's kernels compile for the GPU at both precisions (the chunk scan with a
+    chunk count that is not a power of two)."""
     from pallas_kernels.chunk_scan import chunk_scan
+    from pallas_kernels.kda_scores import kda_pair_scores
 
     disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     n, r, c, dk, dv = 3, 4, 64, 128, 128
@@ -155,9 +157,37 @@ def test_chunk_scan_lowers_to_triton():
     args = (f((r, dk, dv), jnp.float32), f((n, r, c, dk), jnp.float32), f((n, r, c, dv), jnp.float32),
             f((n, r, c, dk), jnp.float32), f((n, r, dk), jnp.float32), f((n, r, c, dk), jnp.float32),
             f((n, r, c, c), jnp.float32))
+    qkg = (f((5, c, dk), jnp.float32),) * 3
     for precision in (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT):
         fn = jax.jit(lambda *a, precision=precision: chunk_scan(*a, precision=precision, interpret=False))
         jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled)(*args)
+        fn = jax.jit(lambda *a, precision=precision: kda_pair_scores(*a, precision=precision, interpret=False))
+        jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled)(*qkg)
+
+
+@pytest.mark.parametrize("chunk, dk", [(16, 16), (64, 32)])
+def test_kda_pair_scores_kernel(chunk, dk):
+    """The KDA pair-score kernel (interpret mode) against the pure-JAX form and a brute-force sum,
+    with fully decayed channels and tokens (log-decay -104) among ordinary decays."""
+    from leapquant_jax.chunked import kda_cumulative, pair_scores_kda
+    from pallas_kernels.kda_scores import kda_pair_scores
+
+    rng = np.random.default_rng(chunk + dk)
+    q, k = (jnp.asarray(rng.standard_normal((3, chunk, dk)), jnp.float32) for _ in range(2))
+    g = np.log(rng.uniform(0.5, 1.0, (3, chunk, dk)))
+    g[0, 5, : dk // 2] = -104.0
+    g[1] = -104.0
+    G = kda_cumulative(jnp.asarray(g, jnp.float32))
+    got = kda_pair_scores(q, k, G, interpret=True)
+    ref = pair_scores_kda(q, k, G, jax.lax.Precision.HIGHEST)
+    Gn = np.asarray(G, np.float64)
+    decay = np.exp(np.minimum(Gn[:, :, None, :] - Gn[:, None, :, :], 0.0)) * np.tril(np.ones((chunk, chunk)))[..., None]
+    brute = np.stack([np.sum(np.asarray(x, np.float64)[:, :, None, :] * np.asarray(k, np.float64)[:, None, :, :] * decay,
+                             -1) for x in (k, q)], axis=1)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert rel(got, ref) < 1e-6
+    assert rel(got, brute) < 1e-6
+    assert float(jnp.max(jnp.abs(jnp.triu(got, 1)))) == 0.0
 
 
 def test_unit_lower_inverse_inverts():
