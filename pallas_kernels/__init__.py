@@ -6,6 +6,7 @@ Modules, each read top to bottom as kernel, wrapper, reference:
 * ``leapquant_flush``: window-end flush (reconstruct, fit Compensator Tokens, smooth, quantize).
 * ``dense_step``: the fp32 and bf16 per-step GDN/KDA baselines.
 * ``chunk_scan``: the serial part of the chunkwise-parallel delta rule (prefill).
+* ``kda_scores``: KDA's decayed pair scores inside a chunk (prefill).
 * ``shared``: helpers of both LeapQuant kernels (the codes' planar layout, the window's decays).
 * ``support``: which configs and states the kernels take (``unsupported_reason``).
 
