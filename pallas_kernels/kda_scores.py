@@ -8,9 +8,7 @@ which XLA materialises as ``[C/s, s, s, dk]`` per chunk (half a megabyte at ``C 
 * pairs across sub-chunks, ``i`` in sub-chunk ``a`` and ``j`` before its start ``S_a`` (the
   cumulative log-decay at the last token of sub-chunk ``a - 1``): one matmul of
   ``x_i e^{G_i - S_a}`` by ``k_j e^{S_a - G_j}``, both factors ``<= 1``;
-* pairs inside sub-chunk ``a``: ``e^{G_i - G_j}`` for ``i >= j`` as ``[s, s, LANES]`` tiles,
-  reduced over ``LANES`` channels at a time, then moved to their columns by an exact fp32
-  product with a 0/1 matrix.
+* pairs inside sub-chunk ``a``: one column ``j`` at a time, ``e^{G_i - G_j}`` for ``i >= j``.
 
 Every exponent is masked to ``<= 0`` before ``exp``, so fully decayed channels give zeros, not
 NaN or inf. The products run at the caller's precision (three TF32 passes for ``HIGHEST`` on the
@@ -33,43 +31,39 @@ from ._compat import compiler_params, default_interpret, is_pow2, pl
 
 f32 = jnp.float32
 DEFAULT_NUM_WARPS = 4
-# Key channels per step of the in-sub-chunk pairs: a [16, 16, 16] tile is 32 registers per
-# thread at 4 warps.
-LANES = 16
 
 
-def _kernel(q_ref, k_ref, G_ref, out_ref, *, chunk, sub, lanes, precision, place):
+def _kernel(q_ref, k_ref, G_ref, out_ref, *, chunk, sub, precision):
     # q, k, G: [C, dk]; out: [2, C, C] (k k^T then q k^T, decayed, zero above the diagonal)
-    dk = k_ref.shape[-1]
-    i3 = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, 1), 0)
-    j3 = jax.lax.broadcasted_iota(jnp.int32, (sub, sub, 1), 1)
-    causal = i3 >= j3
+    col = jax.lax.broadcasted_iota(jnp.int32, (sub, chunk), 1)
+    row = jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
     for a in range(chunk // sub):
         lo = a * sub
-        # pairs inside the sub-chunk, [s, s, lanes] channels at a time
-        inner_k = inner_q = jnp.zeros((sub, sub), f32)
-        for c in range(0, dk, lanes):
-            ka, qa, Ga = (r[lo:lo + sub, c:c + lanes] for r in (k_ref, q_ref, G_ref))      # [s, lanes]
-            e = jnp.exp(jnp.where(causal, Ga[:, None, :] - Ga[None, :, :], -jnp.inf))      # [s(i), s(j), lanes]
-            kw = ka[None, :, :] * e
-            inner_k = inner_k + jnp.sum(ka[:, None, :] * kw, axis=2)
-            inner_q = inner_q + jnp.sum(qa[:, None, :] * kw, axis=2)
-        # placed at columns lo..lo+s of the row block by an exact product with a 0/1 matrix
-        sel = (jax.lax.broadcasted_iota(jnp.int32, (sub, chunk), 1)
-               == jax.lax.broadcasted_iota(jnp.int32, (sub, chunk), 0) + lo).astype(f32)
-        acc = [jax.lax.dot_general(x, sel, (((1,), (0,)), ((), ())), precision=place, preferred_element_type=f32)
-               for x in (inner_k, inner_q)]                                                 # [s, C]
+        ka, qa, Ga = (r[lo:lo + sub, :] for r in (k_ref, q_ref, G_ref))                     # [s, dk]
         if a:
-            # pairs across sub-chunks: i in this one, j before its start
-            ka, qa, Ga = (r[lo:lo + sub, :] for r in (k_ref, q_ref, G_ref))                 # [s, dk]
             S = G_ref[lo - 1, :][None, :]                                                   # [1, dk]
             before = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < lo
             right = jnp.where(before, k_ref[...] * jnp.exp(jnp.where(before, S - G_ref[...], -jnp.inf)), 0.0)
             left = jnp.exp(Ga - S)
-            acc = [y + jax.lax.dot_general(x * left, right, (((1,), (1,)), ((), ())), precision=precision,
-                                           preferred_element_type=f32) for x, y in zip((ka, qa), acc)]
-        out_ref[0, lo:lo + sub, :] = acc[0]
-        out_ref[1, lo:lo + sub, :] = acc[1]
+
+            def cross(x):
+                return jax.lax.dot_general(x * left, right, (((1,), (1,)), ((), ())), precision=precision,
+                                           preferred_element_type=f32)                      # [s, C]
+
+            acc = (cross(ka), cross(qa))
+        else:
+            acc = (jnp.zeros((sub, chunk), f32), jnp.zeros((sub, chunk), f32))
+
+        def column(jj, acc, ka=ka, qa=qa, Ga=Ga, lo=lo):
+            kj = k_ref[lo + jj, :][None, :]
+            e = jnp.exp(jnp.where(row >= jj, Ga - G_ref[lo + jj, :][None, :], -jnp.inf))   # [s, dk]
+            w = kj * e
+            here = col == lo + jj
+            return tuple(jnp.where(here, jnp.sum(x * w, axis=1, keepdims=True), y) for x, y in zip((ka, qa), acc))
+
+        acc_k, acc_q = jax.lax.fori_loop(0, sub, column, acc)
+        out_ref[0, lo:lo + sub, :] = acc_k
+        out_ref[1, lo:lo + sub, :] = acc_q
 
 
 def check_score_inputs(q, k, G) -> None:
@@ -96,7 +90,6 @@ def kda_pair_scores(q, k, G, *, precision=jax.lax.Precision.HIGHEST, num_warps=D
     check_score_inputs(q, k, G)
     interpret = default_interpret() if interpret is None else interpret
     r, c, dk = k.shape
-    place = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.F32_F32_F32
     if interpret:
         precision = jax.lax.Precision.HIGHEST
     elif precision == jax.lax.Precision.HIGHEST:
@@ -105,8 +98,7 @@ def kda_pair_scores(q, k, G, *, precision=jax.lax.Precision.HIGHEST, num_warps=D
         precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
     tile = pl.BlockSpec((None, c, dk), lambda i: (i, 0, 0))
     return pl.pallas_call(
-        functools.partial(_kernel, chunk=c, sub=min(SUB_CHUNK, c), lanes=min(LANES, dk), precision=precision,
-                          place=place),
+        functools.partial(_kernel, chunk=c, sub=min(SUB_CHUNK, c), precision=precision),
         grid=(r,),
         in_specs=[tile, tile, tile],
         out_specs=pl.BlockSpec((None, 2, c, c), lambda i: (i, 0, 0, 0)),
