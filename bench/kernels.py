@@ -512,6 +512,9 @@ def load_only_step(config: LeapQuantConfig, state: LeapQuantState, token, *, num
     rows per load (a power of two dividing a code part; default the whole part).
     """
     check_token(state, token)
+    if state.key_heads != state.shape[1]:
+        raise ValueError(f"the load-only kernel reads one key record per value head; the state keeps them for "
+                         f"{state.key_heads} key heads of {state.shape[1]}")
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer

@@ -293,12 +293,14 @@ def cmd_memory(args) -> int:
     from .studies.memory import MemoryQuery, measure_memory, method_memory
 
     r = measure_memory(MemoryQuery(dk=args.dk, dv=args.dv, bits=args.bits, rank=args.rank, window=args.window,
-                                   layers=args.layers, heads=args.heads))
+                                   layers=args.layers, heads=args.heads, key_heads=args.key_heads))
     rows = [f"{'':<12}{'B/head':>12}{'B/element':>12}{'model MiB':>12}"]
     for k, b in r["bytes_per_head"].items():
         rows.append(f"{k:<12}{b:>12.1f}{r['bytes_per_element'][k]:>12.4f}{r['model_bytes'][k] / 2**20:>12.2f}")
     q = r["query"]
-    rows.append(f"({q['layers']} layers x {q['heads']} heads, dk={q['dk']} dv={q['dv']}, {q['bits']} bits, r={q['rank']}, p={q['window']})")
+    gva = "" if q["key_heads"] in (None, q["heads"]) else f" over {q['key_heads']} key heads"
+    rows.append(f"({q['layers']} layers x {q['heads']} heads{gva}, dk={q['dk']} dv={q['dv']}, {q['bits']} bits, "
+                f"r={q['rank']}, p={q['window']})")
     if args.methods:
         names = "all" if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",")]
         if names != "all" and (not names or not all(names)):
@@ -374,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int_at_least(1), default=16, help="window p")
     p.add_argument("--layers", type=int_at_least(1), default=48, help="linear-attention layers of the model")
     p.add_argument("--heads", type=int_at_least(1), default=32, help="heads per layer")
+    p.add_argument("--key-heads", type=int_at_least(1), default=None,
+                   help="GVA's key heads per layer, dividing --heads: live streams keep one key record per key "
+                        "head (default: --heads)")
     p.add_argument("--methods", default=None,
                    help="also every state method's bits per value: 'all' or a comma-separated list of method names")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

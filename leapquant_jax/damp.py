@@ -47,6 +47,7 @@ from .adapted_formats import hadamard_transform
 from .quantizers import _check_state
 from .recurrence import Token, recurrent_step_general
 from .runner import Runner, check_dense, check_dims, check_token
+from .state import resolve_key_heads
 
 Array = jax.Array
 
@@ -373,9 +374,11 @@ class DampMethod(Runner):
                                        f"{cal.dv}, but layer {self.layer}'s state is {heads} x {dk} x {dv}")
         return cal.table(self.layer)
 
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False) -> DampState:
-        """A zero state ``[batch, heads, dk, dv]``."""
+    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
+             key_heads: Optional[int] = None) -> DampState:
+        """A zero state ``[batch, heads, dk, dv]`` (``key_heads`` is checked; the state keeps no keys)."""
         check_dims(batch, heads, dk, dv)
+        resolve_key_heads(heads, key_heads)
         if not 0 < self.k_hi < dk:
             raise ValueError(f"damp protects {self.k_hi} key channels per head, which needs dk > {self.k_hi}, got dk={dk}")
         g = group_size(dv)
@@ -385,7 +388,8 @@ class DampMethod(Runner):
                                                scale=jnp.zeros((batch, heads, rows, dv // g), jnp.float16),
                                                zero=jnp.zeros((batch, heads, rows, dv // g), jnp.float16)))
 
-    def from_dense(self, state: Array, *, per_channel_decay: bool = False) -> DampState:
+    def from_dense(self, state: Array, *, per_channel_decay: bool = False,
+                   key_heads: Optional[int] = None) -> DampState:
         """Rounds ``[B, H, dk, dv]`` fp32 into the layer's DAMP layout."""
         _, h, dk, dv = check_dense(state)
         _check_state(state)

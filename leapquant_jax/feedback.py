@@ -40,6 +40,7 @@ from . import windowed
 from .quantizers import FloatFormat, FloatTensor, IntFormat, IntTensor, column_absmax, pack_codes
 from .recurrence import Token, recurrent_step_general
 from .runner import Runner, check_dense, check_dims, check_token
+from .state import resolve_key_heads
 from .tile_formats import Fp8TileFormat, TileFp8Tensor
 
 Array = jax.Array
@@ -125,9 +126,12 @@ class _StatefulPerStep(Runner):
     """Shared by the methods below: every token dequantizes, takes the dense fp32 delta-rule step
     and re-quantizes through ``requantize``; inactive sequences keep their whole state."""
 
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False):
-        """A zero state ``[batch, heads, dk, dv]`` (for GDN and KDA tokens alike)."""
+    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
+             key_heads: Optional[int] = None):
+        """A zero state ``[batch, heads, dk, dv]`` (for GDN and KDA tokens alike; ``key_heads`` is
+        checked, and the state keeps no keys)."""
         check_dims(batch, heads, dk, dv)
+        resolve_key_heads(heads, key_heads)
         return self.from_dense(jnp.zeros((batch, heads, dk, dv), jnp.float32))
 
     def records_held(self, state) -> Array:
@@ -171,7 +175,8 @@ class ErrorFeedbackMethod(_StatefulPerStep):
             e = jnp.clip(e, -FP16_MAX, FP16_MAX)
         return FeedbackState(codes=codes, residual=_RESIDUAL_FORMATS[self.residual_format]().quantize(e))
 
-    def from_dense(self, state: Array, *, per_channel_decay: bool = False) -> FeedbackState:
+    def from_dense(self, state: Array, *, per_channel_decay: bool = False,
+                   key_heads: Optional[int] = None) -> FeedbackState:
         """Rounds ``[B, H, dk, dv]`` fp32 to INT8, keeping that rounding's residual."""
         check_dense(state)
         return self._encode(state.astype(jnp.float32))
@@ -219,7 +224,8 @@ class StochasticRoundingMethod(_StatefulPerStep):
     def format(self):
         return _SR_FORMATS[self.format_name]()
 
-    def from_dense(self, state: Array, *, per_channel_decay: bool = False) -> StochasticState:
+    def from_dense(self, state: Array, *, per_channel_decay: bool = False,
+                   key_heads: Optional[int] = None) -> StochasticState:
         """Rounds ``[B, H, dk, dv]`` fp32 to nearest into the format; counters 0."""
         check_dense(state)
         return StochasticState(values=self.format.quantize(state.astype(jnp.float32)),

@@ -2,7 +2,7 @@
 
 A method is a frozen, hashable dataclass (a static argument to ``jit``) with
 
-    state = method.init(batch, heads, dk, dv, per_channel_decay=False)
+    state = method.init(batch, heads, dk, dv, per_channel_decay=False, key_heads=None)
     state = method.from_dense(S)                     # S [B, H, dk, dv] fp32, rounded once
     o, state = method.step(state, q=, k=, v=, g=, beta=, active=None)   # [B, H, ...]
     S = method.to_dense(state)                       # [B, H, dk, dv] fp32
@@ -31,7 +31,7 @@ from .formats import STATE_FORMAT_NAMES, get_state_format
 from .quantizers import FloatTensor, QTensor
 from .recurrence import Token, recurrent_step_general
 from .runner import Runner, check_dense, check_dims, check_token
-from .state import IMPLS, LeapQuantConfig, LeapQuantState
+from .state import IMPLS, LeapQuantConfig, LeapQuantState, resolve_key_heads
 
 Array = jax.Array
 
@@ -65,12 +65,15 @@ class PerStepMethod(Runner):
     def name(self) -> str:
         return self.format_name
 
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False) -> QTensor:
-        """A zero state ``[batch, heads, dk, dv]`` in this format (for GDN and KDA tokens alike)."""
+    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
+             key_heads: Optional[int] = None) -> QTensor:
+        """A zero state ``[batch, heads, dk, dv]`` in this format (for GDN and KDA tokens alike;
+        ``key_heads`` is checked, and the state keeps no keys)."""
         check_dims(batch, heads, dk, dv)
+        resolve_key_heads(heads, key_heads)
         return self.from_dense(jnp.zeros((batch, heads, dk, dv), jnp.float32))
 
-    def from_dense(self, state: Array, *, per_channel_decay: bool = False) -> QTensor:
+    def from_dense(self, state: Array, *, per_channel_decay: bool = False, key_heads: Optional[int] = None) -> QTensor:
         """Rounds ``[B, H, dk, dv]`` fp32 into the format."""
         check_dense(state)
         return get_state_format(self.format_name).quantize(state)
@@ -112,7 +115,8 @@ class WindowedMethod(Runner):
     def window(self) -> int:  # type: ignore[override]
         return self.config.window
 
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False) -> LeapQuantState:
+    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
+             key_heads: Optional[int] = None) -> LeapQuantState:
         """An all-zero live stream ``[batch, heads]`` of ``dk x dv`` heads.
 
         per_channel_decay: lay the window buffer out for KDA's per-channel decays
@@ -120,20 +124,29 @@ class WindowedMethod(Runner):
         (exactly: a scalar decay is the same decay on every channel) by ``step``, ``decode``
         and ``prefill``; inside a ``lax.scan`` of your own, whose carry must keep its shapes,
         pass ``per_channel_decay=True`` for KDA.
+        key_heads: GVA's key heads ``Hk`` (dividing ``heads``): the window buffer keeps one key
+        record per key head (``k [batch, Hk, p, dk]``) and ``step``/``decode`` then take ``k``
+        at ``Hk`` heads. ``None`` keeps one per value head (``Hk = heads``), which takes keys at
+        any head count dividing ``heads``.
         """
         check_dims(batch, heads, dk, dv)
         self.config.check_head_size(dk, dv)
-        return windowed.init_state(self.config, batch, heads, dk, dv, per_channel_decay)
+        return windowed.init_state(self.config, batch, heads, dk, dv, per_channel_decay, key_heads=key_heads)
 
-    def from_dense(self, state: Array, *, per_channel_decay: bool = False) -> LeapQuantState:
+    def from_dense(self, state: Array, *, per_channel_decay: bool = False,
+                   key_heads: Optional[int] = None) -> LeapQuantState:
         """Rounds ``[B, H, dk, dv]`` fp32 into a checkpoint with an empty window
-        (``per_channel_decay`` as in ``init``)."""
+        (``per_channel_decay`` and ``key_heads`` as in ``init``)."""
         _, _, dk, dv = check_dense(state)
         self.config.check_head_size(dk, dv)
-        return windowed.from_dense(self.config, state, per_channel_decay=per_channel_decay)
+        return windowed.from_dense(self.config, state, per_channel_decay=per_channel_decay, key_heads=key_heads)
 
     def per_channel_state(self, state: LeapQuantState) -> bool:
         return state.per_channel_decay
+
+    def state_key_heads(self, state: LeapQuantState) -> int:
+        """``Hk``, the key heads whose records the window buffer keeps."""
+        return state.key_heads
 
     def with_decay_layout(self, state: LeapQuantState, per_channel: bool) -> LeapQuantState:
         """Widens a scalar-decay window buffer ``g [B, H, p]`` to ``[B, H, p, dk]`` when
@@ -154,11 +167,12 @@ class WindowedMethod(Runner):
         """Read, append the record, output; flush the sequences whose window filled."""
         from .dispatch import leapquant_maybe_flush, leapquant_step
 
-        check_token(state.shape, token, active)
+        token = windowed.match_key_heads(token, state.key_heads)
+        check_token(state.shape, token, active, key_heads=state.key_heads)
         if token.per_channel_decay:
             state = self.with_decay_layout(state, True)
         elif state.per_channel_decay:
-            token = token.replace(g=jnp.broadcast_to(token.g[..., None], token.w.shape))
+            token = token.replace(g=jnp.broadcast_to(token.g[..., None], token.q.shape))
         o, new = leapquant_step(self.config, state, token)
         if active is not None:
             new = windowed.select_batch(active, new, state)

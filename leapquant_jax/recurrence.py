@@ -41,7 +41,10 @@ class Token:
 
     Fields (``B`` batch, ``H`` value heads):
       q: ``[B, H, dk]`` query (scale already applied).
-      w: ``[B, H, dk]`` write vector (the key for GDN/KDA).
+      w: ``[B, H, dk]`` write vector (the key for GDN/KDA). A LeapQuant stream that stores its
+        key records per key head (``LeapQuantState.key_heads``) also takes ``[B, Hk, dk]``,
+        ``H % Hk == 0``, value head ``j`` writing ``w`` of head ``j // (H // Hk)``; the other
+        methods take ``[B, H, dk]`` only.
       b: ``[B, H, dk]`` read vector (``exp(g) * k`` for the delta rule, zeros for GLA).
       v: ``[B, H, dv]`` value.
       g: ``[B, H]`` (scalar decay) or ``[B, H, dk]`` (per-channel decay), log-decay <= 0.
@@ -82,13 +85,16 @@ def _check_float(name: str, x: Array) -> None:
 
 
 def delta_rule_token(
-    *, q: Array, k: Array, v: Array, g: Array, beta: Array
+    *, q: Array, k: Array, v: Array, g: Array, beta: Array, key_heads: Optional[int] = None
 ) -> Token:
     """Builds the general-form token of a GDN (``g [B, H]``) or KDA (``g [B, H, dk]``) step.
 
     Args (keyword-only, so ``g`` and ``beta`` cannot be swapped by position):
-      q, k: ``[B, Hk, dk]``; v: ``[B, H, dv]``; g: ``[B, H]`` or ``[B, H, dk]``; beta: ``[B, H]``.
-    Returns a ``Token`` with key heads expanded to the ``H`` value heads and ``b = exp(g) * k``.
+      q, k: ``[B, Hk, dk]``; v: ``[B, H, dv]``; g: ``[B, H]`` or ``[B, H, dk]``; beta: ``[B, H]``;
+      key_heads: heads of the write vector ``w``: ``None`` (or ``H``) repeats ``k`` to the value
+        heads; a multiple of ``Hk`` dividing ``H`` (``Hk`` itself: keys kept once per key head,
+        for a state that stores them so) repeats it that far.
+    Returns a ``Token`` with ``q`` and ``b = exp(g) * k`` per value head and ``w`` at ``key_heads``.
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_float(name, x)
@@ -99,7 +105,17 @@ def delta_rule_token(
         raise ValueError(f"q and k must both be [B, Hk, dk], got {q.shape} and {k.shape}")
     if q.shape[0] != bsz:
         raise ValueError(f"q has batch {q.shape[0]} but v has batch {bsz}")
+    w_heads = h if key_heads is None else key_heads
+    if key_heads is not None:
+        if isinstance(key_heads, bool) or not isinstance(key_heads, (int, np.integer)) or key_heads < 1 \
+                or h % key_heads:
+            raise ValueError(f"key_heads={key_heads!r} must be a positive integer dividing the {h} value heads")
+        if key_heads % k.shape[1]:
+            raise ValueError(f"k has {k.shape[1]} heads but the state keeps key records for {key_heads} key heads: "
+                             f"pass k with {key_heads} heads (or a number dividing it); keys that differ between "
+                             f"value heads cannot share one record (k {tuple(k.shape)}, v {tuple(v.shape)})")
     q = expand_heads(q, h, axis=1, name="q")
+    w = expand_heads(k, w_heads, axis=1, name="k")
     k = expand_heads(k, h, axis=1, name="k")
     dk = k.shape[-1]
     if beta.shape != (bsz, h):
@@ -107,11 +123,11 @@ def delta_rule_token(
     if g.shape not in ((bsz, h), (bsz, h, dk)):
         raise ValueError(f"g must be [B, H] (GDN) or [B, H, dk] (KDA) = {(bsz, h)} or {(bsz, h, dk)}, got {g.shape}")
     f32 = jnp.float32
-    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    q, k, w, v, g, beta = (x.astype(f32) for x in (q, k, w, v, g, beta))
     g = jnp.maximum(g, MIN_LOG_DECAY)
     alpha = jnp.exp(g)
     b = (alpha[..., None] if g.ndim == 2 else alpha) * k
-    return Token(q=q, w=k, b=b, v=v, g=g, beta=beta)
+    return Token(q=q, w=w, b=b, v=v, g=g, beta=beta)
 
 
 def linear_attention_token(*, q: Array, k: Array, v: Array, g: Optional[Array] = None) -> Token:

@@ -32,12 +32,18 @@ def check_dense(state: Array) -> tuple[int, int, int, int]:
     return state.shape
 
 
-def check_token(state_shape: tuple, token: Token, active: Optional[Array]) -> None:
-    b, h, dk = token.w.shape
+def check_token(state_shape: tuple, token: Token, active: Optional[Array], key_heads: Optional[int] = None) -> None:
+    """Raises ``ValueError`` unless ``token`` fits a state of ``state_shape = (B, H, dk, dv)``
+    whose key records are kept for ``key_heads`` key heads (``None``: ``H``, a state that keeps
+    none or one per value head): ``token.w [B, key_heads, dk]``, ``active`` bool ``[B]``."""
+    b, h, dk = token.q.shape
     got = (b, h, dk, token.v.shape[-1])
     if tuple(state_shape) != got:
         raise ValueError(f"the state holds [B, H, dk, dv] = {tuple(state_shape)} but the inputs give {got} "
-                         f"(q/k {tuple(token.w.shape)} after GVA, v {tuple(token.v.shape)})")
+                         f"(q {tuple(token.q.shape)} after GVA, v {tuple(token.v.shape)})")
+    want = (b, h if key_heads is None else key_heads, dk)
+    if tuple(token.w.shape) != want:
+        raise ValueError(f"token.w (the key) must be [B, Hk, dk] = {want} for this state, got {tuple(token.w.shape)}")
     if active is not None and (jnp.shape(active) != (b,) or jnp.asarray(active).dtype != jnp.bool_):
         raise ValueError(f"active must be bool [B] = ({b},), got {jnp.asarray(active).dtype} {jnp.shape(active)}")
 
@@ -61,11 +67,18 @@ class Runner:
         windowed method); per-step states serve both decay kinds as they are."""
         return state
 
+    def state_key_heads(self, state) -> Optional[int]:
+        """The key heads whose records ``state`` keeps, ``None`` when it keeps none per key head
+        (per-step states: tokens come with keys repeated to the value heads)."""
+        return None
+
     def step(self, state, *, q: Array, k: Array, v: Array, g: Array, beta: Array, active: Optional[Array] = None):
         """One decode step. q, k ``[B, Hk, dk]``; v ``[B, H, dv]``; g ``[B, H]`` or ``[B, H, dk]``;
         beta ``[B, H]``; active ``[B]`` bool or ``None``. Returns ``(o [B, H, dv], state)``;
-        inactive sequences keep their state."""
-        return self.step_token(state, delta_rule_token(q=q, k=k, v=v, g=g, beta=beta), active=active)
+        inactive sequences keep their state. A state keeping key records per key head
+        (``state_key_heads``) takes ``k`` at those heads, or at a number dividing them."""
+        token = delta_rule_token(q=q, k=k, v=v, g=g, beta=beta, key_heads=self.state_key_heads(state))
+        return self.step_token(state, token, active=active)
 
     def decode(self, state, *, q: Array, k: Array, v: Array, g: Array, beta: Array):
         """Token-serial decode as a ``lax.scan``. Inputs ``[B, T, H, ...]``;
@@ -89,9 +102,10 @@ class Runner:
         (``chunk_delta_rule``, chunkwise-parallel), rounded once there; the fewer than ``window``
         tokens after it become records of the open window.
 
-        Inputs ``[B, T, H, ...]`` right-padded; lengths ``[B]`` int32 (default ``T``); state an
-        existing stream or ``None`` (zeros). Returns ``(o [B, T, H, dv], state)``; outputs of
-        padding positions are unspecified.
+        Inputs ``[B, T, H, ...]`` right-padded (q, k ``[B, T, Hk, dk]``); lengths ``[B]`` int32
+        (default ``T``); state an existing stream or ``None`` (zeros, with key records, where the
+        method keeps them, for the ``Hk`` key heads of ``k``). Returns ``(o [B, T, H, dv], state)``;
+        outputs of padding positions are unspecified.
         """
         bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
         dk, dv = q.shape[-1], v.shape[-1]
@@ -100,16 +114,17 @@ class Runner:
             check_lengths(lengths, bsz, t)
         lengths = jnp.full((bsz,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         if state is None:
-            state = self.init(bsz, h, dk, dv, per_channel_decay=per_channel)
+            state = self.init(bsz, h, dk, dv, per_channel_decay=per_channel, key_heads=k.shape[2])
         else:
             state = self.with_decay_layout(state, per_channel)
             per_channel = self.per_channel_state(state)
+        key_heads = self.state_key_heads(state)
         held = self.records_held(state)                                   # [B]
         boundary = jnp.maximum((held + lengths) // self.window * self.window - held, 0)
         # Exact fp32 up to each boundary in chunkwise-parallel form: the state after boundary[b] tokens.
         o, at_boundary = chunk_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=self.to_dense(state),
                                           lengths=boundary)
-        rounded = self.from_dense(at_boundary, per_channel_decay=per_channel)
+        rounded = self.from_dense(at_boundary, per_channel_decay=per_channel, key_heads=key_heads)
         state = windowed.select_batch(boundary > 0, rounded, state)
         if self.window == 1:
             return o, state

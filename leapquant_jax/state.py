@@ -5,8 +5,11 @@ The state is a pytree of separate arrays, batch and head axes leading:
 * ``Checkpoint``, the window-boundary state: the quantized residual (codes and one scale per
   value column), the smoothing scales ``c [B, H, dk]`` (``None`` when smoothing is off) and
   the Compensator Tokens ``comp_k [B, H, r, dk]``, ``comp_u [B, H, r, dv]`` in fp16.
-* ``WindowBuffer``, the live window: ``p`` records ``k [B, H, p, dk]``, ``u [B, H, p, dv]``
+* ``WindowBuffer``, the live window: ``p`` records ``k [B, Hk, p, dk]``, ``u [B, H, p, dv]``
   and log-decays ``g [B, H, p]`` (GDN) or ``[B, H, p, dk]`` (KDA), all in the record dtype.
+  Keys are stored once per key head: with GVA (``H = n Hk`` value heads) value head ``j``
+  reads the records of key head ``j // n``. A record holds the raw key (its decay is in
+  ``g``), so sharing it loses nothing; ``Hk = H`` is the layout without GVA.
 * ``pos [B]`` int32, records held per sequence (sequences may sit at different positions).
 
 A checkpoint is what prefix caching keeps; a live stream is all three.
@@ -20,6 +23,7 @@ from typing import Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .quantizers import Format, QTensor, get_format
 
@@ -130,8 +134,9 @@ class Checkpoint:
 
 @flax.struct.dataclass
 class WindowBuffer:
-    """The records of the live window: k ``[B, H, p, dk]``, u ``[B, H, p, dv]``,
-    g ``[B, H, p]`` or ``[B, H, p, dk]`` (log-decays), in the record dtype."""
+    """The records of the live window: k ``[B, Hk, p, dk]`` (one per key head, ``Hk`` dividing
+    ``H``), u ``[B, H, p, dv]``, g ``[B, H, p]`` or ``[B, H, p, dk]`` (log-decays), in the
+    record dtype."""
 
     k: Array
     u: Array
@@ -152,18 +157,42 @@ class LeapQuantState:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """``(B, H, dk, dv)`` of the state it represents."""
-        b, h, _, dk = self.buffer.k.shape
-        return b, h, dk, self.buffer.u.shape[-1]
+        """``(B, H, dk, dv)`` of the state it represents (``H`` value heads)."""
+        b, h, _, dv = self.buffer.u.shape
+        return b, h, self.buffer.k.shape[-1], dv
+
+    @property
+    def key_heads(self) -> int:
+        """``Hk``, the key heads whose records the buffer stores (``H`` without GVA)."""
+        return self.buffer.k.shape[1]
 
 
-def empty_buffer(config: LeapQuantConfig, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool) -> WindowBuffer:
-    """A zeroed window buffer for ``[batch, heads]`` streams."""
+def resolve_key_heads(heads: int, key_heads: Optional[int]) -> int:
+    """``key_heads`` checked against ``heads`` value heads (``None`` means ``heads``).
+
+    Raises ``ValueError`` unless it is a positive integer dividing ``heads`` (GVA: value head
+    ``j`` reads key head ``j // (heads // key_heads)``).
+    """
+    if key_heads is None:
+        return heads
+    if isinstance(key_heads, bool) or not isinstance(key_heads, (int, np.integer)) or key_heads < 1:
+        raise ValueError(f"key_heads must be a positive integer, got {key_heads!r}")
+    if heads % key_heads:
+        raise ValueError(f"key_heads={key_heads} does not divide the {heads} value heads "
+                         "(GVA needs H % Hk == 0: value head j reads key head j // (H // Hk))")
+    return int(key_heads)
+
+
+def empty_buffer(config: LeapQuantConfig, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool,
+                 key_heads: Optional[int] = None) -> WindowBuffer:
+    """A zeroed window buffer for ``[batch, heads]`` streams: k ``[batch, key_heads, p, dk]``
+    (``key_heads`` dividing ``heads``; ``None`` means ``heads``), u and g per value head."""
+    hk = resolve_key_heads(heads, key_heads)
     dt = jnp.dtype(config.record_dtype)
     p = config.window
     gshape = (batch, heads, p, dk) if per_channel_decay else (batch, heads, p)
     return WindowBuffer(
-        k=jnp.zeros((batch, heads, p, dk), dt),
+        k=jnp.zeros((batch, hk, p, dk), dt),
         u=jnp.zeros((batch, heads, p, dv), dt),
         g=jnp.zeros(gshape, dt),
     )
@@ -175,4 +204,5 @@ __all__ = [
     "LeapQuantState",
     "WindowBuffer",
     "empty_buffer",
+    "resolve_key_heads",
 ]

@@ -14,7 +14,10 @@ After ``p`` records the window *flushes*: ``S_p`` is materialised in fp32, Compe
 Tokens are fitted, the residual smoothed and quantized into the next checkpoint.
 
 The functions here are written for ``[B, H, ...]`` batches and are the oracle the Pallas
-kernels in ``pallas_kernels/`` are tested against (same signatures).
+kernels in ``pallas_kernels/`` are tested against (same signatures). With GVA the buffer keeps
+one key record per key head (``k [B, Hk, p, dk]``, ``H = n Hk``); the reads repeat them to the
+value heads (``expand_heads``: value head ``j`` reads key head ``j // n``), which gives the same
+numbers as a buffer holding every value head's copy.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from .compensators import compensator_matrix, fit_subspace, fit_svd, smoothing_scales
-from .recurrence import Token, decay_rows
+from .recurrence import Token, decay_rows, expand_heads
 from .state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer, empty_buffer
 
 Array = jax.Array
@@ -120,16 +123,22 @@ def window_decays(buf: WindowBuffer, pos: Array, dk: int) -> tuple[Array, Array]
     return G_l, w
 
 
+def record_keys(buf: WindowBuffer) -> Array:
+    """The records' keys per value head: ``[B, Hk, p, dk]`` repeated to ``[B, H, p, dk]`` fp32."""
+    return expand_heads(buf.k.astype(jnp.float32), buf.u.shape[1], axis=1, name="the window buffer's k")
+
+
 def window_read(config: LeapQuantConfig, ckpt: Checkpoint, buf: WindowBuffer, pos: Array, x: Array) -> Array:
     """``S_l^T x`` after ``l = pos`` records (eq. 10): ``x [B, H, dk]`` -> ``[B, H, dv]``."""
     G_l, w = window_decays(buf, pos, x.shape[-1])
     out = checkpoint_read(config, ckpt, jnp.exp(G_l) * x)
-    coef = jnp.einsum("bhpk,bhpk,bhk->bhp", buf.k.astype(jnp.float32), w, x, precision=HI)
+    coef = jnp.einsum("bhpk,bhpk,bhk->bhp", record_keys(buf), w, x, precision=HI)
     return out + jnp.einsum("bhp,bhpv->bhv", coef, buf.u.astype(jnp.float32), precision=HI)
 
 
 def append_record(buf: WindowBuffer, pos: Array, *, k: Array, u: Array, g: Array) -> WindowBuffer:
-    """Writes one record per sequence at slot ``pos [B]``: k ``[B, H, dk]``, u ``[B, H, dv]``, g ``[B, H(, dk)]``.
+    """Writes one record per sequence at slot ``pos [B]``: k ``[B, Hk, dk]`` (the buffer's key
+    heads), u ``[B, H, dv]``, g ``[B, H(, dk)]``.
 
     The log-decay is stored clamped at ``RECORD_LOG_DECAY_MIN`` (see there).
     """
@@ -144,6 +153,24 @@ def append_record(buf: WindowBuffer, pos: Array, *, k: Array, u: Array, g: Array
     return WindowBuffer(k=put(buf.k, k), u=put(buf.u, u), g=put(buf.g, g))
 
 
+def match_key_heads(token: Token, key_heads: int) -> Token:
+    """``token`` with its write vector at the ``key_heads`` heads a window buffer stores.
+
+    ``token.w`` comes per stored key head (``[B, key_heads, dk]``, kept as it is) or with fewer
+    heads dividing ``key_heads`` (repeated up to them by ``expand_heads``; a buffer without GVA
+    stores every value head's copy). Raises ``ValueError`` for any other head count: keys that
+    differ between value heads cannot share one record.
+    """
+    hw = token.w.shape[1]
+    if hw == key_heads:
+        return token
+    if hw > key_heads or key_heads % hw:
+        raise ValueError(f"token.w has {hw} key heads but the window buffer stores key records for {key_heads} "
+                         f"key heads: pass k with {key_heads} heads (or a number dividing it), one per stored key "
+                         "head; keys that differ between value heads cannot share one record")
+    return token.replace(w=expand_heads(token.w, key_heads, axis=1, name="token.w"))
+
+
 # ----------------------------------------------------------------------------- step / flush
 
 
@@ -155,12 +182,15 @@ def step_reference(config: LeapQuantConfig, state: LeapQuantState, token: Token)
     term is exact fp32; its record is rounded to the record dtype only for later tokens.
 
     state: ``LeapQuantState`` with ``pos < p`` for every sequence; token: general-form
-    ``Token`` (``[B, H, ...]``). Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
+    ``Token`` (``[B, H, ...]``; ``w`` may carry the buffer's ``Hk`` key heads, ``match_key_heads``).
+    Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
     """
     ckpt, buf, pos = state.checkpoint, state.buffer, state.pos
-    alpha = decay_rows(token.g, token.w.shape[-1])
+    token = match_key_heads(token, state.key_heads)
+    w = expand_heads(token.w, token.v.shape[1], axis=1, name="token.w")
+    alpha = decay_rows(token.g, w.shape[-1])
     u = token.beta[..., None] * (token.v - window_read(config, ckpt, buf, pos, token.b))
-    own = jnp.sum(token.w * token.q, axis=-1, keepdims=True)
+    own = jnp.sum(w * token.q, axis=-1, keepdims=True)
     o = window_read(config, ckpt, buf, pos, alpha * token.q) + u * own
     buf = append_record(buf, pos, k=token.w, u=u, g=token.g)
     return o, LeapQuantState(checkpoint=ckpt, buffer=buf, pos=pos + 1)
@@ -170,7 +200,7 @@ def reconstruct_reference(config: LeapQuantConfig, state: LeapQuantState) -> Arr
     """The dense fp32 state ``[B, H, dk, dv]`` after ``pos`` records (eq. 7 at ``l = pos``)."""
     ckpt, buf = state.checkpoint, state.buffer
     G_l, w = window_decays(buf, state.pos, buf.k.shape[-1])
-    records = jnp.einsum("bhpk,bhpv->bhkv", w * buf.k.astype(jnp.float32), buf.u.astype(jnp.float32), precision=HI)
+    records = jnp.einsum("bhpk,bhpv->bhkv", w * record_keys(buf), buf.u.astype(jnp.float32), precision=HI)
     return jnp.exp(G_l)[..., None] * decode_checkpoint(config, ckpt) + records
 
 
@@ -179,7 +209,7 @@ def flush_reference(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuant
     dense = reconstruct_reference(config, state)
     ckpt = encode_checkpoint(config, dense, state.checkpoint.comp_k)
     b, h, dk, dv = state.shape
-    buf = empty_buffer(config, b, h, dk, dv, state.per_channel_decay)
+    buf = empty_buffer(config, b, h, dk, dv, state.per_channel_decay, key_heads=state.key_heads)
     return LeapQuantState(checkpoint=ckpt, buffer=buf, pos=jnp.zeros_like(state.pos))
 
 
@@ -194,20 +224,26 @@ def maybe_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantStat
     )
 
 
-def init_state(config: LeapQuantConfig, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False) -> LeapQuantState:
-    """An all-zero live stream for ``[batch, heads]`` heads of ``dk x dv``."""
-    return from_dense(config, jnp.zeros((batch, heads, dk, dv), jnp.float32), per_channel_decay=per_channel_decay)
+def init_state(config: LeapQuantConfig, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False,
+               *, key_heads: Optional[int] = None) -> LeapQuantState:
+    """An all-zero live stream for ``[batch, heads]`` heads of ``dk x dv``, its key records kept
+    for ``key_heads`` key heads (dividing ``heads``; ``None`` means ``heads``)."""
+    return from_dense(config, jnp.zeros((batch, heads, dk, dv), jnp.float32), per_channel_decay=per_channel_decay,
+                      key_heads=key_heads)
 
 
-def from_dense(config: LeapQuantConfig, state: Array, *, per_channel_decay: bool = False) -> LeapQuantState:
-    """Rounds a dense fp32 state ``[B, H, dk, dv]`` once into a live stream with an empty window."""
+def from_dense(config: LeapQuantConfig, state: Array, *, per_channel_decay: bool = False,
+               key_heads: Optional[int] = None) -> LeapQuantState:
+    """Rounds a dense fp32 state ``[B, H, dk, dv]`` once into a live stream with an empty window
+    (key records for ``key_heads`` key heads, ``None`` meaning ``H``)."""
     if state.ndim != 4:
         raise ValueError(f"state must be [B, H, dk, dv], got shape {state.shape}")
     b, h, dk, dv = state.shape
+    buf = empty_buffer(config, b, h, dk, dv, per_channel_decay, key_heads=key_heads)
     ckpt = encode_checkpoint(config, state)
     return LeapQuantState(
         checkpoint=ckpt,
-        buffer=empty_buffer(config, b, h, dk, dv, per_channel_decay),
+        buffer=buf,
         pos=jnp.zeros((b,), jnp.int32),
     )
 
@@ -222,8 +258,10 @@ __all__ = [
     "flush_reference",
     "from_dense",
     "init_state",
+    "match_key_heads",
     "maybe_flush",
     "reconstruct_reference",
+    "record_keys",
     "select_batch",
     "step_reference",
     "window_decays",

@@ -6,7 +6,9 @@ consumed (its *prefix*): every leaf of its cache row, with two reductions.
 * A LeapQuant stream (``leapquant_jax.state.LeapQuantState``) keeps only its ``checkpoint``,
   the window-boundary state (about 1.19 bytes per state element at 8 bits): a prefix is taken
   only at a window boundary, where the window buffer is empty and the stream's ``pos`` is 0, so
-  the restore rebuilds both (an empty buffer is all zeros, ``empty_buffer``). Per-step states
+  the restore rebuilds both (an empty buffer is all zeros, ``empty_buffer``, laid out as the
+  model's cache lays it out: a file does not depend on whether the buffer keeps its key records
+  per key head or per value head). Per-step states
   (``fp32``, ``bf16``, ``int8``, ...) are kept whole.
 * Attention caches (KV, or MLA's latents) keep their first ``n`` positions, ``n`` the prefix
   length, not the cache's ``max_len``; the restore pads them with zeros, which attention masks.

@@ -501,7 +501,8 @@ def moe_mlp(p: dict, x: Array, cfg: QwenHybridConfig) -> Array:
 
 def init_cache(config: QwenHybridConfig, *, batch: int, max_len: int, method) -> dict:
     """Empty cache: ``pos [B]`` int32, and per layer either ``{"conv": [B, Kc-1, conv_dim],
-    "state": method.init(...)}`` (GDN) or ``{"k", "v": [B, max_len, Hkv, hd]}`` (attention, in
+    "state": method.init(B, Hv, dk, dv, key_heads=Hk)}`` (GDN: a LeapQuant stream keeps its key
+    records once per key head) or ``{"k", "v": [B, max_len, Hkv, hd]}`` (attention, in
     ``layers.kv_dtype(config.compute)``); the layers stacked as ``models.base.finish_cache`` says."""
     layer_caches = []
     for kind in config.layer_types:
@@ -509,7 +510,7 @@ def init_cache(config: QwenHybridConfig, *, batch: int, max_len: int, method) ->
             layer_caches.append({
                 "conv": jnp.zeros((batch, config.linear_conv_kernel_dim - 1, config.conv_dim), F32),
                 "state": method.init(batch, config.linear_num_value_heads, config.linear_key_head_dim,
-                                     config.linear_value_head_dim),
+                                     config.linear_value_head_dim, key_heads=config.linear_num_key_heads),
             })
         else:
             kv = jnp.zeros((batch, max_len, config.num_key_value_heads, config.head_dim), L.kv_dtype(config.compute))

@@ -14,7 +14,10 @@ placed on it, and the cache held to its layout inside the compiled decode loop.
   where the communication goes).
 * ``cache_specs(cache, mesh)``: every leaf split over ``data`` along the batch; the recurrent
   state's leaves (any state method: LeapQuant's checkpoint, window buffer and position included)
-  also over ``model`` along their head axis, so no device holds another's heads; attention KV
+  also over ``model`` along their head axis, so no device holds another's heads (a LeapQuant
+  buffer's key records ``[B, Hk, p, dk]`` along their key-head axis: with ``Hk`` and ``H``
+  both split over ``model``, device ``d`` holds value heads ``d H/m ..`` and the key heads
+  ``d Hk/m ..`` they read); attention KV
   caches along their head axis and the short-convolution buffers along their channels; MLA's
   latent cache over ``data`` only.
 
@@ -187,7 +190,7 @@ class ShardedMethod:
         _check_split(self.mesh, batch=q.shape[0], key_heads=q.shape[2], heads=v.shape[2])
         seq, batch = P("data", None, "model"), P("data")
         out_state = _state_specs(jax.eval_shape(lambda: self.inner.init(
-            q.shape[0], v.shape[2], q.shape[-1], v.shape[-1], per_channel_decay=g.ndim == 4)))
+            q.shape[0], v.shape[2], q.shape[-1], v.shape[-1], per_channel_decay=g.ndim == 4, key_heads=k.shape[2])))
         args, in_specs = (q, k, v, g, beta), (seq,) * 5
         names = ["lengths", "state"]
         given = [x for x in (lengths, state) if x is not None]

@@ -20,7 +20,9 @@
 What the LeapQuant kernels take: integer residuals at 8, 6 or 4 bits (no ``residual_format`` override),
 ``fit="subspace"`` (the exact SVD fit stays in the reference), ``dk`` and ``dv`` in
 {16, 32, 64, 128} (``dk`` a multiple of 64 at 6 bits and of 32 at 4 bits: code planes of at least 16 rows), a power-of-two window from 2 to 32 and
-``r <= 8`` Compensator Tokens.
+``r <= 8`` Compensator Tokens. The window buffer may keep its key records per key head
+(GVA: ``k [B, Hk, p, dk]`` with ``Hk`` dividing ``H``); the step then takes ``token.w`` at ``Hk``
+heads, or at a number dividing ``Hk`` (``windowed.match_key_heads``).
 """
 
 from __future__ import annotations

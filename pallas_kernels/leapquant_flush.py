@@ -59,9 +59,14 @@ sums of a 22-bit fixed-point split of each vector; fp16 rounding of ``K``, ``U``
 from the XLA reference, so a code sitting on a rounding boundary may differ by one step; the
 decoded states agree to a quantization step on those few elements.
 
-Bytes moved per flushed head: ``flush_bytes`` (the fused and stream count: read the checkpoint
-and the ``p`` records, write the checkpoint; the split flush adds the fp32 state written once
-and read three times, ``16 dk dv``, plus ``S^T Q_0`` and the factors).
+GVA (``H = n Hk``): the buffer keeps one key record per key head (``k [B, Hk, p, dk]``); a
+flush program of value head ``j`` reads those of key head ``j // n`` (the key records' block
+spec). No flush writes the buffer, so sharing changes nothing else.
+
+Bytes moved per flushed value head: ``flush_bytes`` (the fused and stream count: read the
+checkpoint and the ``p`` records, the key records ``1 / n`` of theirs per value head, write the
+checkpoint; the split flush adds the fp32 state written once and read three times,
+``16 dk dv``, plus ``S^T Q_0`` and the factors).
 
 Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
@@ -565,8 +570,9 @@ def _new_state(config, state, res, only_full):
     )
 
 
-def _inputs(config, state, spec_k, spec_v, start):
-    """Checkpoint and buffer inputs (and their specs) read by the fused flush and split stage 1."""
+def _inputs(config, state, spec_k, spec_v, start, spec_keys):
+    """Checkpoint and buffer inputs (and their specs) read by the fused flush and split stage 1;
+    ``spec_keys`` is the key records' spec (by key head, ``[p, dk]`` per program)."""
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
     p, r = config.window, config.effective_rank
@@ -578,8 +584,14 @@ def _inputs(config, state, spec_k, spec_v, start):
     if r:
         args += [ckpt.comp_k, ckpt.comp_u]; specs += [spec_k(r), spec_v(r)]
     args += [buf.k, buf.u, buf.g]
-    specs += [spec_k(p), spec_v(p), spec_k(p) if state.per_channel_decay else spec_k(p, vec=False)]
+    specs += [spec_keys, spec_v(p), spec_k(p) if state.per_channel_decay else spec_k(p, vec=False)]
     return args, specs
+
+
+def _group(state) -> int:
+    """Value heads per key head (GVA): the program of value head ``j`` reads the key records of
+    key head ``j // group``."""
+    return state.shape[1] // state.key_heads
 
 
 IMPLS = ("auto", "split", "fused", "stream")
@@ -617,7 +629,9 @@ def _per_head_flush(config, state, kernel, stage, *, only_full, num_warps, inter
     def spec_v(*lead):
         return spec(*lead, dv)
 
-    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed))
+    group = _group(state)
+    keys = pl.BlockSpec((None, None, p, dk), lambda i, j: (i, j // group, 0, 0))
+    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed), keys)
     body = functools.partial(
         kernel, bits=config.bits, rank=r, window=p, dk=dk, dv=dv, per_channel=state.per_channel_decay,
         smoothing=config.smoothing, warm_start=config.warm_start, fit_iters=config.fit_iters, only_full=only_full,
@@ -675,7 +689,9 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
     def spec_v(*lead):
         return pl.BlockSpec((None, None) + lead + (bv,), lambda i, j, c: (i, j) + (0,) * len(lead) + (c,))
 
-    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed))
+    group = _group(state)
+    keys = pl.BlockSpec((None, None, p, dk), lambda i, j, c: (i, j // group, 0, 0))
+    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed), keys)
     shapes, out_specs = [jax.ShapeDtypeStruct((bsz, h, dk, dv), f32)], [spec_v(dk)]
     if r:
         shapes.append(jax.ShapeDtypeStruct((bsz, h, r, dv), f32))
@@ -757,12 +773,17 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
                         lambda s: flush_fused(config, s, **kw), state)
 
 
-def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, impl: str = "split") -> int:
-    """Bytes one flushed head moves (the module docstring's count)."""
+def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, impl: str = "split",
+                group: int = 1) -> float:
+    """Bytes one flushed value head moves (the module docstring's count). ``group``: value heads
+    per key head (GVA), whose shared key records count ``1 / group`` per value head. An ``int``
+    when ``group`` divides them."""
     e = jnp.dtype(config.record_dtype).itemsize
     r = config.effective_rank
     ckpt = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
-    records = e * config.window * (dk + dv + (dk if per_channel else 1))
+    keys = e * config.window * dk
+    records = e * config.window * (dv + (dk if per_channel else 1)) + (keys // group if keys % group == 0
+                                                                        else keys / group)
     n = 2 * ckpt + records + 4 * r * dk + 4
     if impl == "split":
         # S written once, read by Y = S Z, U = S^T K^T and stage 3 (one more read per extra

@@ -63,12 +63,20 @@ Rounding: fp32 arithmetic, but for the digit split above. The record is rounded 
 record dtype when stored, for later tokens; the token's own
 output uses its fp32 ``k``, ``u`` and ``g``, exactly as the reference does.
 
-Bytes moved per step and head (counted by ``step_bytes``, used by ``bench/kernels.py``),
+GVA (``H = n Hk``): the buffer keeps one key record per key head (``k [B, Hk, p, dk]``) and
+the token's key comes per key head (``w [B, Hk, dk]``); the program of value head ``h`` reads
+them at key head ``h // n`` (the block specs' index maps), and so does its store of the new key
+record. The ``n`` programs of a key group store the same values into the same row; nothing else
+in the key buffer is written, and no program reads that row (see ``_append_key_side``).
+``heads_per_program`` must then divide ``n`` or be a multiple of it.
+
+Bytes moved per step and value head (counted by ``step_bytes``, used by ``bench/kernels.py``),
 ``l = pos`` live records, record itemsize ``e``, ``r`` Compensator Tokens:
 codes ``dk dv bits/8`` + scales ``4 dv`` + smoothing ``4 dk`` + compensators ``2 r (dk + dv)``
-+ live records ``l (e dk + e dv + e g)`` (``g`` is 1 or ``dk`` values) + token
-``4 (3 dk + dv + 2)`` (+ ``4 (dk - 1)`` for KDA's g) + written record ``e (dk + dv + g)`` +
-output ``4 dv`` + ``pos`` ``4``.
++ live records ``l (e dk / n + e dv + e g)`` (``g`` is 1 or ``dk`` values) + token
+``4 (2 dk + dk / n + dv + 2)`` (+ ``4 (dk - 1)`` for KDA's g) + written record
+``e (dk / n + dv + g)`` + output ``4 dv`` + ``pos`` ``4``: the key bytes a key group shares
+count once per group (``n = 1`` without GVA).
 
 Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
@@ -131,7 +139,8 @@ def undigit(acc, v):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot, heads):
+def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot, heads, group,
+                 key_block):
     it = iter(refs)
     pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(7))
     codes_ref, scale_ref = next(it), next(it)
@@ -160,14 +169,22 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
         t = jnp.int32(t)        # interpret mode's masked load cannot take a Python int index
         return lambda *idx: (t, *idx)
 
+    def at_key(t):
+        """Indexer of the key records and the token's key (``w``) of head ``t``: its key head
+        ``t // group`` of the program's block of ``key_block`` key heads (squeezed for one)."""
+        if key_block == 1:
+            return lambda *idx: idx if idx else ...
+        kt = jnp.int32(t // group)
+        return lambda *idx: (kt, *idx)
+
     # Loads, separated from the arithmetic: Triton issues loads in program order and does not
     # hoist one above a reduction (a barrier), so a load made late costs a memory round trip.
     def load_key_side(t, start):
         """Per code part: its rows ``start + [0, ch)`` of every key-side input; records masked to live slots."""
-        a, out = at(t), []
+        a, ak, out = at(t), at_key(t), []
         for i in range(parts):
             sl = pl.ds(i * n + start, ch)
-            x = dict(kb=load(bk_ref.at[a(every, sl)], mask=live[:, None], other=0.0))       # [p, ch]
+            x = dict(kb=load(bk_ref.at[ak(every, sl)], mask=live[:, None], other=0.0))      # [p, ch]
             if per_channel:
                 x["gb"] = load(bg_ref.at[a(every, sl)], mask=live[:, None], other=0.0)      # [p, ch]
             if comp_tile:
@@ -176,7 +193,7 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
                 x["kc"] = [ck_ref[a(c, sl)] for c in range(rank)]
             if smoothing:
                 x["sm"] = smooth_ref[a(sl)]
-            x.update(q=q_ref[a(sl)], w=w_ref[a(sl)], b=b_ref[a(sl)])
+            x.update(q=q_ref[a(sl)], w=w_ref[ak(sl)], b=b_ref[a(sl)])
             if per_channel:
                 x["g"] = g_ref[a(sl)]
             out.append(x)
@@ -338,13 +355,19 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
 
         @pl.when((pos < window) & first_block)
         def _append_key_side():
+            # With GVA the ``group`` value heads of a key head each store its key record: the
+            # same row (slot ``pos`` of key head ``t // group``) with the same values, all taken
+            # from that key head's ``w``, so the order of the stores does not matter. The store
+            # writes that row alone (a pointer store on the GPU; no write-back of the block), and
+            # no program reads slot ``pos``: record loads are masked to slots ``< pos``.
+            ak = at_key(t)
             if kparts is None:
-                pieces = [(every, w_ref[a(every)], g_ref[a(every)] if per_channel else None)]
+                pieces = [(every, w_ref[ak(every)], g_ref[a(every)] if per_channel else None)]
             else:
                 pieces = [(pl.ds(i * n, n), x["w"], x.get("g")) for i, x in enumerate(kparts)]
             # log-decays clamped as windowed.append_record
             for sl, w, g in pieces:
-                bk_out[a(pos, sl)] = w.astype(rec)
+                bk_out[ak(pos, sl)] = w.astype(rec)
                 if per_channel:
                     bg_out[a(pos, sl)] = jnp.maximum(g, RECORD_LOG_DECAY_MIN).astype(rec)
             if not per_channel:
@@ -392,9 +415,11 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
 
 
 def check_token(state: LeapQuantState, token: Token) -> None:
-    """Raises ``ValueError`` when the token does not match the state."""
+    """Raises ``ValueError`` when the token does not match the state (``token.w`` at the state's
+    ``Hk`` key heads: ``windowed.match_key_heads`` brings it there)."""
     bsz, h, dk, dv = state.shape
-    for name, x, shape in (("q", token.q, (bsz, h, dk)), ("w", token.w, (bsz, h, dk)), ("b", token.b, (bsz, h, dk)),
+    hk = state.key_heads
+    for name, x, shape in (("q", token.q, (bsz, h, dk)), ("w", token.w, (bsz, hk, dk)), ("b", token.b, (bsz, h, dk)),
                            ("v", token.v, (bsz, h, dv)), ("beta", token.beta, (bsz, h))):
         if x.shape != shape:
             raise ValueError(f"token.{name} must be {shape} to match the state, got {x.shape}")
@@ -436,18 +461,21 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
                    heads_per_program: int = 1, interpret: bool | None = None):
     """One in-window decode step. Same contract as ``windowed.step_reference``.
 
-    state: ``LeapQuantState``; token: ``Token`` with ``[B, H, ...]`` fields. The buffer is
+    state: ``LeapQuantState``; token: ``Token`` with ``[B, H, ...]`` fields (``w`` may come at
+    the buffer's ``Hk`` key heads: ``windowed.match_key_heads``). The buffer is
     updated in place when the caller's ``jit`` donates the state (or it is dead after the call
     inside one); otherwise XLA copies it first. Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
     ``reduce``: how the code reads are summed, ``"dot"`` (int8 digits on the tensor cores;
     needs ``chunk >= 32``) or ``"lanes"`` (fp32 products summed across threads); the default
     takes ``dot`` where it can. ``heads_per_program``: consecutive heads of one sequence per
     program (a power of two dividing ``H``; default 1), their code and key-side loads issued
-    together before any head is computed.
+    together before any head is computed; with GVA (``H = n Hk``) it must divide ``n`` or be a
+    multiple of it, so that a program's heads read whole key heads.
     """
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"leapquant_step kernel cannot run: {why}")
+    token = windowed.match_key_heads(token, state.key_heads)
     check_token(state, token)
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
@@ -460,6 +488,11 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     hp = heads_per_program
     if not isinstance(hp, int) or hp < 1 or hp & (hp - 1) or h % hp:
         raise ValueError(f"heads_per_program={hp!r} must be a power of two dividing the {h} heads")
+    group = h // state.key_heads                       # value heads per key head (GVA)
+    if group % hp and hp % group:
+        raise ValueError(f"heads_per_program={hp} must divide or be a multiple of the {group} value heads per key "
+                         f"head ({h} value heads, {state.key_heads} key heads)")
+    kb = max(hp // group, 1)                           # key heads per program
     reduce = default_reduce(ch) if reduce is None else reduce
     num_warps = default_num_warps(state.per_channel_decay) if num_warps is None else num_warps
     if reduce not in REDUCES:
@@ -472,12 +505,21 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     rows = packed_rows(dk, config.bits)
 
     hb = None if hp == 1 else hp          # the head axis of a block: squeezed for one head
+    kbb = None if kb == 1 else kb
     vec_k = pl.BlockSpec((None, hb, dk), lambda i, j, c: (i, j, 0))
+    # The key side (the token's w, the key records) by key head: program j's first value head
+    # j hp reads key head j hp // group; a block of kb > 1 key heads is block j of them.
+    if kb == 1:
+        key_vec = pl.BlockSpec((None, None, dk), lambda i, j, c: (i, (j * hp) // group, 0))
+        k_spec = pl.BlockSpec((None, None, p, dk), lambda i, j, c: (i, (j * hp) // group, 0, 0))
+    else:
+        key_vec = pl.BlockSpec((None, kbb, dk), lambda i, j, c: (i, j, 0))
+        k_spec = pl.BlockSpec((None, kbb, p, dk), lambda i, j, c: (i, j, 0, 0))
     vec_v = pl.BlockSpec((None, hb, bv), lambda i, j, c: (i, j, c))
     scalar = pl.BlockSpec((None, hb), lambda i, j, c: (i, j))
     args = [state.pos.astype(jnp.int32), token.q.astype(f32), token.w.astype(f32), token.b.astype(f32),
             token.v.astype(f32), token.g.astype(f32), token.beta.astype(f32), ckpt.residual.codes, ckpt.residual.scale]
-    specs = [pl.BlockSpec((None,), lambda i, j, c: (i,)), vec_k, vec_k, vec_k, vec_v,
+    specs = [pl.BlockSpec((None,), lambda i, j, c: (i,)), vec_k, key_vec, vec_k, vec_v,
              vec_k if per_channel else scalar, scalar,
              pl.BlockSpec((None, hb, rows, bv), lambda i, j, c: (i, j, 0, c)), vec_v]
     if config.smoothing:
@@ -487,9 +529,9 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
         args += [ckpt.comp_k, ckpt.comp_u]
         specs += [pl.BlockSpec((None, hb, r, dk), lambda i, j, c: (i, j, 0, 0)),
                   pl.BlockSpec((None, hb, r, bv), lambda i, j, c: (i, j, 0, c))]
-    k_spec = pl.BlockSpec((None, hb, p, dk), lambda i, j, c: (i, j, 0, 0))
     u_spec = pl.BlockSpec((None, hb, p, bv), lambda i, j, c: (i, j, 0, c))
-    g_spec = k_spec if per_channel else pl.BlockSpec((None, hb, p), lambda i, j, c: (i, j, 0))
+    g_spec = (pl.BlockSpec((None, hb, p, dk), lambda i, j, c: (i, j, 0, 0)) if per_channel
+              else pl.BlockSpec((None, hb, p), lambda i, j, c: (i, j, 0)))
     first_buf = len(args)
     args += [buf.k, buf.u, buf.g]
     specs += [k_spec, u_spec, g_spec]
@@ -497,7 +539,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     kernel = functools.partial(
         _step_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=per_channel,
         smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch, use_dot=reduce == "dot",
-        heads=hp)
+        heads=hp, group=group, key_block=kb)
     o, bk, bu, bg = pl.pallas_call(
         kernel,
         grid=(bsz, h // hp, dv // bv),
@@ -514,16 +556,20 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     return o, new
 
 
-def step_bytes(config: LeapQuantConfig, dk: int, dv: int, pos: int, per_channel: bool) -> int:
-    """Bytes one head moves in one step at window position ``pos`` (the module docstring's count)."""
+def step_bytes(config: LeapQuantConfig, dk: int, dv: int, pos: int, per_channel: bool, group: int = 1) -> float:
+    """Bytes one value head moves in one step at window position ``pos`` (the module docstring's
+    count). ``group``: value heads per key head (GVA), whose shared key bytes (live key records,
+    the token's key, the written key record) count ``1 / group`` per value head. An ``int`` when
+    ``group`` divides them."""
     e = jnp.dtype(config.record_dtype).itemsize
     gl = dk if per_channel else 1
     r = config.effective_rank
     n = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
-    n += pos * e * (dk + dv + gl)
-    n += 4 * (3 * dk + dv + 2) + (4 * (dk - 1) if per_channel else 0)
-    n += e * (dk + dv + gl) + 4 * dv + 4
-    return n
+    n += pos * e * (dv + gl)
+    n += 4 * (2 * dk + dv + 2) + (4 * (dk - 1) if per_channel else 0)
+    n += e * (dv + gl) + 4 * dv + 4
+    keys = pos * e * dk + 4 * dk + e * dk
+    return n + (keys // group if keys % group == 0 else keys / group)
 
 
 # ----------------------------------------------------------------------------- reference

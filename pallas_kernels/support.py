@@ -29,9 +29,12 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     if not isinstance(ckpt.residual, IntTensor) or ckpt.residual.bits != config.bits:
         return "the state's residual is not an integer tensor of the config's bits"
     if buf.k.ndim != 4 or buf.u.ndim != 4:
-        return f"the window buffer must be [B, H, p, dk] / [B, H, p, dv], got {buf.k.shape} / {buf.u.shape}"
-    b, h, p, dk = buf.k.shape
-    dv = buf.u.shape[-1]
+        return f"the window buffer must be [B, Hk, p, dk] / [B, H, p, dv], got {buf.k.shape} / {buf.u.shape}"
+    b, hk, p, dk = buf.k.shape
+    h, dv = buf.u.shape[1], buf.u.shape[-1]
+    if buf.u.shape[:3] != (b, h, p) or hk < 1 or h % hk:
+        return (f"the window buffer's key records {buf.k.shape} and values {buf.u.shape} must be [B, Hk, p, dk] and "
+                "[B, H, p, dv] with Hk dividing H")
     if p != config.window:
         return f"the buffer holds {p} slots but window={config.window}"
     if dk not in HEAD_SIZES or dv not in HEAD_SIZES:

@@ -92,12 +92,14 @@ def test_memory_per_stream_is_the_measured_state_of_every_linear_layer(runs):
     config = json.loads((CKPT / "config.json").read_text())
     layers = config["layer_types"].count("linear_attention")
     heads, dk, dv = config["linear_num_value_heads"], config["linear_key_head_dim"], config["linear_value_head_dim"]
+    key_heads = config["linear_num_key_heads"]
     assert memory["layers"] == layers and memory["elements"] == layers * heads * dk * dv
     methods = build_methods(["leapquant"])
     for label, method in methods.items():
         m = memory["methods"][label]
-        # the same bytes from one layer's state pytree, measured alone (studies.errors)
-        per_element = state_bytes_per_element(method, heads, dk, dv, False)
+        # the same bytes from one layer's state pytree, measured alone (studies.errors); the
+        # model's GVA (4 value heads over 2 key heads) keeps the window's keys once per key head
+        per_element = state_bytes_per_element(method, heads, dk, dv, False, key_heads)
         assert m["bytes"] == round(per_element["live"] * memory["elements"])
         assert m["checkpoint_bytes"] == round(per_element["checkpoint"] * memory["elements"])
         row = next(line for line in text.splitlines() if line.split()[:2] == [label, f"{m['bytes']:,}"])
@@ -105,6 +107,8 @@ def test_memory_per_stream_is_the_measured_state_of_every_linear_layer(runs):
     fp32, lq = memory["methods"]["fp32"], memory["methods"]["leapquant"]
     assert fp32["bytes_per_element"] == 4.0 and fp32["vs_fp32"] == 1.0
     assert lq["checkpoint_bytes"] < lq["bytes"] < fp32["bytes"]
+    per_value_head = state_bytes_per_element(methods["leapquant"], heads, dk, dv, False)["live"] * memory["elements"]
+    assert key_heads < heads and lq["bytes"] < per_value_head
 
 
 def _fake_stdlib(tmp_path, files: dict, listed: list):

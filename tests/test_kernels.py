@@ -56,8 +56,13 @@ def sequence(key, bsz, t, h, dk, dv, kda, *, log_decay=None):
     return dict(q=q, k=k, v=v, g=g, beta=beta)
 
 
-def token(seq, i):
-    return delta_rule_token(**{n: x[:, i] for n, x in seq.items()})
+def token(seq, i, key_heads=None):
+    """Token ``i`` of ``seq``; with ``key_heads``, its q and k cut to that many heads (GVA) and the
+    key kept per key head, as a stream storing its key records so takes it."""
+    x = {n: v[:, i] for n, v in seq.items()}
+    if key_heads is not None:
+        x["q"], x["k"] = x["q"][:, :key_heads], x["k"][:, :key_heads]
+    return delta_rule_token(**x, key_heads=key_heads)
 
 
 def dense_state(key, bsz, h, dk, dv):
@@ -69,15 +74,22 @@ def copy(tree):
     return jax.tree_util.tree_map(jnp.copy, tree)
 
 
-def live_state(config, key, bsz, h, dk, dv, kda, pos, *, log_decay=None, zero=False):
-    """A stream after a few reference steps, then set to the ragged positions ``pos``."""
+def live_state(config, key, bsz, h, dk, dv, kda, pos, *, log_decay=None, zero=False, key_heads=None):
+    """A stream after a few reference steps, then set to the ragged positions ``pos``; with
+    ``key_heads`` (GVA), its key records kept per key head."""
     k1, k2 = jax.random.split(key)
     s0 = jnp.zeros((bsz, h, dk, dv)) if zero else dense_state(k1, bsz, h, dk, dv)
-    st = windowed.from_dense(config, s0, per_channel_decay=kda)
+    st = windowed.from_dense(config, s0, per_channel_decay=kda, key_heads=key_heads)
     seq = sequence(k2, bsz, config.window, h, dk, dv, kda, log_decay=log_decay)
     for i in range(config.window - 1):
-        _, st = windowed.step_reference(config, st, token(seq, i))
-    return st.replace(pos=jnp.asarray(pos, jnp.int32)), token(seq, config.window - 1)
+        _, st = windowed.step_reference(config, st, token(seq, i, key_heads))
+    return st.replace(pos=jnp.asarray(pos, jnp.int32)), token(seq, config.window - 1, key_heads)
+
+
+def expanded_state(st):
+    """``st`` with its key records repeated to the value heads: the layout without GVA."""
+    n = st.shape[1] // st.key_heads
+    return st.replace(buffer=st.buffer.replace(k=jnp.repeat(st.buffer.k, n, axis=1)))
 
 
 # ----------------------------------------------------------------------------- dense step
@@ -205,6 +217,37 @@ def test_step_kernel_rejects_bad_heads_per_program():
     for hp in (0, 3, 4):
         with pytest.raises(ValueError, match="heads_per_program"):
             leapquant_step(config, st, tok, heads_per_program=hp, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("bits, hp", [(8, 1), (8, 2), (4, 4)])
+def test_step_kernel_with_shared_key_records(bits, hp, kda):
+    # GVA: 4 value heads read 2 key heads. The program of value head j reads key head j // 2 and
+    # stores the new key record there (two programs, or two heads of one, store the same row).
+    config = LeapQuantConfig(bits=bits, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(70 + bits + hp + kda), 3, 4, 64, 64, kda, pos=[0, 4, 7],
+                         key_heads=2)
+    assert st.buffer.k.shape == (3, 2, 8, 64) and tok.w.shape == (3, 2, 64)
+    o_k, n_k = check_step(config, st, tok, heads_per_program=hp)
+    # the same kernel on the layout without GVA (each value head its key's copy): the same numbers
+    o_e, n_e = leapquant_step(config, copy(expanded_state(st)), tok.replace(w=jnp.repeat(tok.w, 2, axis=1)),
+                              heads_per_program=hp, interpret=INTERPRET)
+    np.testing.assert_array_equal(o_k, o_e)
+    np.testing.assert_array_equal(jnp.repeat(n_k.buffer.k, 2, axis=1), n_e.buffer.k)
+    np.testing.assert_array_equal(n_k.buffer.u, n_e.buffer.u)
+
+
+def test_step_kernel_key_groups_of_three():
+    # 6 value heads over 2 key heads: one head per program reads key head j // 3; two heads per
+    # program would straddle key groups and are refused
+    config = LeapQuantConfig(bits=8, window=4)
+    st, tok = live_state(config, jax.random.PRNGKey(77), 2, 6, 64, 64, False, pos=[1, 3], key_heads=2)
+    check_step(config, st, tok)
+    with pytest.raises(ValueError, match="must divide or be a multiple of the 3 value heads per key head"):
+        leapquant_step(config, st, tok, heads_per_program=2, interpret=INTERPRET)
+    # a key per value head cannot go into a record per key head
+    with pytest.raises(ValueError, match="token.w has 6 key heads"):
+        leapquant_step(config, st, tok.replace(w=jnp.repeat(tok.w, 3, axis=1)), interpret=INTERPRET)
 
 
 def test_int8_digits_recombine_exactly():
@@ -335,6 +378,18 @@ def test_flush_kernel_fully_decayed_heads_and_zero_state(kda, impl):
 
 
 @pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_flush_kernel_with_shared_key_records(kda, impl):
+    # GVA: the flush program of value head j reads the key records of key head j // 2
+    config = LeapQuantConfig(bits=8, window=8)
+    st, _ = live_state(config, jax.random.PRNGKey(80 + kda), 2, 4, 64, 64, kda, pos=[8, 5], key_heads=2)
+    ker, _ = check_flush(config, st, impl=impl)
+    ker_e = leapquant_flush(config, copy(expanded_state(st)), impl=impl, interpret=INTERPRET)
+    for a, b in zip(jax.tree_util.tree_leaves(ker.checkpoint), jax.tree_util.tree_leaves(ker_e.checkpoint)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
 def test_flush_kernel_head_size_128_options(impl):
     config = LeapQuantConfig(bits=8, window=4, rank=2, fit_iters=2, smoothing=False)
     st, _ = live_state(config, jax.random.PRNGKey(9), 1, 1, 128, 128, False, pos=[4])
@@ -361,15 +416,18 @@ def test_stream_flush_rejects_bad_chunks():
 # ----------------------------------------------------------------------------- through the method
 
 
-@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_method_pallas_matches_reference_through_flushes(kda):
-    # window 4, 10 tokens: two flushes in the middle of the run
+@pytest.mark.parametrize("kda, key_heads", [(False, None), (True, None), (False, 1)], ids=["gdn", "kda", "gdn-gva"])
+def test_method_pallas_matches_reference_through_flushes(kda, key_heads):
+    # window 4, 10 tokens: two flushes in the middle of the run; GVA: 2 value heads, 1 key head
     seq = sequence(jax.random.PRNGKey(20 + kda), 2, 10, 2, 64, 64, kda)
+    if key_heads is not None:
+        seq = dict(seq, q=seq["q"][:, :, :key_heads], k=seq["k"][:, :, :key_heads])
     s0 = dense_state(jax.random.PRNGKey(21), 2, 2, 64, 64)
     outs = {}
     for impl in ("pallas", "reference"):
         m = make_method("leapquant", bits=8, window=4, impl=impl)
-        o, st = m.decode(m.from_dense(s0, per_channel_decay=kda), **seq)
+        o, st = m.decode(m.from_dense(s0, per_channel_decay=kda, key_heads=key_heads), **seq)
+        assert st.key_heads == (key_heads or 2)
         outs[impl] = (o, m.to_dense(st))
     o_exact, s_exact = recurrent_scan(s0, **seq)
     o_k, o_r = outs["pallas"][0], outs["reference"][0]
@@ -403,6 +461,25 @@ def test_unsupported_reason_names_the_limit(options, dk, words):
         m.step(m.init(1, 1, dk, 64), **{n: x[:, 0] for n, x in seq.items()})
 
 
+def test_byte_counts_share_key_bytes_within_a_key_group():
+    # GVA: the live key records, the token's key and the written key record count once per key
+    # head, half of them per value head when two value heads share a key head
+    from pallas_kernels.leapquant_flush import flush_bytes
+    from pallas_kernels.leapquant_step import step_bytes
+
+    config = LeapQuantConfig(bits=8, window=16)
+    dk, dv, e = 128, 128, 2
+    for kda in (False, True):
+        for pos in (0, 7, 15):
+            keys = pos * e * dk + 4 * dk + e * dk
+            assert step_bytes(config, dk, dv, pos, kda) - step_bytes(config, dk, dv, pos, kda, group=2) == keys // 2
+            assert step_bytes(config, dk, dv, pos, kda, group=3) == pytest.approx(
+                step_bytes(config, dk, dv, pos, kda) - 2 * keys / 3, rel=1e-12)
+        for impl in ("split", "fused"):
+            assert (flush_bytes(config, dk, dv, kda, impl) - flush_bytes(config, dk, dv, kda, impl, group=2)
+                    == e * 16 * dk // 2)
+
+
 def test_supported_configs_have_no_reason():
     for bits in (8, 6, 4):
         for kda in (False, True):
@@ -425,6 +502,24 @@ def test_kernels_lower_to_triton(bits, kda):
     lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
     lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
     lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_kernels_with_shared_key_records_lower_to_triton(kda):
+    # GVA: the key side's index maps (one key head per program, and two value heads of one key
+    # head in a program) and the flushes' key-record specs lower as the one-head kernels do
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    config = LeapQuantConfig(bits=8, window=8)
+    st = windowed.init_state(config, 2, 4, 64, 64, kda, key_heads=2)
+    tok = token(sequence(jax.random.PRNGKey(0), 2, 1, 4, 64, 64, kda), 0, key_heads=2)
+
+    def lower(f, *args):
+        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
+
+    for hp in (1, 2, 4):
+        lower(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=False), st, tok)
+    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
+    lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
 
 
 def test_method_pallas_eager_step_with_active_mask():

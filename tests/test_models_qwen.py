@@ -9,6 +9,7 @@ converter. Shapes are shared between tests so each jit program compiles once.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import model_helpers as mh  # noqa: E402
 
+import jax  # noqa: E402
+
+from leapquant_jax.recurrence import expand_heads  # noqa: E402
 from models import decode  # noqa: E402
+from models.base import layer_caches  # noqa: E402
 from models.checkpoint import convert_checkpoint, load_model  # noqa: E402
 
 torch, transformers = mh.require_reference()
@@ -104,6 +109,49 @@ def test_leapquant_8bit_state_stays_close_to_fp32(tiny):
     # 8-bit residual shows after the first flush; elsewhere the fp16 records of earlier tokens
     # dominate (each token's own output term is exact).
     assert err <= 6e-3, err
+
+
+@dataclasses.dataclass(frozen=True)
+class KeysPerValueHead:
+    """A state method whose LeapQuant streams keep one key record per value head, the layout
+    before value heads shared their key head's records: keys repeated to the value heads."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def for_layer(self, layer):
+        return self
+
+    def init(self, *args, key_heads=None, **kwargs):
+        return self.inner.init(*args, **kwargs)
+
+    def prefill(self, *, q, k, v, **kwargs):
+        h = v.shape[2]
+        return self.inner.prefill(q=expand_heads(q, h, axis=2), k=expand_heads(k, h, axis=2), v=v, **kwargs)
+
+
+def test_leapquant_state_keeps_key_records_per_key_head_with_the_same_logits(next_tiny):
+    # GVA (4 value heads, 2 key heads): the window buffer holds each key once per key head, and
+    # the logits (12 prefill tokens as records, 32 decode steps, two flushes) are those of the
+    # layout with a copy per value head, bit for bit
+    cfg = next_tiny.config
+    method = decode.make_state_method("leapquant", bits=8)
+    cache = jax.eval_shape(lambda: next_tiny.arch.init_cache(cfg, batch=2, max_len=4, method=method))
+    states = [c["state"] for c in layer_caches(cache, cfg) if "state" in c]
+    assert len(states) == 2
+    for st in states:
+        assert st.buffer.k.shape == (2, cfg.linear_num_key_heads, 16, cfg.linear_key_head_dim)
+        assert st.buffer.u.shape == (2, cfg.linear_num_value_heads, 16, cfg.linear_value_head_dim)
+    shared = decode.score(next_tiny.arch, next_tiny.params, cfg, next_tiny.ids, method=method,
+                          prefill_len=PROMPT_LEN)[0]
+    per_value_head = decode.score(next_tiny.arch, next_tiny.params, cfg, next_tiny.ids,
+                                  method=KeysPerValueHead(method), prefill_len=PROMPT_LEN)[0]
+    np.testing.assert_array_equal(shared, per_value_head)
+    assert mh.relative_logit_error(shared, next_tiny.score("fp32")) <= 6e-3
 
 
 def test_stop_token_ends_a_row_and_inactive_rows_keep_their_state(tiny):

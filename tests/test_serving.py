@@ -329,6 +329,22 @@ def test_file_keeps_dtypes_safetensors_lacks(tmp_path):
         ps.load_prefix(tmp_path / "pending.safetensors")
 
 
+def test_prefix_files_keep_the_checkpoint_not_the_window_buffer(gdn):
+    # The GDN model has GVA (2 value heads, 1 key head): its live LeapQuant streams keep one key
+    # record per key head. A prefix keeps a stream's checkpoint alone, so what a file holds does
+    # not depend on the buffer's layout (files written when keys were kept per value head hold
+    # the same leaves), and a restore makes the buffer afresh.
+    import jax
+
+    method = METHODS["leapquant"]
+    shapes, _ = ps._layout(gdn.arch, gdn.config, method)
+    state_leaves = [name for name in shapes if ".state." in name]
+    assert state_leaves and all(".state.checkpoint." in name for name in state_leaves)
+    cache = jax.eval_shape(lambda: gdn.arch.init_cache(gdn.config, batch=1, max_len=4, method=method))
+    buffer = cache["layers"][0]["state"].buffer
+    assert buffer.k.shape[1] == gdn.config.linear_num_key_heads < buffer.u.shape[1] == gdn.config.linear_num_value_heads
+
+
 def test_save_is_refused_off_a_window_boundary(tiny):
     rng = np.random.default_rng([19, len(tiny.name)])
     pool = tiny.pool("leapquant")

@@ -4,7 +4,10 @@ and 8x1, the sharded logits equal the unsharded ones (fp32: to round-off; LeapQu
 summation order can move a code across a rounding boundary, so the sharded logits must be as close
 to fp32's as the unsharded ones), greedy tokens are the same, and every state leaf is split by
 head. The Pallas kernels (interpret mode) run per shard with the layers scanned, on the 2x4 mesh
-(the dense fp32 step on GDN, the LeapQuant step and flush on KDA). The checks run in a child process: the device count is fixed when JAX starts."""
+(the dense fp32 step on GDN, the LeapQuant step and flush on KDA). A GDN model with GVA (8 value
+heads over 4 key heads) checks that LeapQuant's key records, kept per key head, split over the
+model axis with the value heads that read them (reference and kernels on the 2x4 mesh). The checks
+run in a child process: the device count is fixed when JAX starts."""
 
 from __future__ import annotations
 
@@ -66,6 +69,23 @@ for arch, name in (("gdn", "fp32"), ("kda", "leapquant")):
     fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
     out["runs"].append({"arch": arch, "method": name + "-pallas", "mesh": [2, 4], "to_unsharded": rel(got, ref),
                         "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)})
+# GVA: 8 value heads over 4 key heads; LeapQuant's key records [B, 4, p, dk] split over the model
+# axis with the value heads, one key head and its two value heads per device
+a, cfg, params = tiny_model("gdn", heads=8, key_heads=4)
+fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
+ref = score(a, params, cfg, ids[:, :6], method=make_method("leapquant", window=4, impl="reference"))[0]
+for impl in ("reference", "pallas"):
+    m = make_method("leapquant", window=4, impl=impl)
+    got = score(a, params, cfg, ids[:, :6], method=m, mesh=mesh)[0]
+    run = {"arch": "gdn-gva", "method": "leapquant" + ("-pallas" if impl == "pallas" else ""), "mesh": [2, 4],
+           "to_unsharded": rel(got, ref), "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)}
+    if impl == "reference":
+        cache = jax.jit(lambda: constrain_cache(a.init_cache(cfg, batch=8, max_len=6, method=m), mesh))()
+        state = cache["layers"][0]["state"]
+        run["state_shards"] = [[list(x.shape), list(x.sharding.shard_shape(x.shape))]
+                               for x in jax.tree.leaves(state)]
+        run["key_records"] = list(state.buffer.k.shape)
+    out["runs"].append(run)
 from models.sharding import shard_batch
 try:
     shard_batch(np.zeros((3, 2), np.int32), make_mesh(2, 4))
@@ -90,7 +110,8 @@ def test_sharded_decoding_matches_unsharded(runs):
     assert runs["devices"] == 8
     got = {(r["arch"], r["method"], tuple(r["mesh"])) for r in runs["runs"]}
     assert got == ({(a, m, s) for a in ("gdn", "kda") for m in ("fp32", "leapquant") for s in ((1, 8), (2, 4), (8, 1))}
-                   | {("gdn", "fp32-pallas", (2, 4)), ("kda", "leapquant-pallas", (2, 4))})
+                   | {("gdn", "fp32-pallas", (2, 4)), ("kda", "leapquant-pallas", (2, 4)),
+                      ("gdn-gva", "leapquant", (2, 4)), ("gdn-gva", "leapquant-pallas", (2, 4))})
     for r in runs["runs"]:
         if r["method"] in ("fp32", "fp32-pallas"):
             assert r["to_unsharded"] < 1e-5, r
@@ -111,6 +132,8 @@ def test_every_state_leaf_is_split_by_head_and_batch(runs):
             want = [shape[0] // 2] + ([shape[1] // 4] if len(shape) > 1 else []) + shape[2:]
             assert shard == want, (r["arch"], r["method"], shape, shard)
     assert "a batch of 3 sequences does not split over the mesh's data axis of 2" in runs["batch_error"]
+    gva = next(r for r in runs["runs"] if r["arch"] == "gdn-gva" and "state_shards" in r)
+    assert gva["key_records"] == [8, 4, 4, 16]              # one record per key head, 4 key heads
 
 
 def test_bad_meshes_are_refused_by_name():

@@ -248,6 +248,51 @@ def test_step_refuses_a_state_of_another_shape(name):
         method.step(state, **{k: v[:, 0] for k, v in x.items()}, active=jnp.ones((2,), bool))
 
 
+@pytest.mark.parametrize("name", ["fp32", "int8", "damp", "int8+ef", "leapquant"])
+@pytest.mark.parametrize("key_heads, words", [(3, "key_heads=3 does not divide the 4 value heads"),
+                                               (0, "key_heads must be a positive integer"),
+                                               (True, "key_heads must be a positive integer")])
+def test_init_refuses_key_heads_that_do_not_divide_the_heads(name, key_heads, words):
+    dims = (1, 4, 32, 16) if name == "damp" else (1, 4, 8, 16)
+    with pytest.raises(ValueError, match=words):
+        make_method(name).init(*dims, key_heads=key_heads)
+
+
+def test_shared_key_records_refuse_keys_of_another_head_count():
+    from leapquant_jax import windowed
+    from leapquant_jax.recurrence import delta_rule_token
+    from leapquant_jax.state import LeapQuantConfig
+    from pallas_kernels import api
+
+    method = make_method("leapquant", window=WINDOW, impl="reference")
+    state = jax.eval_shape(lambda: method.init(1, 4, 8, 8, key_heads=2))
+    per_value_head = {k: v[:, 0] for k, v in inputs(4, tokens=1, heads=4).items()}
+    # a key per value head cannot be kept once per key head
+    with pytest.raises(ValueError, match="k has 4 heads but the state keeps key records for 2 key heads"):
+        method.step(state, **per_value_head)
+    odd = dict(per_value_head, q=per_value_head["q"][:, :3], k=per_value_head["k"][:, :3])
+    with pytest.raises(ValueError, match="k has 3 heads"):
+        method.step(state, **odd)
+    # the same below the method: a token whose write vector has the value heads
+    config = LeapQuantConfig(window=WINDOW, impl="reference")
+    token = delta_rule_token(**{k: jnp.asarray(v) for k, v in per_value_head.items()})
+    with pytest.raises(ValueError, match="token.w has 4 key heads but the window buffer stores key records for 2"):
+        windowed.step_reference(config, state, token)
+    # a per-step state keeps no key records: its tokens come per value head
+    fp32 = make_method("fp32")
+    shared_token = delta_rule_token(**{k: jnp.asarray(v[:, :2] if k in ("q", "k") else v)
+                                       for k, v in per_value_head.items()}, key_heads=2)
+    with pytest.raises(ValueError, match=r"token.w \(the key\) must be \[B, Hk, dk\] = \(1, 4, 8\)"):
+        fp32.step_token(fp32.init(1, 4, 8, 8), shared_token)
+    # a buffer whose key heads do not divide the value heads is named where it is read
+    live = method.init(1, 4, 8, 8, key_heads=2)
+    bad = live.replace(buffer=live.buffer.replace(k=jnp.zeros((1, 3, WINDOW, 8), jnp.float16)))
+    with pytest.raises(ValueError, match="the window buffer's k has 3 heads, which does not divide the 4 value heads"):
+        method.to_dense(bad)
+    why = api.unsupported_reason(LeapQuantConfig(window=WINDOW), bad)
+    assert why is not None and "with Hk dividing H" in why and "(1, 3, 4, 8)" in why
+
+
 # A window of 4 and 6 tokens: one flush, then records on top of the new checkpoint.
 WINDOW, TOKENS = 4, 6
 

@@ -173,3 +173,79 @@ def test_config_and_method_errors():
         make_method("int8-w", rank=4)
     with pytest.raises(ValueError, match="state must be"):
         make_method("leapquant").from_dense(jnp.zeros((4, 4)))
+
+
+# ----------------------------------------------------------------------------- GVA: key records per key head
+
+
+def _expanded(x, heads):
+    """The inputs with q and k repeated to the value heads (value head j reads key head j // n)."""
+    return dict(x, q=jnp.repeat(x["q"], heads // x["q"].shape[2], axis=2),
+                k=jnp.repeat(x["k"], heads // x["k"].shape[2], axis=2))
+
+
+@pytest.mark.parametrize("kda, key_heads", [(False, 2), (True, 2), (False, 1)], ids=["gdn", "kda", "gdn-one-key-head"])
+def test_shared_key_records_equal_expanded_keys(kda, key_heads):
+    """Keys stored once per key head give the numbers of keys stored once per value head, bit for
+    bit: ragged window positions, several flushes, 8-bit codes, prefill and decode."""
+    h, p = 4, 8
+    x = random_inputs(21 + kda + key_heads, batch=3, tokens=45, heads=h, dk=16, dv=16, kda=kda, key_heads=key_heads)
+    method = make_method("leapquant", window=p, impl="reference")
+    lengths = jnp.array([0, 3, 11])
+    run = jax.jit(lambda a, ln: method.prefill(**{n: v[:, :11] for n, v in a.items()}, lengths=ln))
+    decode = jax.jit(lambda s, a: method.decode(s, **{n: v[:, 11:] for n, v in a.items()}))
+    outs = {}
+    for name, inputs in (("shared", x), ("expanded", _expanded(x, h))):
+        o_pre, state = run(inputs, lengths)
+        o, state = decode(state, inputs)
+        outs[name] = (o_pre, o, state)
+    (pre_s, o_s, st_s), (pre_e, o_e, st_e) = outs["shared"], outs["expanded"]
+    assert st_s.buffer.k.shape == (3, key_heads, p, 16) and st_e.buffer.k.shape == (3, h, p, 16)
+    assert st_s.key_heads == key_heads and st_s.shape == st_e.shape == (3, h, 16, 16)
+    assert list(np.asarray(st_s.pos)) == [(n + 34) % p for n in (0, 3, 11)]
+    for b, n in enumerate([0, 3, 11]):   # outputs of padding positions are unspecified
+        np.testing.assert_array_equal(pre_s[b, :n], pre_e[b, :n])
+    np.testing.assert_array_equal(o_s, o_e)
+    for a, b in zip(jax.tree_util.tree_leaves(st_s.checkpoint), jax.tree_util.tree_leaves(st_e.checkpoint)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(st_s.buffer.u, st_e.buffer.u)
+    np.testing.assert_array_equal(st_s.buffer.g, st_e.buffer.g)
+    # every value head's copy of a key record is its key head's record
+    np.testing.assert_array_equal(jnp.repeat(st_s.buffer.k, h // key_heads, axis=1), st_e.buffer.k)
+    np.testing.assert_array_equal(method.to_dense(st_s), method.to_dense(st_e))
+    # and the windowed recurrence itself: sequence 2 read every token, close to the dense fp32 state
+    _, s_ref = recurrent_scan(None, **x)
+    assert rel(method.to_dense(st_s)[2], s_ref[2]) < 0.05
+
+
+def test_shared_key_records_step_by_step_from_a_dense_state():
+    # method.step with k per key head, from a rounded dense state, across a flush (window 4)
+    x = random_inputs(31, batch=2, tokens=9, heads=4, dk=16, dv=8, key_heads=2)
+    method = make_method("leapquant", bits=6, window=4, rank=2, impl="reference")
+    dense0 = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 16, 8))
+    shared, expanded = method.from_dense(dense0, key_heads=2), method.from_dense(dense0)
+    step = jax.jit(lambda s, tok: method.step(s, **tok))
+    xe = _expanded(x, 4)
+    for t in range(9):
+        o_s, shared = step(shared, {n: v[:, t] for n, v in x.items()})
+        o_e, expanded = step(expanded, {n: v[:, t] for n, v in xe.items()})
+        np.testing.assert_array_equal(o_s, o_e)
+    assert shared.buffer.k.shape == (2, 2, 4, 16)
+    np.testing.assert_array_equal(method.to_dense(shared), method.to_dense(expanded))
+
+
+def test_buffer_keeps_one_key_record_per_key_head():
+    # the Qwen3.5-9B linear-attention shape: 32 value heads read 16 key heads
+    from leapquant_jax.quantizers import tree_bytes
+
+    method = make_method("leapquant")
+    shared = jax.eval_shape(lambda: method.init(2, 32, 128, 128, key_heads=16))
+    full = jax.eval_shape(lambda: method.init(2, 32, 128, 128))
+    assert shared.buffer.k.shape == (2, 16, 16, 128) and shared.buffer.k.dtype == jnp.float16
+    assert shared.buffer.u.shape == (2, 32, 16, 128) and shared.buffer.g.shape == (2, 32, 16)
+    assert full.buffer.k.shape == (2, 32, 16, 128)
+    assert tree_bytes(shared.checkpoint) == tree_bytes(full.checkpoint) == 2 * 32 * 19456
+    # per value head: 16 fp16 records of k (4,096 B) now count once per key head, so 2,048 B fewer
+    assert tree_bytes(full) - tree_bytes(shared) == 2 * 32 * 2048
+    kda = jax.eval_shape(lambda: method.init(1, 4, 64, 32, per_channel_decay=True, key_heads=1))
+    assert kda.buffer.k.shape == (1, 1, 16, 64) and kda.buffer.g.shape == (1, 4, 16, 64)

@@ -111,14 +111,17 @@ def damp_for_study(config, spec):
     return DampMethod(calibration=cal).for_layer(0)
 
 
-def state_bytes_per_element(method, heads: int, dk: int, dv: int, kda: bool) -> dict[str, float]:
-    """Bytes per state element of ``method``'s own state pytree for ``heads`` heads of ``[dk, dv]``.
+def state_bytes_per_element(method, heads: int, dk: int, dv: int, kda: bool,
+                            key_heads: int | None = None) -> dict[str, float]:
+    """Bytes per state element of ``method``'s own state pytree for ``heads`` heads of ``[dk, dv]``
+    (``key_heads`` key heads with GVA; ``None``: ``heads``).
 
     ``live``: everything a decoding stream holds (for windowed methods the checkpoint, the
-    window buffer and the stream's window position, shared by its heads); ``checkpoint``: the
-    window-boundary checkpoint alone (for per-step methods the state itself).
+    window buffer and the stream's window position, shared by its heads, and key records shared
+    by the value heads of a key head); ``checkpoint``: the window-boundary checkpoint alone (for
+    per-step methods the state itself).
     """
-    shapes = state_shapes(method, heads, dk, dv, kda)
+    shapes = state_shapes(method, heads, dk, dv, kda, key_heads)
     elems = heads * dk * dv
     live = tree_bytes(shapes) / elems
     checkpoint = tree_bytes(shapes.checkpoint) / elems if isinstance(shapes, LeapQuantState) else live

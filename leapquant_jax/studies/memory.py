@@ -13,7 +13,8 @@ from ..quantizers import tree_bytes
 @dataclasses.dataclass(frozen=True)
 class MemoryQuery:
     """dk, dv: head size; bits, rank, window: LeapQuant settings (rank None = default);
-    layers, heads: model size for the totals."""
+    layers, heads: model size for the totals; key_heads: GVA's key heads per layer (``None``:
+    ``heads``), whose key records a live stream keeps once per key head."""
 
     dk: int = 128
     dv: int = 128
@@ -22,6 +23,7 @@ class MemoryQuery:
     window: int = 16
     layers: int = 48
     heads: int = 32
+    key_heads: int | None = None
 
     def __post_init__(self):
         # The other fields are checked where they are used (make_method, method.init).
@@ -29,24 +31,27 @@ class MemoryQuery:
             raise ValueError(f"layers must be a positive integer, got {self.layers!r}")
 
 
-def state_shapes(method, heads: int, dk: int, dv: int, kda: bool):
-    """The shapes and dtypes (``ShapeDtypeStruct`` pytree) of ``method``'s state for one stream of ``heads`` heads."""
-    return jax.eval_shape(lambda: method.init(1, heads, dk, dv, per_channel_decay=kda))
+def state_shapes(method, heads: int, dk: int, dv: int, kda: bool, key_heads: int | None = None):
+    """The shapes and dtypes (``ShapeDtypeStruct`` pytree) of ``method``'s state for one stream of
+    ``heads`` heads (``key_heads`` key heads with GVA)."""
+    return jax.eval_shape(lambda: method.init(1, heads, dk, dv, per_channel_decay=kda, key_heads=key_heads))
 
 
 def measure_memory(query: MemoryQuery) -> dict:
     """Bytes per head and per element for fp32, bf16, a checkpoint and live GDN/KDA streams,
     and totals for ``layers x heads`` heads. A live stream's per-sequence position is shared
-    by its heads, so per-head figures divide it among them."""
+    by its heads, so per-head figures divide it among them, and so are key records shared by
+    the value heads of a key head (``key_heads``)."""
     q = query
     elems = q.dk * q.dv
     lq = make_method("leapquant", bits=q.bits, rank=q.rank, window=q.window)
+    kh = q.key_heads
     per_head = {
         "fp32": tree_bytes(state_shapes(make_method("fp32"), q.heads, q.dk, q.dv, False)) / q.heads,
         "bf16": tree_bytes(state_shapes(make_method("bf16"), q.heads, q.dk, q.dv, False)) / q.heads,
         "checkpoint": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, False).checkpoint) / q.heads,
-        "live_gdn": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, False)) / q.heads,
-        "live_kda": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, True)) / q.heads,
+        "live_gdn": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, False, kh)) / q.heads,
+        "live_kda": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, True, kh)) / q.heads,
     }
     heads_total = q.layers * q.heads
     return {

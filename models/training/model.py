@@ -201,7 +201,8 @@ class TrainingRecurrence:
         """The same recurrence in every layer."""
         return self
 
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False):
+    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *, key_heads=None):
+        """No state: training runs the chunked form from zeros."""
         return None
 
     def prefill(self, *, q: Array, k: Array, v: Array, g: Array, beta: Array,
