@@ -26,6 +26,16 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def tensor_core_precision(precision, interpret: bool):
+    """The dot precision a kernel uses for a caller's ``precision``: ``HIGHEST`` is three TF32
+    passes on the GPU (about fp32 round-off), anything else one; interpret mode computes in fp32."""
+    if interpret:
+        return jax.lax.Precision.HIGHEST
+    if precision == jax.lax.Precision.HIGHEST:
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
@@ -46,4 +56,5 @@ def round_half_even(x: jax.Array) -> jax.Array:
 load = plgpu.load
 store = plgpu.store
 
-__all__ = ["compiler_params", "default_interpret", "is_pow2", "load", "pl", "plgpu", "round_half_even", "store"]
+__all__ = ["compiler_params", "default_interpret", "is_pow2", "load", "pl", "plgpu", "round_half_even", "store",
+           "tensor_core_precision"]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from leapquant_jax.chunked import scan_chunks
 
-from ._compat import compiler_params, default_interpret, is_pow2, pl
+from ._compat import compiler_params, default_interpret, is_pow2, pl, tensor_core_precision
 
 f32 = jnp.float32
 # Value columns per program: 64 gives each program a [dk, 64] state; with few rows x heads
@@ -97,12 +97,7 @@ def chunk_scan(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precisi
     check_chunk_inputs(s0, w, uv, k_end, decay, q_start, p, bv)
     interpret = default_interpret() if interpret is None else interpret
     n, _, c, _ = w.shape
-    if interpret:
-        precision = jax.lax.Precision.HIGHEST
-    elif precision == jax.lax.Precision.HIGHEST:
-        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    else:
-        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+    precision = tensor_core_precision(precision, interpret)
 
     def per_chunk(*tail, values=False):
         last = (bv,) if values else tail[-1:]

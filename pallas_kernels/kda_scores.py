@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from leapquant_jax.chunked import SUB_CHUNK, pair_scores_kda
 
-from ._compat import compiler_params, default_interpret, is_pow2, pl
+from ._compat import compiler_params, default_interpret, is_pow2, pl, tensor_core_precision
 
 f32 = jnp.float32
 DEFAULT_NUM_WARPS = 4
@@ -90,12 +90,7 @@ def kda_pair_scores(q, k, G, *, precision=jax.lax.Precision.HIGHEST, num_warps=D
     check_score_inputs(q, k, G)
     interpret = default_interpret() if interpret is None else interpret
     r, c, dk = k.shape
-    if interpret:
-        precision = jax.lax.Precision.HIGHEST
-    elif precision == jax.lax.Precision.HIGHEST:
-        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    else:
-        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+    precision = tensor_core_precision(precision, interpret)
     tile = pl.BlockSpec((None, c, dk), lambda i: (i, 0, 0))
     return pl.pallas_call(
         functools.partial(_kernel, chunk=c, sub=min(SUB_CHUNK, c), precision=precision),
