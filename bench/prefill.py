@@ -1,10 +1,10 @@
 """Prefill benchmark: tokens/s of the chunkwise-parallel delta rule against FLA's chunk kernels.
 
     python -m bench.prefill [--tokens 4096 16384 65536] [--batches 1 8] [--heads 32] [--dim 128]
-                            [--chunk 64] [--group 64]
+                            [--chunk 64] [--group CHUNKS]
                             [--variants kernel:default serial:default kernel:highest]
                             [--check-tokens 4096] [--serial-tokens 16384] [--breakdown T BATCH]
-                            [--scan-configs 32:4 64:4 64:8 128:8] [--commit HASH]
+                            [--scan-configs 32:4 64:4 64:8 128:8 32:4:2] [--commit HASH]
                             [--out bench/results] [--tiny]
 
 One layer of ``--heads`` heads, ``dk = dv = --dim``, GDN and KDA, fp32 inputs (L2-normalised keys
@@ -31,7 +31,7 @@ comparison). In this order:
    token-serial ``recurrent_scan`` at batch 1, ``--serial-tokens`` tokens.
 5. ``--breakdown T BATCH``: the parts of one case timed alone (pair scores, the triangular
    inverse, all state-independent terms; the serial part as a ``lax.scan`` and as the kernel at
-   each ``--scan-configs`` value block and warp count), if time is left.
+   each ``--scan-configs`` value block, warp count and pipeline depth), if time is left.
 
 A case that does not fit in memory is skipped and marked so (never a crash), and so are the
 timings left when ``--time-budget`` seconds have passed (the default run is meant to end well
@@ -217,13 +217,16 @@ def parse_variant(text: str) -> tuple[str, str]:
     return inter, pname
 
 
-def _scan_config(text: str) -> tuple[int, int]:
-    """``"BLOCK_V:WARPS"`` -> ``(block_v, num_warps)``."""
+def _scan_config(text: str) -> tuple[int, int, int]:
+    """``"BLOCK_V:WARPS[:STAGES]"`` -> ``(block_v, num_warps, num_stages)`` (stages default 1)."""
     try:
-        bv, warps = (int(x) for x in text.split(":"))
+        parts = [int(x) for x in text.split(":")]
+        if len(parts) not in (2, 3):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a scan configuration is BLOCK_V:WARPS (two integers), got {text!r}") from None
-    return bv, warps
+        raise argparse.ArgumentTypeError(
+            f"a scan configuration is BLOCK_V:WARPS or BLOCK_V:WARPS:STAGES (integers), got {text!r}") from None
+    return tuple(parts + [1] * (3 - len(parts)))
 
 
 def variant_label(inter: str, pname: str) -> str:
@@ -362,12 +365,13 @@ def scan_breakdown(args, t, bsz, log) -> list[dict]:
         unit = lambda k, *shape: jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5   # noqa: E731
         terms = (unit(keys[0], r, d, d), unit(keys[1], n, r, c, d), unit(keys[2], n, r, c, d), unit(keys[3], n, r, c, d),
                  jax.random.uniform(keys[4], (n, r, d), jnp.float32, 0.9, 1.0), unit(keys[5], n, r, c, d),
-                 jnp.tril(unit(keys[6], n, r, c, c)))
+                 unit(keys[6], n, r, c, d))
         base = dict(mode="GDN/KDA", tokens=t, batch=b, chunk_heads=n * r)
         fns = {"chunk scan, lax.scan": jax.jit(lambda a: scan_chunks(*a, precision=prec))}
-        for bv, warps in args.scan_configs:
-            fns[f"chunk scan, kernel (block_v {bv}, {warps} warps)"] = jax.jit(
-                lambda a, bv=bv, warps=warps: chunk_scan(*a, precision=prec, block_v=bv, num_warps=warps))
+        for bv, warps, stages in args.scan_configs:
+            fns[f"chunk scan, kernel (block_v {bv}, {warps} warps, {stages} stages)"] = jax.jit(
+                lambda a, bv=bv, warps=warps, stages=stages: chunk_scan(*a, precision=prec, block_v=bv,
+                                                                        num_warps=warps, num_stages=stages))
         for name, fn in fns.items():
             rows.append(_time_part(args, log, fn, terms, part=name, **base))
         del terms
@@ -384,7 +388,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--group", type=int, default=64, help="chunk_delta_rule's group (chunks in parallel at a time)")
+    ap.add_argument("--group", type=int, default=None,
+                    help="chunk_delta_rule's group (chunks in parallel at a time; default: its own choice)")
     ap.add_argument("--variants", nargs="+", type=parse_variant,
                     default=[parse_variant(v) for v in ("kernel:default", "serial:default", "kernel:highest")],
                     help="INTER:PRECISION of ours, each timed on every case (inter: chunk_delta_rule's, "
@@ -401,8 +406,10 @@ def main(argv=None):
                     help="seconds after which the remaining timings are skipped (and marked so)")
     ap.add_argument("--breakdown", type=int, nargs=2, metavar=("T", "BATCH"), default=[16384, 8],
                     help="time chunk_delta_rule's parts alone on this case (T 0: skip)")
-    ap.add_argument("--scan-configs", type=_scan_config, nargs="+", default=[(32, 4), (64, 4), (64, 8), (128, 8)],
-                    metavar="BLOCK_V:WARPS", help="the chunk-scan kernel's configurations timed in the breakdown")
+    ap.add_argument("--scan-configs", type=_scan_config, nargs="+",
+                    default=[(32, 4, 1), (64, 4, 1), (64, 8, 1), (128, 8, 1)], metavar="BLOCK_V:WARPS[:STAGES]",
+                    help="the chunk-scan kernel's configurations timed in the breakdown (stages: Triton's "
+                         "software pipelining of the loop's loads; 1 by default)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke test")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
@@ -415,7 +422,7 @@ def main(argv=None):
         args.tokens, args.batches, args.heads, args.dim = [100, 256], [1, 2], 2, 32
         args.chunk, args.check_tokens, args.serial_tokens, args.breakdown = 16, 130, 256, [64, 2]
         args.repeats, args.min_seconds, args.compile_threads = 2, 0.05, 2
-        args.scan_configs = [(16, 4), (32, 4)]
+        args.scan_configs = [(16, 4, 1), (32, 4, 2)]
 
     def log(x):
         print(json.dumps(x) if isinstance(x, dict) else x, flush=True)
@@ -515,7 +522,7 @@ def markdown(results) -> str:
            f"date {env['date']}; jax {env['jax']}; torch {env.get('torch')}; triton {env.get('triton')}; "
            f"fla-core {env.get('fla')}; commit {env.get('commit')}; command `{env['command']}`", "",
            f"One layer, {cfg['heads']} heads, dk = {cfg['dk']}, dv = {cfg['dv']}, fp32 inputs; ours: chunk "
-           f"{cfg['chunk']}, group {cfg['group']}. Tokens/s = batch x T / time of one "
+           f"{cfg['chunk']}, group {cfg['group'] or 'auto'}. Tokens/s = batch x T / time of one "
            "whole-sequence call (median). FLA's fp32 kernels multiply in TF32 (Triton's default for "
            "fp32 `tl.dot`), as ours does at precision `default`.", ""]
     if results["correctness"]:

@@ -175,3 +175,18 @@ def test_modes_and_time_budget_shape_the_run(tmp_path):
     assert rows and {r["mode"] for r in rows} == {"GDN"}
     assert all(r["error"] == bk.SKIPPED and np.isnan(r["us"]) for r in rows)
     assert (tmp_path / next(p.name for p in tmp_path.glob("kernels-*.md"))).read_text()
+
+
+def test_registers_captures_each_kernels_triton_ir():
+    """``bench.registers`` takes the Triton IR of every ``pallas_call`` out of a CUDA lowering
+    (no GPU, no triton package needed for this part): a flush at ``impl="auto"`` holds the fused
+    flush and the split flush's two kernels (chosen at run time), named as on the GPU, and their
+    IR reads back as MLIR text."""
+    from bench.registers import _text, capture, kernel_calls
+
+    (_, fn, args), = kernel_calls("flush", 8, False, {}, batch=1, heads=2, dim=64, window=8)
+    kernels = capture(fn, *args)
+    assert sorted(k.name for k in kernels) == [f"leapquant_flush_{s}_gdn_int8" for s in ("fused", "quantize",
+                                                                                           "reconstruct")]
+    assert all(k.num_warps >= 1 and k.num_stages >= 1 for k in kernels)
+    assert "tt.func" in _text(kernels[0].bytecode)
