@@ -3,19 +3,41 @@
 Why: with a decay per key channel, ``sum_c x_ic k_jc e^{G_ic - G_jc}`` is not a plain matmul.
 ``leapquant_jax.chunked`` reduces pairs inside a sub-chunk of ``SUB_CHUNK`` tokens elementwise,
 which XLA materialises as ``[C/s, s, s, dk]`` per chunk (half a megabyte at ``C = 64``,
-``dk = 128``) and reads back. Here one program per chunk keeps it in registers:
+``dk = 128``) and reads back. Here one program per chunk writes the ``[C, C]`` scores one column
+block of ``s`` columns (sub-chunk ``b``) at a time, in a loop (not unrolled):
 
-* pairs across sub-chunks, ``i`` in sub-chunk ``a`` and ``j`` before its start ``S_a`` (the
-  cumulative log-decay at the last token of sub-chunk ``a - 1``): one matmul of
-  ``x_i e^{G_i - S_a}`` by ``k_j e^{S_a - G_j}``, both factors ``<= 1``;
-* pairs inside sub-chunk ``a``: one column ``j`` at a time, ``e^{G_i - G_j}`` for ``i >= j``.
+* pairs inside sub-chunk ``b`` (the diagonal ``[s, s]`` block): one column ``j`` at a time,
+  ``e^{G_i - G_j}`` for ``i >= j``, over ``dk`` in ``DIAG_SLICE``-wide tiles;
+* pairs of ``j`` in ``b`` with ``i`` after it: with ``T`` the cumulative log-decay at ``b``'s last
+  token, a ``[C, s]`` product of ``x_i e^{G_i - T}`` by ``k_j e^{T - G_j}``, both factors ``<= 1``,
+  accumulated over ``dk`` in ``KEY_SLICE``-wide steps (operands ``[C, 16]`` and ``[s, 16]``, so no
+  operand tile is held whole); rows up to ``b``'s end have their left factor masked to 0, and the
+  store leaves out the diagonal block, so the rows above it get zeros. The last column block has
+  no later rows: its diagonal block and zeros above it.
 
-Every exponent is masked to ``<= 0`` before ``exp``, so fully decayed channels give zeros, not
-NaN or inf. The products run at the caller's precision (three TF32 passes for ``HIGHEST`` on the
-GPU, one for ``DEFAULT``); the in-sub-chunk sums are fp32. Not differentiable by itself:
+``chunked.pair_scores_kda`` splits the across-sub-chunk pairs at the row's sub-chunk start
+instead of the column's end; both splits are exact, so the two differ by rounding only. Every
+exponent is masked or clamped to ``<= 0`` before ``exp``, so fully decayed channels give zeros,
+not NaN or inf. The products run at the caller's precision (three TF32 passes for ``HIGHEST`` on
+the GPU, one for ``DEFAULT``); the in-sub-chunk sums are fp32. Not differentiable by itself:
 ``leapquant_jax.chunked`` wraps it in a ``jax.custom_jvp`` with the pure-JAX form's derivative.
 
-Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
+Registers (``python -m bench.registers --what scores``: ``ptxas -v`` for sm_90 with the pip
+``triton`` 3.6 compiler, ``C = 64``, ``dk = 128``; registers, spill stores/loads in bytes):
+
+    warps   DEFAULT          HIGHEST
+    2       228, 0/0         236, 0/0
+    4       122, 0/0         123, 0/0
+    8        75, 0/0          80, 0/0
+
+(the previous form, one ``[s, C]`` product per sub-chunk over whole ``[C, dk]`` tiles: 255
+registers at every width, spilling 860/1016 B at 4 warps DEFAULT and 2708/2912 B HIGHEST).
+``DEFAULT_NUM_WARPS = 8`` is chosen from this table (no spills, then fewest registers), not
+from GPU timings: this form has not been timed on the GPU yet. ``DIAG_SLICE = 64`` measured
+73-76 registers at 8 warps against 123-127 with whole ``dk = 128`` tiles (which also spill at 2
+warps); ``KEY_SLICE = 32`` 104-124 with twice the shared memory.
+
+Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200; the previous form).
 """
 
 from __future__ import annotations
@@ -27,43 +49,78 @@ import jax.numpy as jnp
 
 from leapquant_jax.chunked import SUB_CHUNK, pair_scores_kda
 
-from ._compat import compiler_params, default_interpret, is_pow2, pl, tensor_core_precision
+from ._compat import compiler_params, default_interpret, is_pow2, pl, store, tensor_core_precision
 
 f32 = jnp.float32
-DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_WARPS = 8
+KEY_SLICE = 16        # dk columns per step of the across-sub-chunk products (operands [C, 16] and [s, 16])
+DIAG_SLICE = 64       # dk columns per step of the in-sub-chunk column loop (tiles [s, 64])
 
 
 def _kernel(q_ref, k_ref, G_ref, out_ref, *, chunk, sub, precision):
-    # q, k, G: [C, dk]; out: [2, C, C] (k k^T then q k^T, decayed, zero above the diagonal)
-    col = jax.lax.broadcasted_iota(jnp.int32, (sub, chunk), 1)
+    # q, k, G: [C, dk]; out: [2, C, C] (k k^T then q k^T, decayed, zero above the diagonal), written one
+    # column block of s columns at a time: its diagonal [s, s] block, then the other C - s rows.
+    n = chunk // sub
+    dk = k_ref.shape[-1]
+    step, dstep = min(KEY_SLICE, dk), min(DIAG_SLICE, dk)
+    col = jax.lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
     row = jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    for a in range(chunk // sub):
-        lo = a * sub
-        ka, qa, Ga = (r[lo:lo + sub, :] for r in (k_ref, q_ref, G_ref))                     # [s, dk]
-        if a:
-            S = G_ref[lo - 1, :][None, :]                                                   # [1, dk]
-            before = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < lo
-            right = jnp.where(before, k_ref[...] * jnp.exp(jnp.where(before, S - G_ref[...], -jnp.inf)), 0.0)
-            left = jnp.exp(Ga - S)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    zeros = jnp.zeros((sub, sub), f32)
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=f32)
 
-            def cross(x):
-                return jax.lax.dot_general(x * left, right, (((1,), (1,)), ((), ())), precision=precision,
-                                           preferred_element_type=f32)                      # [s, C]
+    def diagonal(lo):
+        # pairs inside the sub-chunk starting at lo, one column jj at a time: e^{G_i - G_j}, i >= j
+        blk = pl.ds(lo, sub)
 
-            acc = (cross(ka), cross(qa))
-        else:
-            acc = (jnp.zeros((sub, chunk), f32), jnp.zeros((sub, chunk), f32))
+        def part(d, acc):
+            cs = pl.ds(pl.multiple_of(d * dstep, dstep), dstep)
+            Gb, kb, qb = G_ref[blk, cs], k_ref[blk, cs], q_ref[blk, cs]                    # [s, dstep]
 
-        def column(jj, acc, ka=ka, qa=qa, Ga=Ga, lo=lo):
-            kj = k_ref[lo + jj, :][None, :]
-            e = jnp.exp(jnp.where(row >= jj, Ga - G_ref[lo + jj, :][None, :], -jnp.inf))   # [s, dk]
-            w = kj * e
-            here = col == lo + jj
-            return tuple(jnp.where(here, jnp.sum(x * w, axis=1, keepdims=True), y) for x, y in zip((ka, qa), acc))
+            def column(jj, acc):
+                e = jnp.exp(jnp.where(row >= jj, Gb - G_ref[lo + jj, cs][None, :], -jnp.inf))
+                w = k_ref[lo + jj, cs][None, :] * e
+                here = col == jj
+                return tuple(jnp.where(here, y + jnp.sum(x * w, axis=1, keepdims=True), y)
+                             for x, y in zip((kb, qb), acc))
 
-        acc_k, acc_q = jax.lax.fori_loop(0, sub, column, acc)
-        out_ref[0, lo:lo + sub, :] = acc_k
-        out_ref[1, lo:lo + sub, :] = acc_q
+            return jax.lax.fori_loop(0, sub, column, acc)
+
+        acc = jax.lax.fori_loop(0, dk // dstep, part, (zeros, zeros))
+        for x in range(2):
+            out_ref[x, blk, blk] = acc[x]
+
+    def column_block(b, carry):
+        lo = pl.multiple_of(b * sub, sub)
+        blk = pl.ds(lo, sub)
+        diagonal(lo)
+        # rows after the block: x_i e^{G_i - T} by k_j e^{T - G_j}, T = G at the block's last token,
+        # both exponents <= 0; rows up to the block's end get zeros (their left factor is masked)
+        end = lo + sub - 1
+        after = rows > end
+
+        def part(d, acc):
+            cs = pl.ds(pl.multiple_of(d * step, step), step)
+            T = G_ref[end, cs][None, :]                                                      # [1, step]
+            left = jnp.where(after, jnp.exp(jnp.minimum(G_ref[:, cs] - T, 0.0)), 0.0)          # [C, step]
+            right = k_ref[blk, cs] * jnp.exp(jnp.minimum(T - G_ref[blk, cs], 0.0))             # [s, step]
+            return tuple(y + dot(r[:, cs] * left, right) for r, y in zip((k_ref, q_ref), acc))
+
+        z = jnp.zeros((chunk, sub), f32)
+        acc = jax.lax.fori_loop(0, dk // step, part, (z, z))                                  # [C, s] each
+        off = (rows < lo) | after                                                             # all but the diagonal block
+        for x in range(2):      # (a traced index: interpret mode cannot discharge a masked store at a Python int)
+            store(out_ref.at[jnp.int32(x), :, blk], acc[x], mask=off)
+        return carry
+
+    jax.lax.fori_loop(0, n - 1, column_block, 0)
+    # the last column block: its diagonal block, zeros above it
+    lo = (n - 1) * sub
+    diagonal(lo)
+    if n > 1:
+        for x in range(2):
+            store(out_ref.at[jnp.int32(x), :, lo:], jnp.zeros((chunk, sub), f32), mask=rows < lo)
 
 
 def check_score_inputs(q, k, G) -> None:

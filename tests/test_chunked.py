@@ -214,3 +214,22 @@ def test_bad_arguments_are_named(change, match):
     x = _inputs(0, batch=2, tokens=8, heads=4, dk=8, dv=8, kda=False)
     with pytest.raises((ValueError, TypeError), match=match):
         chunk_delta_rule(**{**x, **change})
+
+
+@pytest.mark.parametrize("chunk, dk", [(32, 128), (64, 16), (128, 64)])
+def test_kda_pair_scores_kernel_slices(chunk, dk):
+    """The pair-score kernel at the shapes its loops split differently: two sub-chunks with ``dk``
+    in several key and diagonal slices; ``dk`` a single 16-column slice; eight sub-chunks."""
+    test_kda_pair_scores_kernel(chunk, dk)
+
+
+@pytest.mark.parametrize("chunk, dk", [(16, 16), (32, 64)])
+def test_kda_pair_scores_lower_small(chunk, dk):
+    """The pair-score kernel compiles for the GPU with one and two sub-chunks, at both precisions."""
+    from pallas_kernels.kda_scores import kda_pair_scores
+
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    qkg = (jax.ShapeDtypeStruct((3, chunk, dk), jnp.float32),) * 3
+    for precision in (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT):
+        fn = jax.jit(lambda *a, precision=precision: kda_pair_scores(*a, precision=precision, interpret=False))
+        jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled)(*qkg)
