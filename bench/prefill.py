@@ -31,7 +31,8 @@ comparison). In this order:
    token-serial ``recurrent_scan`` at batch 1, ``--serial-tokens`` tokens.
 5. ``--breakdown T BATCH``: the parts of one case timed alone (pair scores, the triangular
    inverse, all state-independent terms; the serial part as a ``lax.scan`` and as the kernel at
-   each ``--scan-configs`` value block, warp count and pipeline depth), if time is left.
+   each ``--scan-configs`` value block, warp count and pipeline depth; the KDA pair-score kernel
+   also at each ``--score-warps``), if time is left.
 
 A case that does not fit in memory is skipped and marked so (never a crash), and so are the
 timings left when ``--time-budget`` seconds have passed (the default run is meant to end well
@@ -329,6 +330,9 @@ def breakdown(args, t, bsz, log) -> list[dict]:
         if kda:
             parts["pair scores, kernel"] = (jax.jit(lambda x: kda_pair_scores(x["q"], x["k"], C.kda_cumulative(x["g"]),
                                                                                precision=prec)), x)
+            for warps in args.score_warps:
+                parts[f"pair scores, kernel ({warps} warps)"] = (jax.jit(lambda x, w=warps: kda_pair_scores(
+                    x["q"], x["k"], C.kda_cumulative(x["g"]), precision=prec, num_warps=w)), x)
             parts["state-independent terms, kernel"] = (jax.jit(lambda x: C._chunk_terms(
                 x["q"], x["k"], x["v"], x["g"], x["beta"], prec, kda_scores=C._kda_scores_kernel)), x)
         for name, (fn, arg) in parts.items():
@@ -365,7 +369,7 @@ def scan_breakdown(args, t, bsz, log) -> list[dict]:
         unit = lambda k, *shape: jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5   # noqa: E731
         terms = (unit(keys[0], r, d, d), unit(keys[1], n, r, c, d), unit(keys[2], n, r, c, d), unit(keys[3], n, r, c, d),
                  jax.random.uniform(keys[4], (n, r, d), jnp.float32, 0.9, 1.0), unit(keys[5], n, r, c, d),
-                 unit(keys[6], n, r, c, d))
+                 jnp.tril(unit(keys[6], n, r, c, c)))
         base = dict(mode="GDN/KDA", tokens=t, batch=b, chunk_heads=n * r)
         fns = {"chunk scan, lax.scan": jax.jit(lambda a: scan_chunks(*a, precision=prec))}
         for bv, warps, stages in args.scan_configs:
@@ -410,6 +414,8 @@ def main(argv=None):
                     default=[(32, 4, 1), (64, 4, 1), (64, 8, 1), (128, 8, 1)], metavar="BLOCK_V:WARPS[:STAGES]",
                     help="the chunk-scan kernel's configurations timed in the breakdown (stages: Triton's "
                          "software pipelining of the loop's loads; 1 by default)")
+    ap.add_argument("--score-warps", type=int, nargs="*", default=[],
+                    help="also time the KDA pair-score kernel at these warp counts in the breakdown")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke test")
     ap.add_argument("--commit", default=None, help="commit hash to record (default: git rev-parse HEAD)")
@@ -422,7 +428,7 @@ def main(argv=None):
         args.tokens, args.batches, args.heads, args.dim = [100, 256], [1, 2], 2, 32
         args.chunk, args.check_tokens, args.serial_tokens, args.breakdown = 16, 130, 256, [64, 2]
         args.repeats, args.min_seconds, args.compile_threads = 2, 0.05, 2
-        args.scan_configs = [(16, 4, 1), (32, 4, 2)]
+        args.scan_configs, args.score_warps = [(16, 4, 1), (32, 4, 2)], [4]
 
     def log(x):
         print(json.dumps(x) if isinstance(x, dict) else x, flush=True)

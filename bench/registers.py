@@ -148,7 +148,7 @@ def kernel_calls(what, bits, kda, opts, *, batch=2, heads=32, dim=128, window=16
     if what == "chunk":
         from pallas_kernels.chunk_scan import chunk_scan
         shapes = dict(s0=(heads, dim, dim), w=(n, heads, c, dim), uv=(n, heads, c, dim), k_end=(n, heads, c, dim),
-                      decay=(n, heads, dim), q_net=(n, heads, c, dim), o_intra=(n, heads, c, dim))
+                      decay=(n, heads, dim), q_start=(n, heads, c, dim), p=(n, heads, c, c))
         args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes.values()]
         return [("chunk", functools.partial(chunk_scan, interpret=False, **opts), tuple(args))]
     if what == "scores":

@@ -18,12 +18,9 @@ all computed with matmuls for every chunk at once. The chunk's final state is
 ``S_C = Diag(e^{G_C}) S0 + Khat^T U`` (``Khat_j = e^{G_C - G_j} * k_j``), an affine map of its initial one, ``S_C = M S0 + D`` with ``M = Diag(e^{G_C}) - Khat^T W`` and
 ``D = Khat^T Uv``. The outputs
 ``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again.
-With ``P`` those pair terms (``P_ij = k_j^T (e^{G_i - G_j} * q_i)``, ``j <= i``), the outputs
-fold into ``o = Qnet S0 + O_intra`` with ``Qnet = Qtil - P W`` (``Qtil_i = e^{G_i} * q_i``) and
-``O_intra = P Uv`` (the chunk's outputs from a zero state), both state-independent, so the
-serial part never waits on ``U`` for the outputs. Crossing chunks is the only serial part, in
-one of three forms (``inter``): a ``lax.scan`` with three small matmuls per chunk
-(``U = Uv - W S0``, the outputs, then the state: ``scan_chunks``); the same loop in one Pallas kernel that keeps the state in registers
+Crossing chunks is the only serial part, in one of three forms (``inter``): a ``lax.scan``
+with four small matmuls per chunk (``U = Uv - W S0``, the outputs, then the state:
+``scan_chunks``); the same loop in one Pallas kernel that keeps the state in registers
 (``pallas_kernels.chunk_scan``, the default on a GPU); or a parallel prefix
 (``lax.associative_scan``) over the maps ``(M, D)``, log-depth in the number of chunks. Long
 sequences run ``group`` chunks at a time (bounded memory).
@@ -169,12 +166,11 @@ def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision,
 
     q, k ``[..., C, dk]``; v ``[..., C, dv]``; g ``[..., C]`` (GDN) or ``[..., C, dk]`` (KDA);
     beta ``[..., C]``; kda_scores: computes ``pair_scores_kda`` (KDA; ``None``: that function).
-    Returns ``(w, uv, k_end, decay, q_net, o_intra)``: the corrections
+    Returns ``(w, uv, k_end, decay, q_start, p)``: the corrections
     ``U = uv - w S0`` (``w [..., C, dk]``, ``uv [..., C, dv]``), the final state
     ``S_C = Diag(decay) S0 + k_end^T U`` (``k_end_j = e^{G_C - G_j} * k_j`` ``[..., C, dk]``,
-    ``decay = e^{G_C}`` ``[..., dk]``) and the outputs ``o = q_net S0 + o_intra``
-    (``q_net = e^G q - p w`` ``[..., C, dk]``, ``o_intra = p uv`` ``[..., C, dv]``, with ``p``
-    the decayed ``q k^T`` pair terms).
+    ``decay = e^{G_C}`` ``[..., dk]``) and the outputs ``o = q_start S0 + p U``
+    (``q_start [..., C, dk]``, ``p [..., C, C]``).
     """
     c, dk = k.shape[-2:]
     if g.ndim == k.ndim:
@@ -192,8 +188,7 @@ def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision,
     uv = jnp.matmul(t, beta[..., None] * v, precision=precision)
     k_end = k * jnp.exp(G_end - G)
     decay = jnp.broadcast_to(jnp.exp(G_end[..., 0, :]), k.shape[:-2] + (dk,))
-    q_net = q * jnp.exp(G) - jnp.matmul(p, w, precision=precision)
-    return w, uv, k_end, decay, q_net, jnp.matmul(p, uv, precision=precision)
+    return w, uv, k_end, decay, q * jnp.exp(G), p
 
 
 def _affine_maps(w: Array, uv: Array, k_end: Array, decay: Array, precision) -> tuple[Array, Array]:
@@ -206,29 +201,29 @@ def _affine_maps(w: Array, uv: Array, k_end: Array, decay: Array, precision) -> 
     return trans, drive
 
 
-def scan_chunks(state: Array, w, uv, k_end, decay, q_net, o_intra, *, precision=HI) -> tuple[Array, Array]:
-    """The chunks' serial part, chunk after chunk: ``o_n = q_net_n S_n + o_intra_n``,
-    ``U_n = uv_n - w_n S_n``, ``S_{n+1} = Diag(decay_n) S_n + k_end_n^T U_n``.
+def scan_chunks(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI) -> tuple[Array, Array]:
+    """The chunks' serial part, chunk after chunk: ``U_n = uv_n - w_n S_n``,
+    ``o_n = q_n S_n + p_n U_n``, ``S_{n+1} = Diag(decay_n) S_n + k_end_n^T U_n``.
 
-    state ``[..., dk, dv]``; per chunk (chunks first): w, k_end, q_net ``[N, ..., C, dk]``,
-    uv, o_intra ``[N, ..., C, dv]``, decay ``[N, ..., dk]``. Returns
-    ``(o [N, ..., C, dv], S_N [..., dk, dv])``. Three matmuls of ``C x dk x dv`` per chunk,
+    state ``[..., dk, dv]``; per chunk (chunks first): w, k_end, q_start ``[N, ..., C, dk]``,
+    uv ``[N, ..., C, dv]``, decay ``[N, ..., dk]``, p ``[N, ..., C, C]``. Returns
+    ``(o [N, ..., C, dv], S_N [..., dk, dv])``. Four matmuls of at most ``C x dk x dv`` per chunk,
     and nothing of size ``dk x dk`` is ever formed: the form with the least memory traffic when
     many heads and rows share each step. ``pallas_kernels.chunk_scan`` runs the same loop in one
     kernel.
     """
     def step(s, xs):
-        w_n, uv_n, k_n, d_n, q_n, oi_n = xs
-        o = jnp.matmul(q_n, s, precision=precision) + oi_n
+        w_n, uv_n, k_n, d_n, q_n, p_n = xs
         u = uv_n - jnp.matmul(w_n, s, precision=precision)
+        o = jnp.matmul(q_n, s, precision=precision) + jnp.matmul(p_n, u, precision=precision)
         s_next = d_n[..., :, None] * s + jnp.einsum("...ck,...cv->...kv", k_n, u, precision=precision)
         return s_next, o
 
-    state, o = jax.lax.scan(step, state, (w, uv, k_end, decay, q_net, o_intra), unroll=min(2, w.shape[0]))
+    state, o = jax.lax.scan(step, state, (w, uv, k_end, decay, q_start, p), unroll=min(2, w.shape[0]))
     return o, state
 
 
-def _scan_associative(state: Array, w, uv, k_end, decay, q_net, o_intra, *, precision=HI):
+def _scan_associative(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI):
     """``scan_chunks``'s contract by a parallel prefix over the chunks' affine maps
     ``S -> trans S + drive`` (``jax.lax.associative_scan``): log-depth instead of one dependent
     step per chunk, at the cost of ``dk x dk`` products. The form for few heads and rows (a
@@ -242,7 +237,9 @@ def _scan_associative(state: Array, w, uv, k_end, decay, q_net, o_intra, *, prec
     a, b = jax.lax.associative_scan(compose, (trans, drive), axis=0)
     ends = jnp.matmul(a, state, precision=precision) + b                      # state after each chunk
     starts = jnp.concatenate([state[None], ends[:-1]], axis=0)
-    return jnp.matmul(q_net, starts, precision=precision) + o_intra, ends[-1]
+    u = uv - jnp.matmul(w, starts, precision=precision)
+    o = jnp.matmul(q_start, starts, precision=precision) + jnp.matmul(p, u, precision=precision)
+    return o, ends[-1]
 
 
 def _kernel_reason(dk: int, dv: int, chunk: int) -> Optional[str]:
@@ -268,8 +265,8 @@ def _scan_kernel(precision):
         return o.reshape((n,) + lead + o.shape[2:]), s.reshape(state.shape)
 
     @jax.custom_jvp
-    def run(state, w, uv, k_end, decay, q_net, o_intra):
-        return flat(state, w, uv, k_end, decay, q_net, o_intra)
+    def run(state, w, uv, k_end, decay, q_start, p):
+        return flat(state, w, uv, k_end, decay, q_start, p)
 
     @run.defjvp
     def _jvp(primals, tangents):
@@ -413,8 +410,8 @@ def chunk_delta_rule(
         lead = xs[0].shape[:3]                                                             # [Npg, B, H]
         flat = tuple(x.reshape((-1,) + x.shape[3:]) for x in xs)
         terms = _chunk_terms(*flat, precision, kda_scores=_kda_scores_kernel if inter == "kernel" else None)
-        w, uv, k_end, decay, q_net, o_intra = (x.reshape(lead + x.shape[1:]) for x in terms)
-        o, state = scan_of(state, w, uv, k_end, decay, q_net, o_intra)                      # o [Npg, B, H, C, dv]
+        w, uv, k_end, decay, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
+        o, state = scan_of(state, w, uv, k_end, decay, q_start, p)                          # o [Npg, B, H, C, dv]
         return state, o
 
     state, o = jax.lax.scan(run_group, initial_state.astype(f32), xs)

@@ -3,10 +3,9 @@
 Why: in ``leapquant_jax.chunked`` everything about a chunk that does not depend on its initial
 state is computed for all chunks at once with matmuls; what is left is serial in the chunks,
 
-    o_n = q_n S_n + oi_n,   U_n = uv_n - w_n S_n,   S_{n+1} = Diag(decay_n) S_n + k_n^T U_n,
+    U_n = uv_n - w_n S_n,   o_n = q_n S_n + p_n U_n,   S_{n+1} = Diag(decay_n) S_n + k_n^T U_n,
 
-three small matmuls per chunk (``q_n`` and ``oi_n`` carry the chunk's own pairs already, so the
-outputs do not wait on ``U_n``). As a ``lax.scan`` every chunk costs several kernel launches and
+four small matmuls per chunk. As a ``lax.scan`` every chunk costs several kernel launches and
 writes its start state ``S_n`` to device memory (and reads it back for ``o``); a single long
 prompt has too few heads to hide that. Here one program per (row, value block ``BV``) keeps
 ``S [dk, BV]`` in registers for the whole loop over the chunks, and writes only ``o`` and the
@@ -45,21 +44,21 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 1
 
 
-def _kernel(s0_ref, w_ref, uv_ref, k_ref, decay_ref, q_ref, oi_ref, o_ref, s_out_ref, *, chunks, precision):
-    # per program: s0 [dk, BV]; w, k, q [N, C, dk]; uv, oi [N, C, BV]; decay [N, dk];
+def _kernel(s0_ref, w_ref, uv_ref, k_ref, decay_ref, q_ref, p_ref, o_ref, s_out_ref, *, chunks, precision):
+    # per program: s0 [dk, BV]; w, k, q [N, C, dk]; uv [N, C, BV]; decay [N, dk]; p [N, C, C];
     # o [N, C, BV]; s_out [dk, BV]
     def dot(a, b, contract=((1,), (0,))):
         return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=f32)
 
     def chunk(n, s):
-        o_ref[n] = dot(q_ref[n], s) + oi_ref[n]
         u = uv_ref[n] - dot(w_ref[n], s)                                          # [C, BV]
+        o_ref[n] = dot(q_ref[n], s) + dot(p_ref[n], u)
         return decay_ref[n][:, None] * s + dot(k_ref[n], u, ((0,), (0,)))         # k^T u: [dk, BV]
 
     s_out_ref[...] = jax.lax.fori_loop(0, chunks, chunk, s0_ref[...])
 
 
-def check_chunk_inputs(s0, w, uv, k_end, decay, q_net, o_intra, block_v: int) -> None:
+def check_chunk_inputs(s0, w, uv, k_end, decay, q_start, p, block_v: int) -> None:
     """Raises ``ValueError`` naming the first input whose shape the kernel cannot take."""
     if s0.ndim != 3:
         raise ValueError(f"s0 must be [R, dk, dv], got shape {s0.shape}")
@@ -68,8 +67,8 @@ def check_chunk_inputs(s0, w, uv, k_end, decay, q_net, o_intra, block_v: int) ->
         raise ValueError(f"w must be [N, R, C, dk], got shape {w.shape}")
     n, _, c, _ = w.shape
     for name, x, shape in (("w", w, (n, rows, c, dk)), ("uv", uv, (n, rows, c, dv)), ("k_end", k_end, (n, rows, c, dk)),
-                           ("decay", decay, (n, rows, dk)), ("q_net", q_net, (n, rows, c, dk)),
-                           ("o_intra", o_intra, (n, rows, c, dv))):
+                           ("decay", decay, (n, rows, dk)), ("q_start", q_start, (n, rows, c, dk)),
+                           ("p", p, (n, rows, c, c))):
         if x.shape != shape:
             raise ValueError(f"{name} must be {shape} to match s0 {s0.shape} and w {w.shape}, got {x.shape}")
     for name, size in (("dk", dk), ("dv", dv), ("chunk", c)):
@@ -86,18 +85,19 @@ def default_block_v(rows: int, dv: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("precision", "block_v", "num_warps", "num_stages", "interpret"))
-def chunk_scan(s0, w, uv, k_end, decay, q_net, o_intra, *, precision=jax.lax.Precision.HIGHEST, block_v=None,
+def chunk_scan(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precision.HIGHEST, block_v=None,
                num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, interpret=None):
     """The chunks' serial recurrence and outputs on the kernel.
 
-    s0 ``[R, dk, dv]`` (``R`` rows x heads); per chunk ``n`` of ``N``: w, k_end, q_net
-    ``[N, R, C, dk]``, uv, o_intra ``[N, R, C, dv]``, decay ``[N, R, dk]`` (the chunk terms of
-    ``leapquant_jax.chunked``). Returns ``(o [N, R, C, dv], S_N [R, dk, dv])``, all fp32.
-    ``num_stages > 1`` lets Triton load the next chunks' tiles while the current one computes.
+    s0 ``[R, dk, dv]`` (``R`` rows x heads); per chunk ``n`` of ``N``: w, k_end, q_start
+    ``[N, R, C, dk]``, uv ``[N, R, C, dv]``, decay ``[N, R, dk]``, p ``[N, R, C, C]`` (the
+    chunk terms of ``leapquant_jax.chunked``). Returns ``(o [N, R, C, dv], S_N [R, dk, dv])``, all fp32.
+    ``num_stages > 1`` lets Triton load the next chunks' tiles while the current one computes
+    (shared memory permitting).
     """
     rows, dk, dv = s0.shape
     bv = default_block_v(rows, dv) if block_v is None else block_v
-    check_chunk_inputs(s0, w, uv, k_end, decay, q_net, o_intra, bv)
+    check_chunk_inputs(s0, w, uv, k_end, decay, q_start, p, bv)
     interpret = default_interpret() if interpret is None else interpret
     n, _, c, _ = w.shape
     precision = tensor_core_precision(precision, interpret)
@@ -112,20 +112,20 @@ def chunk_scan(s0, w, uv, k_end, decay, q_net, o_intra, *, precision=jax.lax.Pre
         functools.partial(_kernel, chunks=n, precision=precision),
         grid=(rows, dv // bv),
         in_specs=[state, per_chunk(c, dk), per_chunk(c, dv, values=True), per_chunk(c, dk), per_chunk(dk),
-                  per_chunk(c, dk), per_chunk(c, dv, values=True)],
+                  per_chunk(c, dk), per_chunk(c, c)],
         out_specs=[per_chunk(c, dv, values=True), state],
         out_shape=[jax.ShapeDtypeStruct((n, rows, c, dv), f32), jax.ShapeDtypeStruct((rows, dk, dv), f32)],
         compiler_params=compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="chunk_scan",
-    )(*(x.astype(f32) for x in (s0, w, uv, k_end, decay, q_net, o_intra)))
+    )(*(x.astype(f32) for x in (s0, w, uv, k_end, decay, q_start, p)))
     return o, s_final
 
 
-def chunk_scan_reference(s0, w, uv, k_end, decay, q_net, o_intra, *, precision=jax.lax.Precision.HIGHEST, **_unused):
+def chunk_scan_reference(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precision.HIGHEST, **_unused):
     """``chunk_scan``'s contract in pure JAX (``chunked.scan_chunks``, a ``lax.scan`` over the
     chunks): ``(o [N, R, C, dv], S_N [R, dk, dv])``."""
-    return scan_chunks(s0, w, uv, k_end, decay, q_net, o_intra, precision=precision)
+    return scan_chunks(s0, w, uv, k_end, decay, q_start, p, precision=precision)
 
 
 __all__ = ["DEFAULT_BLOCK_V", "check_chunk_inputs", "chunk_scan", "chunk_scan_reference", "default_block_v"]

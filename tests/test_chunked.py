@@ -156,7 +156,7 @@ def test_chunk_kernels_lower_to_triton():
     f = jax.ShapeDtypeStruct
     args = (f((r, dk, dv), jnp.float32), f((n, r, c, dk), jnp.float32), f((n, r, c, dv), jnp.float32),
             f((n, r, c, dk), jnp.float32), f((n, r, dk), jnp.float32), f((n, r, c, dk), jnp.float32),
-            f((n, r, c, dv), jnp.float32))
+            f((n, r, c, c), jnp.float32))
     qkg = (f((5, c, dk), jnp.float32),) * 3
     for precision in (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT):
         fn = jax.jit(lambda *a, precision=precision: chunk_scan(*a, precision=precision, interpret=False))
