@@ -60,9 +60,10 @@ LOG_DECAY_FLOOR = -104.0
 SUB_CHUNK = 16
 
 # ``chunk_delta_rule(group=None)``: chunks x rows (batch x heads) whose intra-chunk terms are
-# formed at once; 64 chunks of a batch of 8 x 32 heads (about 2.4 GB of fp32 terms at 128 x 128
-# heads). A single long prompt gets more chunks per group, so its launches stay as large.
-GROUP_CHUNK_ROWS = 16384
+# formed at once; 128 chunks of a batch of 8 x 32 heads (about 5 GB of fp32 terms at 128 x 128
+# heads), all 1,024 chunks of a 64K-token prompt of 32 heads (one group: 23.3 ms against 26.3 ms
+# in two groups for KDA on the H200, bench/results/prefill-20261201-045714).
+GROUP_CHUNK_ROWS = 32768
 
 # How the state crosses chunks (``chunk_delta_rule(inter=...)``).
 INTER_CHUNK = ("auto", "serial", "associative", "kernel")
