@@ -1,7 +1,8 @@
 """Kernel helpers the decode step and the window flush share: the packed residual codes' planar
 layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``), the window's
 log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on the tensor cores (``DIGIT_BITS``,
-``digit_split``, ``digit_read``, ``digit_read_t``). Used inside Pallas kernel bodies only."""
+``digit_split``, ``digit_read``, ``digit_read_t``); the stream flush's ``load_code_part`` (one code part) and ``load_rows`` (a
+zero-padded tile of a ref's rows). Used inside Pallas kernel bodies only."""
 
 from __future__ import annotations
 
@@ -44,6 +45,29 @@ def unpack_codes(planes, bits: int, dtype=f32):
     planes = [x.astype(jnp.int32) for x in planes]
     top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
     return [((q & 63) - 32).astype(dtype) for q in planes] + [(top - 32).astype(dtype)]
+
+
+def load_code_part(codes_ref, bits: int, dk: int, i: int, start=0, rows: int | None = None, cols=None, dtype=f32):
+    """Signed codes ``[rows, width]`` of code part ``i`` alone (``load_code_parts(...)[i]``), key
+    rows ``i * dk / parts + start + [0, rows)``, value columns ``cols = (start, width)`` (static;
+    all by default). Only the byte planes that part needs are loaded: plane ``i`` at 6 bits (all
+    three for part 3, whose two bits sit in each), the one plane at 8 and 4 bits, so a kernel
+    walking the parts one at a time keeps one part's codes live instead of all of them."""
+    n = dk // num_parts(bits)
+    rows = n if rows is None else rows
+    cs = slice(None) if cols is None else pl.ds(*cols)
+
+    def plane(k):
+        return codes_ref[pl.ds(k * n + start, rows), cs].astype(jnp.int32)
+
+    if bits == 8:
+        return codes_ref[pl.ds(start, rows), cs].astype(dtype)
+    if bits == 4:
+        return (((plane(0) >> (4 * i)) & 15) - 8).astype(dtype)
+    if i < 3:
+        return ((plane(i) & 63) - 32).astype(dtype)
+    top = [(plane(k) >> 6) & 3 for k in range(3)]
+    return ((top[0] | (top[1] << 2) | (top[2] << 4)) - 32).astype(dtype)
 
 
 def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None, dtype=f32):
@@ -98,6 +122,19 @@ def int8_digits(x, inv):
     return out + [xi]
 
 
+def digit_scales(parts):
+    """The fixed-point scale of ``digit_split`` for rows of ``x`` given as parts ``[R, n_i]``:
+    ``(inv [R, 1], back [R])``, ``inv = 2**DIGIT_BITS / max|row|`` (the max floored at
+    ``DIGIT_SCALE_FLOOR``) and ``back = 1 / inv``. A kernel that splits the parts one at a time
+    (``int8_digits(x, inv)``, converted to int8) takes the scale from here."""
+    m = None
+    for x in parts:
+        mx = jnp.max(jnp.abs(x), axis=1)
+        m = mx if m is None else jnp.maximum(m, mx)
+    m = jnp.maximum(m, DIGIT_SCALE_FLOOR)
+    return ((2.0 ** DIGIT_BITS) / m)[:, None], m * (2.0 ** -DIGIT_BITS)
+
+
 def digit_split(parts):
     """Rows of ``x`` (given as key-row parts ``[R, n_i]``) as three balanced int8 digit tiles each.
 
@@ -107,17 +144,14 @@ def digit_split(parts):
     ``2**-23 max|row|`` per element. Returns ``(digits, back)``: ``digits[i]`` the three int8
     tiles of part ``i``, ``back [R]`` the factor that undoes the scale.
     """
-    m = None
-    for x in parts:
-        mx = jnp.max(jnp.abs(x), axis=1)
-        m = mx if m is None else jnp.maximum(m, mx)
-    m = jnp.maximum(m, DIGIT_SCALE_FLOOR)
-    inv = ((2.0 ** DIGIT_BITS) / m)[:, None]
+    inv, back = digit_scales(parts)
     out = [[d.astype(jnp.int8) for d in int8_digits(x, inv)] for x in parts]
-    return out, m * (2.0 ** -DIGIT_BITS)
+    return out, back
 
 
-def _undigit(accs, back):
+def undigit(accs, back):
+    """The three int32 digit sums ``accs`` (``[R, C]`` each) recombined in fp32 and scaled back by
+    ``back [R]`` (``digit_scales``)."""
     return ((accs[2].astype(f32) * 65536.0 + accs[1].astype(f32) * 256.0) + accs[0].astype(f32)) * back[:, None]
 
 
@@ -133,7 +167,7 @@ def digit_read(x_parts, code_parts):
         for k in range(DIGITS):
             a = jax.lax.dot(ds[k], codes, preferred_element_type=jnp.int32)
             accs[k] = a if accs[k] is None else accs[k] + a
-    return _undigit(accs, back)
+    return undigit(accs, back)
 
 
 def digit_read_t(x, code_parts):
@@ -143,8 +177,29 @@ def digit_read_t(x, code_parts):
     """
     (ds,), back = digit_split([x])
     dims = (((1,), (1,)), ((), ()))
-    return [_undigit([jax.lax.dot_general(d, codes, dims, preferred_element_type=jnp.int32) for d in ds], back)
+    return [undigit([jax.lax.dot_general(d, codes, dims, preferred_element_type=jnp.int32) for d in ds], back)
             for codes in code_parts]
+
+
+def load_rows(ref, n_rows: int, cols=None, live=None):
+    """Rows of ``ref`` (``[R, C]``, or ``[R]``) as one tile ``[n_rows, width]`` (or ``[n_rows]``):
+    row ``j`` of the tile is row ``j`` of the ref where ``j < R`` and ``live[j]`` (``[n_rows]``
+    bool, or None), zero elsewhere; ``cols = (start, width)`` picks columns (static ints).
+
+    Why: a dot operand needs at least 16 rows, and a ref may hold fewer (``r`` factor rows, a
+    short window). One masked load with clamped row indices (a gather of whole rows, contiguous
+    along the columns) builds the zero-padded tile; no row is read from past the ref.
+    """
+    r = ref.shape[0]
+    rows = jnp.arange(n_rows)
+    keep = rows < r if live is None else (rows < r) & live
+    idx = jnp.minimum(rows, r - 1)
+    if len(ref.shape) == 1:
+        return load(ref.at[pl.ds(0, n_rows)] if r == n_rows else ref.at[idx], mask=keep, other=0)
+    start, width = (0, ref.shape[1]) if cols is None else cols
+    if r == n_rows:
+        return load(ref.at[:, pl.ds(start, width)], mask=keep[:, None], other=0)
+    return load(ref.at[idx[:, None], (start + jnp.arange(width))[None, :]], mask=keep[:, None], other=0)
 
 
 def tile_rows(x, k: int):
@@ -166,6 +221,6 @@ def tile_from_rows(rows, n_rows: int, width: int):
     return out
 
 
-__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "digit_read", "digit_read_t", "digit_split",
-           "int8_digits", "load_code_parts", "num_parts", "tile_from_rows", "tile_rows", "unpack_codes", "window_decay_part",
-           "window_decays"]
+__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "digit_read", "digit_read_t", "digit_scales", "digit_split",
+           "int8_digits", "load_code_part", "load_code_parts", "load_rows", "num_parts", "tile_from_rows", "tile_rows",
+           "undigit", "unpack_codes", "window_decay_part", "window_decays"]

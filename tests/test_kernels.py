@@ -413,6 +413,23 @@ def test_stream_flush_rejects_bad_chunks():
             flush_stream(config, st, only_full=False, chunk=chunk, interpret=INTERPRET)
 
 
+@pytest.mark.parametrize("bits, kda", [(8, True), (4, False), (6, False)])
+def test_stream_flush_small_chunks(bits, kda):
+    # chunk 16 at dk 64: several pieces per code part (the rolled loops over key-row chunks, up to
+    # four at 8 bits), and a window of 16 records, a dot operand's full 16 rows with no padding
+    config = LeapQuantConfig(bits=bits, window=16)
+    st, _ = live_state(config, jax.random.PRNGKey(12 + bits + kda), 2, 1, 64, 64, kda, pos=[16, 7])
+    ref = leapquant_flush_reference(config, st)
+    ker = flush_stream(config, copy(st), only_full=False, chunk=16, interpret=INTERPRET)
+    fmt = config.format
+    z_k, z_r = (np.asarray(fmt.integer_values(c.checkpoint.residual)) for c in (ker, ref))
+    assert np.abs(z_k - z_r).max() <= 1 and np.mean(z_k != z_r) < 0.01
+    dense = windowed.reconstruct_reference(config, st)
+    d_k, d_r = (windowed.decode_checkpoint(config, c.checkpoint) for c in (ker, ref))
+    assert np.all(np.isfinite(d_k))
+    assert rel(d_k, dense) <= 1.05 * rel(d_r, dense) + 1e-6
+
+
 # ----------------------------------------------------------------------------- through the method
 
 

@@ -1,0 +1,75 @@
+"""Flush variants alone: µs per flush at batch 512 (one layer, 32 heads, 128 x 128, window 16,
+every window full), after single-op checks of the stream flush against the reference.
+
+    python -m bench.flush_time --out DIR [--bits 8] [--modes gdn kda] [--check-bits 8]
+                               [--variants '[{"impl": "split"}, {"impl": "stream", "num_warps": 4}]']
+
+A short device call next to ``bench.kernels`` (which times the flush inside whole windows):
+each variant is compiled, then timed with ``bench.kernels.time_loop`` (host clock, median).
+Rows go to ``DIR/flush_time.jsonl`` and the console.
+"""
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.kernels import check_single_ops, random_state, time_loop
+from leapquant_jax import windowed
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels.leapquant_flush import leapquant_flush
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bits", type=int, nargs="+", default=[8])
+    ap.add_argument("--modes", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
+    ap.add_argument("--variants", default='[{"impl": "split"}, {"impl": "stream", "num_warps": 4}, '
+                                          '{"impl": "stream", "num_warps": 8}]',
+                    help="JSON list of leapquant_flush keyword options, one per variant")
+    ap.add_argument("--check-bits", type=int, nargs="*", default=[8])
+    ap.add_argument("--batch", type=int, default=512)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    rows = open(os.path.join(args.out, "flush_time.jsonl"), "a")
+
+    def log(x):
+        print(json.dumps(x) if isinstance(x, dict) else x, flush=True)
+        if isinstance(x, dict):
+            rows.write(json.dumps(x) + "\n")
+            rows.flush()
+
+    log(dict(devices=str(jax.devices()), jax=jax.__version__))
+    if args.check_bits:
+        t0 = time.time()
+        check_single_ops(log, tuple(args.check_bits), tuple(m == "kda" for m in args.modes), flush_impls=("stream",))
+        log(dict(check_seconds=time.time() - t0))
+    for bits in args.bits:
+        config = LeapQuantConfig(bits=bits, window=16, impl="pallas")
+        for mode in args.modes:
+            full = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), args.batch, 32, 128, 128),
+                                       per_channel_decay=mode == "kda")
+            full = full.replace(pos=jnp.full_like(full.pos, 16))
+            for v in json.loads(args.variants):
+                log(time_variant(config, full, v, bits=bits, mode=mode))
+            full = None
+    rows.close()
+
+
+def time_variant(config, full, options, **row):
+    """``row`` with ``us`` per flush of ``full`` (every window full) and the compile seconds, or the error."""
+    fn = jax.jit(lambda s: leapquant_flush(config, s, only_full=True, **options))
+    try:
+        t0 = time.time()
+        jax.block_until_ready(fn(full))
+        compile_s = time.time() - t0
+        return dict(row, variant=options, us=time_loop(lambda _: fn(full), None), compile_s=compile_s)
+    except Exception as err:
+        return dict(row, variant=options, error=f"{type(err).__name__}: {str(err)[:300]}")
+
+
+if __name__ == "__main__":
+    main()
