@@ -420,5 +420,5 @@ def chunk_delta_rule(
     return o[:, :t], state
 
 
-__all__ = ["GROUP_CHUNK_ROWS", "INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "kda_cumulative", "pair_scores_kda",
-           "scan_chunks", "unit_lower_inverse"]
+__all__ = ["GROUP_CHUNK_ROWS", "INTER_CHUNK", "LOG_DECAY_FLOOR", "SUB_CHUNK", "chunk_delta_rule", "kda_cumulative",
+           "pair_scores_kda", "scan_chunks", "unit_lower_inverse"]

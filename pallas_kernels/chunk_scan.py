@@ -92,8 +92,9 @@ def chunk_scan(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precisi
     s0 ``[R, dk, dv]`` (``R`` rows x heads); per chunk ``n`` of ``N``: w, k_end, q_start
     ``[N, R, C, dk]``, uv ``[N, R, C, dv]``, decay ``[N, R, dk]``, p ``[N, R, C, C]`` (the
     chunk terms of ``leapquant_jax.chunked``). Returns ``(o [N, R, C, dv], S_N [R, dk, dv])``, all fp32.
-    ``num_stages > 1`` lets Triton load the next chunks' tiles while the current one computes
-    (shared memory permitting).
+    ``num_stages > 1`` lets Triton load the next chunks' tiles while the current one computes,
+    shared memory permitting: at ``dk = dv = 128`` two stages need 245 KB (``block_v`` 16) to
+    262 KB (32), more than an H200 SM has (``python -m bench.registers --what chunk``).
     """
     rows, dk, dv = s0.shape
     bv = default_block_v(rows, dv) if block_v is None else block_v
