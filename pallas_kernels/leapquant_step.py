@@ -94,7 +94,8 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, load, pl
-from .shared import DIGIT_BITS, DIGIT_SCALE_FLOOR, DIGITS, code_planes, int8_digits, num_parts, unpack_codes, window_decays
+from .shared import (DIGIT_BITS, DIGIT_SCALE_FLOOR, DIGITS, code_planes, combine_digits, int8_digits, num_parts, unpack_codes,
+                     window_decays)
 from .support import unsupported_reason
 
 f32 = jnp.float32
@@ -132,8 +133,7 @@ def digit_rows(vectors, invs, n):
 def undigit(acc, v):
     """Vector ``v``'s ``x^T Z`` from the int32 dot result ``acc [DOT_ROWS, BV]`` (before ``1 / inv``)."""
     rows = jnp.arange(DOT_ROWS)[:, None]
-    parts = [jnp.sum(jnp.where(rows == DIGITS * v + i, acc, 0), axis=0).astype(f32) for i in range(DIGITS)]
-    return (parts[2] * 65536.0 + parts[1] * 256.0) + parts[0]
+    return combine_digits([jnp.sum(jnp.where(rows == DIGITS * v + i, acc, 0), axis=0) for i in range(DIGITS)])
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -149,10 +149,17 @@ def digit_split(parts):
     return out, back
 
 
+def combine_digits(sums):
+    """The three digit sums (lowest digit first; int32 or fp32, any equal shapes) recombined in
+    fp32: ``(s2 * 2**16 + s1 * 2**8) + s0``, in this order in every kernel."""
+    s0, s1, s2 = (x.astype(f32) for x in sums)
+    return (s2 * 65536.0 + s1 * 256.0) + s0
+
+
 def undigit(accs, back):
     """The three int32 digit sums ``accs`` (``[R, C]`` each) recombined in fp32 and scaled back by
     ``back [R]`` (``digit_scales``)."""
-    return ((accs[2].astype(f32) * 65536.0 + accs[1].astype(f32) * 256.0) + accs[0].astype(f32)) * back[:, None]
+    return combine_digits(accs) * back[:, None]
 
 
 def digit_read(x_parts, code_parts):
@@ -221,6 +228,7 @@ def tile_from_rows(rows, n_rows: int, width: int):
     return out
 
 
-__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "digit_read", "digit_read_t", "digit_scales", "digit_split",
-           "int8_digits", "load_code_part", "load_code_parts", "load_rows", "num_parts", "tile_from_rows", "tile_rows",
-           "undigit", "unpack_codes", "window_decay_part", "window_decays"]
+__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "combine_digits", "digit_read",
+           "digit_read_t", "digit_scales", "digit_split", "int8_digits", "load_code_part", "load_code_parts",
+           "load_rows", "num_parts", "tile_from_rows", "tile_rows", "undigit", "unpack_codes", "window_decay_part",
+           "window_decays"]
