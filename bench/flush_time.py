@@ -1,11 +1,13 @@
 """Flush variants alone: µs per flush at batch 512 (one layer, 32 heads, 128 x 128, window 16,
-every window full), after single-op checks of the stream flush against the reference.
+every window full, or one in ``--full-every``), after single-op checks of flush implementations against the reference.
 
-    python -m bench.flush_time --out DIR [--bits 8] [--modes gdn kda] [--check-bits 8]
+    python -m bench.flush_time --out DIR [--bits 8] [--modes gdn kda] [--check-bits 8] [--check-impls stream]
+                               [--full-every 1 16]
                                [--variants '[{"impl": "split"}, {"impl": "stream", "num_warps": 4}]']
 
 A short device call next to ``bench.kernels`` (which times the flush inside whole windows):
-each variant is compiled, then timed with ``bench.kernels.time_loop`` (host clock, median).
+each variant is compiled, then timed with ``bench.kernels.time_loop`` (host clock, median) on a
+donated state flushed again and again in place.
 Rows go to ``DIR/flush_time.jsonl`` and the console.
 """
 import argparse
@@ -31,7 +33,10 @@ def main(argv=None):
                                           '{"impl": "stream", "num_warps": 8}]',
                     help="JSON list of leapquant_flush keyword options, one per variant")
     ap.add_argument("--check-bits", type=int, nargs="*", default=[8])
+    ap.add_argument("--check-impls", nargs="+", default=["stream"], help="flush implementations checked")
     ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--full-every", type=int, nargs="+", default=[1],
+                    help="one sequence in N has a full window (the others hold 5 records): one row per N")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rows = open(os.path.join(args.out, "flush_time.jsonl"), "a")
@@ -45,28 +50,39 @@ def main(argv=None):
     log(dict(devices=str(jax.devices()), jax=jax.__version__))
     if args.check_bits:
         t0 = time.time()
-        check_single_ops(log, tuple(args.check_bits), tuple(m == "kda" for m in args.modes), flush_impls=("stream",))
+        check_single_ops(log, tuple(args.check_bits), tuple(m == "kda" for m in args.modes), flush_impls=tuple(args.check_impls))
         log(dict(check_seconds=time.time() - t0))
     for bits in args.bits:
         config = LeapQuantConfig(bits=bits, window=16, impl="pallas")
         for mode in args.modes:
             full = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), args.batch, 32, 128, 128),
                                        per_channel_decay=mode == "kda")
-            full = full.replace(pos=jnp.full_like(full.pos, 16))
-            for v in json.loads(args.variants):
-                log(time_variant(config, full, v, bits=bits, mode=mode))
+            for every in args.full_every:
+                pos = jnp.where(jnp.arange(args.batch) % every == 0, 16, 5).astype(full.pos.dtype)
+                for v in json.loads(args.variants):
+                    log(time_variant(config, full.replace(pos=pos), v, bits=bits, mode=mode, full_every=every))
             full = None
     rows.close()
 
 
 def time_variant(config, full, options, **row):
-    """``row`` with ``us`` per flush of ``full`` (every window full) and the compile seconds, or the error."""
-    fn = jax.jit(lambda s: leapquant_flush(config, s, only_full=True, **options))
+    """``row`` with ``us`` per flush of ``full`` (the sequences whose window is full flush) and the
+    compile seconds, or the error.
+
+    The state is donated and carried from call to call, its positions set back after each flush,
+    so that the checkpoint is written in place as in a decode loop (a state that is not donated
+    would be copied before every in-place kernel)."""
+    pos = full.pos
+
+    def flush_again(s):
+        return leapquant_flush(config, s, only_full=True, **options).replace(pos=pos)
+
+    fn = jax.jit(flush_again, donate_argnums=0)
     try:
         t0 = time.time()
-        jax.block_until_ready(fn(full))
+        state = jax.block_until_ready(fn(jax.tree_util.tree_map(jnp.copy, full)))
         compile_s = time.time() - t0
-        return dict(row, variant=options, us=time_loop(lambda _: fn(full), None), compile_s=compile_s)
+        return dict(row, variant=options, us=time_loop(fn, state), compile_s=compile_s)
     except Exception as err:
         return dict(row, variant=options, error=f"{type(err).__name__}: {str(err)[:300]}")
 

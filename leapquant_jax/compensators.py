@@ -137,27 +137,28 @@ def fit_svd(state: Array, rank: int) -> tuple[Array, Array]:
 
 def fit_subspace(
     state: Array, rank: int, *, iters: int = 1, start: Array | None = None, seed: int = 0,
-    first_z: Array | None = None,
+    first_z: Array | None = None, first_y: Array | None = None,
 ) -> tuple[Array, Array]:
     """Subspace-iteration fit with CholeskyQR2.
 
     state ``[.., dk, dv]``; start ``[.., r, dk]`` (warm start, e.g. the previous ``K``) or
     ``None`` for the seeded Gaussian start. ``first_z [.., r, dv]``: the first round's
-    ``(S^T Q_0)^T`` when the caller already has it (the split flush kernel computes it while the
-    state is on chip); the start is then unused. Returns ``(K [.., r, dk], U [.., r, dv])`` fp16.
+    ``(S^T Q_0)^T``, or ``first_y [.., r, dk]`` its ``(S S^T Q_0)^T``, when the caller already
+    has it (the split flush kernel computes it while the state is on chip); the start is then
+    unused. Returns ``(K [.., r, dk], U [.., r, dv])`` fp16.
     """
     s = state.astype(jnp.float32)
-    return _finish(s, subspace_basis(s, rank, iters=iters, start=start, seed=seed, first_z=first_z))
+    return _finish(s, subspace_basis(s, rank, iters=iters, start=start, seed=seed, first_z=first_z, first_y=first_y))
 
 
 def subspace_basis(
     state: Array, rank: int, *, iters: int = 1, start: Array | None = None, seed: int = 0,
-    first_z: Array | None = None,
+    first_z: Array | None = None, first_y: Array | None = None,
 ) -> Array:
     """The orthonormal rows ``K [.., r, dk]`` (fp32, before rounding) of ``fit_subspace``, same arguments."""
     s = state.astype(jnp.float32)
     dk = s.shape[-2]
-    if first_z is not None:
+    if first_z is not None or first_y is not None:
         q = None
     elif start is None:
         q = jnp.broadcast_to(random_start(dk, rank, seed).T, s.shape[:-2] + (dk, rank))
@@ -166,11 +167,15 @@ def subspace_basis(
         # A warm start that lost rank (a zero previous window) is topped up from the seeded start.
         q = q + WARM_START_TOPUP * random_start(dk, rank, seed).T * (jnp.linalg.norm(q, axis=-2, keepdims=True) == 0)
     for i in range(iters):
-        if i == 0 and first_z is not None:
-            z = jnp.swapaxes(first_z.astype(jnp.float32), -1, -2)
+        if i == 0 and first_y is not None:
+            y = jnp.swapaxes(first_y.astype(jnp.float32), -1, -2)
         else:
-            z = jnp.einsum("...kv,...kr->...vr", s, q, precision=HI)   # S^T Q  [.., dv, r]
-        q = cholesky_qr2(jnp.einsum("...kv,...vr->...kr", s, z, precision=HI))
+            if i == 0 and first_z is not None:
+                z = jnp.swapaxes(first_z.astype(jnp.float32), -1, -2)
+            else:
+                z = jnp.einsum("...kv,...kr->...vr", s, q, precision=HI)   # S^T Q  [.., dv, r]
+            y = jnp.einsum("...kv,...vr->...kr", s, z, precision=HI)       # S S^T Q  [.., dk, r]
+        q = cholesky_qr2(y)
     return jnp.swapaxes(q, -1, -2)
 
 

@@ -175,24 +175,31 @@ def store_codes(codes_out, q_int, bits, dk, start, rows):
             codes_out[pl.ds(p_ * m + start, rows), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
 
 
-def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
-    """Steps shared by both flushes: smooth the residual parts ``S`` (``[n, dv]`` each, factors
-    already subtracted), quantize, pack and write codes, scales, ``c``, ``K``, ``U``.
-
-    new_k: ``r`` lists of fp16 parts ``[n]``; new_u: ``r`` fp16 rows ``[dv]``.
-    """
-    codes_out, scale_out, smooth_out, ck_out, cu_out = outs
+def _quantize_parts(S, bits):
+    """Quantizes smoothed residual parts ``S`` (``[n, BV]`` each) with one scale per value column:
+    ``(codes, scale [BV])``, ``codes`` one int32 ``[n, BV]`` tile per part (round half to even,
+    clipped to ``[-qmax, qmax]``; an all-zero column gets scale 0 and zero codes)."""
     qmax = qmax_for_bits(bits)
-    if smoothing:
-        cs = [jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(s), axis=1) / dv), SMOOTH_FLOOR) for s in S]
-        S = [s / c[:, None] for s, c in zip(S, cs)]
     colmax = None
     for s in S:
         m = jnp.max(jnp.abs(s), axis=0)
         colmax = m if colmax is None else jnp.maximum(colmax, m)
     new_scale = colmax / qmax
     div = jnp.where(new_scale > 0, new_scale, 1.0)
-    q_int = [jnp.clip(round_half_even(s / div[None, :]), -qmax, qmax).astype(jnp.int32) for s in S]
+    return [jnp.clip(round_half_even(s / div[None, :]), -qmax, qmax).astype(jnp.int32) for s in S], new_scale
+
+
+def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
+    """Steps shared by the fused and split flushes: smooth the residual parts ``S`` (``[n, dv]``
+    each, factors already subtracted), quantize, pack and write codes, scales, ``c``, ``K``, ``U``.
+
+    new_k: ``r`` lists of fp16 parts ``[n]``; new_u: ``r`` fp16 rows ``[dv]``.
+    """
+    codes_out, scale_out, smooth_out, ck_out, cu_out = outs
+    if smoothing:
+        cs = [jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(s), axis=1) / dv), SMOOTH_FLOOR) for s in S]
+        S = [s / c[:, None] for s, c in zip(S, cs)]
+    q_int, new_scale = _quantize_parts(S, bits)
     store_codes(codes_out, q_int, bits, dk, 0, dk // num_parts(bits))
     scale_out[...] = new_scale
     if smoothing:
@@ -306,52 +313,66 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
     _run(body, pos, window, only_full)
 
 
-def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, warm_start, only_full, precision):
-    """Split flush, stage 1: ``S[:, block]`` in fp32 and ``(S^T Q_0)[block]``."""
-    it = iter(refs)
-    pos_ref, start_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = _input_refs(
-        it, smoothing, rank)
-    s_out = next(it)
-    z_out = next(it) if rank else None
-
-    pos = pos_ref[...]
+def _rebuild_parts(ins, pos, *, bits, rank, window, dk, per_channel, smoothing, precision):
+    """``S_pos[:, block]`` in fp32 as key-row parts ``[n, BV]`` (the code parts' rows):
+    ``D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` from the checkpoint and the live records
+    (log-space decays masked before ``exp``: a fully decayed head gives zeros, not NaN; the
+    records as one dot for ``p >= 16``). ``ins``: the refs of ``_input_refs``."""
+    _, _, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = ins
     slices = _part_slices(bits, dk)
 
     def dot(a, b):   # a [p, n], b [p, BV] -> a^T b
         return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=f32)
 
-    def body():
-        codes = load_code_parts(codes_ref, bits, dk)
-        scale = scale_ref[...]
-        live = jnp.arange(window) < pos
-        bu = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                # [p, BV]
-        if not per_channel:
-            D0, d = window_decay_part(bg_ref, live, None, False)                    # [], [p]
-        S = []
-        for i, sl in enumerate(slices):
-            if per_channel:
-                D0, d = window_decay_part(bg_ref, live, sl, True)                   # [n], [p, n]
-            kd = load(bk_ref.at[:, sl], mask=live[:, None], other=0.0).astype(f32)  # [p, n]
-            kd = kd * (d if per_channel else d[:, None])
-            s = codes[i] * scale[None, :]
-            if smoothing:
-                s = smooth_ref[sl][:, None] * s
-            for c in range(rank):
-                s = s + ck_ref[c, sl].astype(f32)[:, None] * cu_ref[c, :].astype(f32)[None, :]
-            s = (D0[:, None] if per_channel else D0) * s + _records_term(kd, bu, dot)
-            s_out[sl, :] = s
-            S.append(s)
+    codes = load_code_parts(codes_ref, bits, dk)
+    scale = scale_ref[...]
+    live = jnp.arange(window) < pos
+    bu = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                # [p, BV]
+    if not per_channel:
+        D0, d = window_decay_part(bg_ref, live, None, False)                    # [], [p]
+    S = []
+    for i, sl in enumerate(slices):
+        if per_channel:
+            D0, d = window_decay_part(bg_ref, live, sl, True)                   # [n], [p, n]
+        kd = load(bk_ref.at[:, sl], mask=live[:, None], other=0.0).astype(f32)  # [p, n]
+        kd = kd * (d if per_channel else d[:, None])
+        s = codes[i] * scale[None, :]
+        if smoothing:
+            s = smooth_ref[sl][:, None] * s
         for c in range(rank):
-            if warm_start:
-                # a warm start that lost rank (a zero previous window) is topped up from the seed
-                nrm = jnp.sum(jnp.square(ck_ref[c, :].astype(f32)))
-                top = jnp.where(nrm == 0.0, WARM_START_TOPUP, 0.0)
-                q = [ck_ref[c, sl].astype(f32) + top * start_ref[c, sl] for sl in slices]
-            else:
-                q = [start_ref[c, sl] for sl in slices]
-            z_out[c, :] = sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q))
+            s = s + ck_ref[c, sl].astype(f32)[:, None] * cu_ref[c, :].astype(f32)[None, :]
+        S.append((D0[:, None] if per_channel else D0) * s + _records_term(kd, bu, dot))
+    return S
+
+
+def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, warm_start, only_full, precision):
+    """Split flush, stage 1: ``S[:, block]`` in fp32 and this block's part of the first round of
+    subspace iteration, ``(S_b S_b^T Q_0)^T`` (``[r, dk]``; ``Y = S S^T Q_0`` sums the blocks)."""
+    it = iter(refs)
+    ins = _input_refs(it, smoothing, rank)
+    s_out = next(it)
+    y_out = next(it) if rank else None
+
+    pos = ins[0][...]
+    slices = _part_slices(bits, dk)
+
+    def body():
+        S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
+                           smoothing=smoothing, precision=precision)
+        for s, sl in zip(S, slices):
+            s_out[sl, :] = s
+        if rank:
+            _first_round(S, _start_rows(ins[1], ins[5], rank, slices, warm_start), slices, y_out)
 
     _run(body, pos, window, only_full)
+
+
+def _first_round(S, q, slices, y_out):
+    """Writes this block's ``(S_b S_b^T Q)^T`` (``[r, dk]``, rows of key-row parts) to ``y_out``
+    for the basis rows ``q`` (``r`` lists of parts ``[n]``)."""
+    for c, z in enumerate(_times_rows(S, q)):                                       # z [BV]
+        for s, sl in zip(S, slices):
+            y_out[c, sl] = jnp.sum(s * z[None, :], axis=1)
 
 
 def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
@@ -666,6 +687,138 @@ def _cholesky_qr_tiles(a, rank, rp, dot):
     return [dot(t, x, ((1,), (0,))) for x in a]
 
 
+# ----------------------------------------------------------------------------- blocks flush
+# Three kinds of program over (sequence, head, value block), each rebuilding its block of S_p
+# from the checkpoint and the records (``_rebuild_parts``) instead of reading an fp32 state: the
+# fit's partial products, then the factors and the residual's row sums, then the quantization.
+# What couples the blocks of a head (``Y = S S^T Q`` sums over every value column, the smoothing
+# scale of a key row too) crosses between kernels as small per-block partial sums.
+
+def _start_rows(start_ref, ck_ref, rank, slices, warm_start):
+    """The fit's first basis ``Q_0`` as ``r`` rows of key-row parts: the seeded Gaussian, or with
+    ``warm_start`` the old ``K`` with all-zero rows topped up from the seed."""
+    q = [[start_ref[c, sl] for sl in slices] for c in range(rank)]
+    if not warm_start:
+        return q
+    out = []
+    for c in range(rank):
+        k0 = [ck_ref[c, sl].astype(f32) for sl in slices]
+        top = jnp.where(sum(jnp.sum(x * x) for x in k0) == 0.0, WARM_START_TOPUP, 0.0)
+        out.append([x + top * s0 for x, s0 in zip(k0, q[c])])
+    return out
+
+
+def _basis_rows(y_ref, nvb, rank, slices):
+    """The orthonormal basis ``CholeskyQR2(Y)`` as ``r`` rows of key-row parts from the value
+    blocks' partial products ``y_ref [nvb, r, dk]`` (``Y^T = sum_blocks``), scaled to unit max
+    first (``compensators.cholesky_qr2``)."""
+    y = [[sum(y_ref[b, c, sl] for b in range(nvb)) for sl in slices] for c in range(rank)]
+    return _cholesky_qr_round(_cholesky_qr_round(_scale_to_unit_max(y), rank), rank)
+
+
+def _times_rows(S, q):
+    """``q S_b``: rows ``q`` (``r`` lists of parts ``[n]``) times the block's parts ``S`` -> ``r`` rows ``[BV]``
+    (elementwise products and exact fp32 sums, as the reference's ``HIGHEST`` einsums)."""
+    return [sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, qc)) for qc in q]
+
+
+def _blocks_fit_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, warm_start, first, nvb, only_full,
+                       precision):
+    """Blocks flush, one round of subspace iteration: this block's part of ``Y^T = (S S^T Q)^T``,
+    ``(Q^T S_b) S_b^T`` (``[r, dk]``), from the start (``first``) or the previous round's partials."""
+    it = iter(refs)
+    ins = _input_refs(it, smoothing, rank)
+    y_prev = None if first else next(it)
+    y_out = next(it)
+    pos = ins[0][...]
+    slices = _part_slices(bits, dk)
+
+    def body():
+        S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
+                           smoothing=smoothing, precision=precision)
+        q = _start_rows(ins[1], ins[5], rank, slices, warm_start) if first else _basis_rows(y_prev, nvb, rank, slices)
+        _first_round(S, q, slices, y_out)
+
+    _run(body, pos, window, only_full)
+
+
+def _residual(S, k16, u16):
+    """``S - K^T U`` per part from the rounded factors (``k16``: ``r`` rows of parts ``[n]``, ``u16``: ``r`` rows ``[BV]``)."""
+    return [s - sum(k[i].astype(f32)[:, None] * u.astype(f32)[None, :] for k, u in zip(k16, u16))
+            for i, s in enumerate(S)]
+
+
+def _blocks_factor_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, nvb, only_full, precision):
+    """Blocks flush, factors and row sums: ``K`` (fp16, written by the head's first block), this
+    block's ``U = K S_b`` (clipped, fp16) and the row sums ``sum_j |R_ij|`` of its residual."""
+    it = iter(refs)
+    ins = _input_refs(it, smoothing, rank)
+    y_ref = next(it) if rank else None
+    k_out, u_out = (next(it), next(it)) if rank else (None, None)
+    rs_out = next(it) if smoothing else None
+    pos = ins[0][...]
+    slices = _part_slices(bits, dk)
+    first_block = pl.program_id(2) == 0
+
+    def body():
+        S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
+                           smoothing=smoothing, precision=precision)
+        if rank:
+            q = _basis_rows(y_ref, nvb, rank, slices)
+            u16 = [jnp.clip(u, -FP16_MAX, FP16_MAX).astype(jnp.float16) for u in _times_rows(S, q)]
+            k16 = [[x.astype(jnp.float16) for x in qc] for qc in q]
+            for c, u in enumerate(u16):
+                u_out[c, :] = u
+
+            @pl.when(first_block)
+            def _():
+                for c, kc in enumerate(k16):
+                    for x, sl in zip(kc, slices):
+                        k_out[c, sl] = x
+
+            S = _residual(S, k16, u16)
+        if smoothing:
+            for s, sl in zip(S, slices):
+                rs_out[sl] = jnp.sum(jnp.abs(s), axis=1)
+
+    _run(body, pos, window, only_full)
+
+
+def _blocks_quantize_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, nvb, only_full, precision):
+    """Blocks flush, quantization: the residual of this block from the new factors, smoothed by
+    ``c_i = sqrt(sum_blocks rs_i / dv)`` (floored), quantized and packed into the block's codes
+    and scales in place (only this program reads them); ``c`` written by the head's first block."""
+    it = iter(refs)
+    ins = _input_refs(it, smoothing, rank)
+    k_ref, u_ref = (next(it), next(it)) if rank else (None, None)
+    rs_ref = next(it) if smoothing else None
+    codes_out, scale_out = next(it), next(it)
+    smooth_out = next(it) if smoothing else None
+    pos = ins[0][...]
+    slices = _part_slices(bits, dk)
+    first_block = pl.program_id(2) == 0
+
+    def body():
+        S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
+                           smoothing=smoothing, precision=precision)
+        if rank:
+            S = _residual(S, [[k_ref[c, sl] for sl in slices] for c in range(rank)], [u_ref[c, :] for c in range(rank)])
+        if smoothing:
+            cs = [jnp.maximum(jnp.sqrt(sum(rs_ref[b, sl] for b in range(nvb)) / dv), SMOOTH_FLOOR) for sl in slices]
+            S = [s / c[:, None] for s, c in zip(S, cs)]
+
+            @pl.when(first_block)
+            def _():
+                for c, sl in zip(cs, slices):
+                    smooth_out[sl] = c
+
+        q_int, new_scale = _quantize_parts(S, bits)
+        store_codes(codes_out, q_int, bits, dk, 0, dk // num_parts(bits))
+        scale_out[...] = new_scale
+
+    _run(body, pos, window, only_full)
+
+
 # ----------------------------------------------------------------------------- wrapper
 
 
@@ -727,7 +880,7 @@ def _group(state) -> int:
     return state.shape[1] // state.key_heads
 
 
-IMPLS = ("auto", "split", "fused", "stream")
+IMPLS = ("auto", "split", "fused", "stream", "blocks")
 STREAM_NUM_WARPS = 4   # 5.75 ms per GDN flush at batch 512 against 9.16 ms at 8 warps (H200)
 # ``auto`` with ``only_full``: the split flush when at least this fraction of the batch flushes,
 # else the fused one (which pays only for full windows). Break-even points measured on the H200
@@ -804,7 +957,8 @@ def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interp
 
 
 def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None):
-    """Split flush, stage 1: ``(S [B, H, dk, dv] fp32, (S^T Q_0)^T [B, H, r, dv] fp32 or None)``.
+    """Split flush, stage 1: ``(S [B, H, dk, dv] fp32, Y [B, H, nvb, r, dk] fp32 or None)``, ``Y``
+    the value blocks' parts of the first round's ``(S S^T Q_0)^T`` (``nvb = dv / block_v``).
 
     Blocks of sequences skipped by ``only_full`` are left unwritten (their values are unspecified).
     """
@@ -828,8 +982,8 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
     args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed), keys)
     shapes, out_specs = [jax.ShapeDtypeStruct((bsz, h, dk, dv), f32)], [spec_v(dk)]
     if r:
-        shapes.append(jax.ShapeDtypeStruct((bsz, h, r, dv), f32))
-        out_specs.append(spec_v(r))
+        shapes.append(jax.ShapeDtypeStruct((bsz, h, dv // bv, r, dk), f32))
+        out_specs.append(pl.BlockSpec((None, None, None, r, dk), lambda i, j, c: (i, j, c, 0, 0)))
     precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     kernel = functools.partial(
         _reconstruct_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=state.per_channel_decay,
@@ -841,10 +995,11 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
     return res[0], (res[1] if r else None)
 
 
-def split_fit(config, dense, first_z):
-    """Split flush, stage 2 (XLA): the reference's ``fit_subspace`` from ``S`` and the first
-    ``(S^T Q_0)^T``. Returns fp16 ``(K [B, H, r, dk], U [B, H, r, dv])``."""
-    return fit_subspace(dense, config.effective_rank, iters=config.fit_iters, first_z=first_z)
+def split_fit(config, dense, first_y):
+    """Split flush, stage 2 (XLA): the reference's ``fit_subspace`` from ``S`` and the value
+    blocks' parts of the first round's ``(S S^T Q_0)^T`` (``[B, H, nvb, r, dk]``, summed here).
+    Returns fp16 ``(K [B, H, r, dk], U [B, H, r, dv])``."""
+    return fit_subspace(dense, config.effective_rank, iters=config.fit_iters, first_y=jnp.sum(first_y, axis=2))
 
 
 def split_quantize(config, state, dense, comp_k, comp_u, *, only_full, num_warps=None, interpret=None):
@@ -870,10 +1025,92 @@ def split_quantize(config, state, dense, comp_k, comp_u, *, only_full, num_warps
 
 def flush_split(config, state, *, only_full, block_v=None, num_warps=None, interpret=None) -> LeapQuantState:
     """The split flush: the three stages above."""
-    dense, first_z = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
-    comp_k, comp_u = split_fit(config, dense, first_z) if config.effective_rank else (None, None)
+    dense, first_y = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
+    comp_k, comp_u = split_fit(config, dense, first_y) if config.effective_rank else (None, None)
     return split_quantize(config, state, dense, comp_k, comp_u, only_full=only_full, num_warps=num_warps,
                           interpret=interpret)
+
+
+BLOCKS_BLOCK_V = 32     # value columns per program of the blocks flush
+BLOCKS_NUM_WARPS = 4
+
+
+def flush_blocks(config, state, *, only_full, block_v=None, num_warps=None, interpret=None) -> LeapQuantState:
+    """The blocks flush: ``fit_iters`` fit kernels, a factor kernel and a quantize kernel, each with
+    one program per (sequence, head, value block of ``block_v`` columns) that rebuilds its block
+    of ``S_p`` from the checkpoint and the records; no fp32 state goes through device memory,
+    only per-block partial sums (``Y`` ``[B, H, nvb, r, dk]``, row sums ``[B, H, nvb, dk]``)."""
+    interpret = default_interpret() if interpret is None else interpret
+    bsz, h, dk, dv = state.shape
+    p, r = config.window, config.effective_rank
+    bv = block_v or min(BLOCKS_BLOCK_V, dv)
+    if not is_pow2(bv) or dv % bv or bv < 16:
+        raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dv}")
+    nvb = dv // bv
+
+    def spec_k(*lead, vec=True):
+        shape = lead + ((dk,) if vec else ())
+        return pl.BlockSpec((None, None) + shape, lambda i, j, c: (i, j) + (0,) * len(shape))
+
+    def spec_v(*lead):
+        return pl.BlockSpec((None, None) + lead + (bv,), lambda i, j, c: (i, j) + (0,) * len(lead) + (c,))
+
+    def spec_block(*shape):     # one block's partial sums
+        return pl.BlockSpec((None, None, None) + shape, lambda i, j, c: (i, j, c) + (0,) * len(shape))
+
+    def spec_all(*shape):       # every block's partial sums of the head
+        return pl.BlockSpec((None, None, nvb) + shape, lambda i, j, c: (i, j) + (0,) * (len(shape) + 1))
+
+    group = _group(state)
+    keys = pl.BlockSpec((None, None, p, dk), lambda i, j, c: (i, j // group, 0, 0))
+    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed), keys)
+    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    common = dict(bits=config.bits, rank=r, window=p, dk=dk, per_channel=state.per_channel_decay,
+                  smoothing=config.smoothing, nvb=nvb, only_full=only_full, precision=precision)
+
+    def call(kernel, stage, extra, extra_specs, shapes, out_specs, aliases=None, **opts):
+        return pl.pallas_call(
+            functools.partial(kernel, **common, **opts), grid=(bsz, h, nvb), in_specs=specs + extra_specs,
+            out_specs=out_specs, out_shape=shapes, input_output_aliases=aliases or {},
+            compiler_params=compiler_params(num_warps=num_warps or BLOCKS_NUM_WARPS), interpret=interpret,
+            name=_name(config, state, stage))(*args, *extra)
+
+    y_shape = jax.ShapeDtypeStruct((bsz, h, nvb, r, dk), f32)
+    y = None
+    for i in range(config.fit_iters if r else 0):
+        first = i == 0
+        (y,) = call(_blocks_fit_kernel, "blocks_fit", [] if first else [y], [] if first else [spec_all(r, dk)],
+                    [y_shape], [spec_block(r, dk)], warm_start=config.warm_start, first=first)
+    factors, rs = [], []
+    if r or config.smoothing:
+        shapes, out_specs = [], []
+        if r:
+            shapes += [jax.ShapeDtypeStruct((bsz, h, r, dk), jnp.float16),
+                       jax.ShapeDtypeStruct((bsz, h, r, dv), jnp.float16)]
+            out_specs += [spec_k(r), spec_v(r)]
+        if config.smoothing:
+            shapes.append(jax.ShapeDtypeStruct((bsz, h, nvb, dk), f32))
+            out_specs.append(spec_block(dk))
+        res = call(_blocks_factor_kernel, "blocks_factor", [y] if r else [], [spec_all(r, dk)] if r else [],
+                   shapes, out_specs)
+        factors, rs = list(res[:2]) if r else [], list(res[-1:]) if config.smoothing else []
+    ckpt = state.checkpoint
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (ckpt.residual.codes, ckpt.residual.scale)]
+    out_specs = [spec_v(packed_rows(dk, config.bits)), spec_v()]
+    if config.smoothing:
+        shapes.append(jax.ShapeDtypeStruct(ckpt.smooth.shape, ckpt.smooth.dtype))
+        out_specs.append(spec_k())
+    res = call(_blocks_quantize_kernel, "blocks_quantize", factors + rs,
+               ([spec_k(r), spec_v(r)] if r else []) + ([spec_all(dk)] if config.smoothing else []),
+               shapes, out_specs, aliases={2: 0, 3: 1}, dv=dv)
+    # c, K and U are new arrays (every block of a head reads the old ones while any block writes):
+    # sequences that did not flush keep their old ones
+    fresh = list(res[2:]) + factors
+    olds = ([ckpt.smooth] if config.smoothing else []) + ([ckpt.comp_k, ckpt.comp_u] if r else [])
+    if only_full:
+        full = state.pos >= p
+        fresh = [jnp.where(full.reshape((-1,) + (1,) * (x.ndim - 1)), x, o) for x, o in zip(fresh, olds)]
+    return _new_state(config, state, list(res[:2]) + fresh, only_full)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "only_full", "impl", "block_v", "num_warps", "interpret"))
@@ -899,6 +1136,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
         return flush_fused(config, state, **kw)
     if impl == "stream":
         return flush_stream(config, state, **kw)
+    if impl == "blocks":
+        return flush_blocks(config, state, block_v=block_v, **kw)
     if impl == "split" or not only_full:
         return flush_split(config, state, block_v=block_v, **kw)
     frac = jnp.mean((state.pos >= config.window).astype(f32))
@@ -936,5 +1175,6 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_bytes", "flush_fused", "flush_split", "flush_stream", "leapquant_flush",
+__all__ = ["BLOCKS_BLOCK_V", "BLOCKS_NUM_WARPS", "IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_blocks",
+           "flush_bytes", "flush_fused", "flush_split", "flush_stream", "leapquant_flush",
            "leapquant_flush_reference", "split_fit", "split_quantize", "split_reconstruct"]

@@ -117,15 +117,18 @@ def test_subspace_fit_recovers_a_low_rank_state():
 
 
 def test_subspace_fit_takes_a_precomputed_first_round():
-    # the split flush kernel hands over (S^T Q_0)^T; the fit must equal the one that computes it
+    # the split flush kernel hands over (S S^T Q_0)^T (or (S^T Q_0)^T); the fit must equal the one
+    # that computes it
     s = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 32, 16))
     q0 = random_start(32, 4, 0)
     first_z = jnp.einsum("bhkv,rk->bhrv", s, q0, precision=jax.lax.Precision.HIGHEST)
+    first_y = jnp.einsum("bhkv,bhrv->bhrk", s, first_z, precision=jax.lax.Precision.HIGHEST)
     for iters in (1, 2):
         a = fit_subspace(s, 4, iters=iters)
-        b = fit_subspace(s, 4, iters=iters, first_z=first_z)
-        for x, y in zip(a, b):
-            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-3, atol=1e-3)
+        for given in (dict(first_z=first_z), dict(first_y=first_y)):
+            b = fit_subspace(s, 4, iters=iters, **given)
+            for x, y in zip(a, b):
+                np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-3, atol=1e-3)
 
 
 def test_cholesky_qr2_unrolled_matches_householder_qr(monkeypatch):
