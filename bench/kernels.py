@@ -330,14 +330,14 @@ def time_split_stages(config, state):
     """µs of each stage of the split flush on ``state`` with every window full (stage 3 in place)."""
     full = state.replace(pos=jnp.full_like(state.pos, config.window))
     s1 = jax.jit(lambda s: split_reconstruct(config, s, only_full=True))
-    s2 = jax.jit(lambda d, z: split_fit(config, d, z))
+    s2 = jax.jit(lambda d, y: split_fit(config, d, y))
     s3 = jax.jit(lambda s, d, k, u: split_quantize(config, s.replace(pos=full.pos), d, k, u, only_full=True),
                  donate_argnums=(0,))
-    dense, z = s1(full)
-    k, u = s2(dense, z)
-    out = dict(reconstruct=time_loop(lambda c: s1(full), None), fit_xla=time_loop(lambda c: s2(dense, z), None),
+    dense, y = s1(full)
+    k, u = s2(dense, y)
+    out = dict(reconstruct=time_loop(lambda c: s1(full), None), fit_xla=time_loop(lambda c: s2(dense, y), None),
                quantize=time_loop(lambda c: s3(c, dense, k, u), jax.tree_util.tree_map(jnp.copy, full)))
-    dense = z = k = u = None
+    dense = y = k = u = None
     return out
 
 
@@ -1035,7 +1035,7 @@ def markdown(results) -> str:
         out.append("")
     if results.get("split_flush_stages"):
         out += ["## Split flush stages (largest batch, µs per flush, every window full)", "",
-                "| mode | stage 1: reconstruct + S^T Q0 | stage 2: fit in XLA | stage 3: residual, quantize, write |",
+                "| mode | stage 1: reconstruct + S S^T Q0 | stage 2: fit in XLA | stage 3: residual, quantize, write |",
                 "| --- | --- | --- | --- |"]
         for mode, st in results["split_flush_stages"].items():
             if "error" in st:

@@ -7,19 +7,31 @@ checkpoint. Three implementations with one contract (``impl``):
   1. A kernel with one program per (sequence, head, value block ``BV``) reconstructs
      ``S[:, block] = D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` (log-space decays,
      masked before ``exp``: a fully decayed head gives zeros, not NaN; the window's records as
-     one dot for ``p >= 16``) and, while the block is on chip, the first round of subspace
-     iteration ``(S^T Q_0)[block]`` from the seeded start (or the warm start, the old ``K``
-     topped up where it is zero). It writes ``S`` in fp32 and ``S^T Q_0``.
-  2. XLA finishes the fit with ``compensators.fit_subspace`` (the reference's own code:
-     ``Y = S Z``, CholeskyQR2 unrolled for ``r <= 8``, ``U = S^T K^T`` clipped, fp16 factors).
-     Computing ``U`` in stage 3 instead (which reads ``S`` anyway) was measured slower: its
-     ``r`` cross-thread sums per program doubled stage 3 (``bench/results``).
+     one dot for ``p >= 16``) and, while the block is on chip, its part of the first round of
+     subspace iteration, ``S_b (S_b^T Q_0)`` from the seeded start (or the warm start, the old
+     ``K`` topped up where it is zero): ``Y = S S^T Q_0`` is the sum of these parts over the
+     value blocks. It writes ``S`` in fp32 and the parts (``[B, H, dv / BV, r, dk]``).
+  2. XLA finishes the fit with ``compensators.fit_subspace`` (the reference's own code: the
+     parts summed, CholeskyQR2 unrolled for ``r <= 8``, ``U = S^T K^T`` clipped, fp16 factors),
+     reading ``S`` once. With only ``S^T Q_0`` from stage 1 it read ``S`` twice (``Y = S Z``
+     too): 3144 / 3595 us per flush (GDN / KDA, batch 512, H200) against 2680 / 3061 us now
+     (``bench/results/flush-time-20261201-0831-blocks``, ``-0840-fills``). Computing ``U`` in
+     stage 3 instead (which reads ``S`` anyway) was measured slower: its ``r`` cross-thread
+     sums per program doubled stage 3 (``bench/results``).
   3. A kernel with one program per (sequence, head) forms the residual ``R = S - K^T U`` from
      the rounded factors, smooths it by ``c_i = sqrt(mean_j |R_ij|)`` floored at 1e-12,
      quantizes ``R / c`` with one scale per value column (round half to even), packs the codes
      (planar 6/4-bit layout) and writes the checkpoint in place.
-  The fp32 state goes through device memory (read three times), but every stage has many
-  programs in flight; see ``bench/results`` for the measured trade.
+  The fp32 state goes through device memory (written once, read twice), but every stage has
+  many programs in flight; see ``bench/results`` for the measured trade. A flush that never
+  writes ``S``, with the same (sequence, head, value block) programs rebuilding their block of
+  ``S`` from the codes and the records in each of three passes (the fit round, then ``K``,
+  ``U`` and the residual's row sums, then the quantization; the head's blocks coupled through
+  small partial sums in between), agreed with the reference but took 3717 / 5413 us per flush
+  (GDN / KDA, every window full) and 356 / 468 us with one window in 16 full, against the
+  fused flush's 311 / 430 us (commit 853d3c0): Nsight Compute shows each pass bound by the
+  SM's L1/shared-memory pipe (76% busy, DRAM 19%, the cross-thread sums), at 25% occupancy
+  (128 registers), so it was not kept.
 * ``fused``: one program per (sequence, head) does all of it with the whole fp32 tile in
   registers (reading the checkpoint and the records, writing the checkpoint); the fit's
   ``r (r + 1)`` Gram reductions and the records loop are serial per program, which leaves
@@ -85,8 +97,8 @@ spec). No flush writes the buffer, so sharing changes nothing else.
 
 Bytes moved per flushed value head: ``flush_bytes`` (the fused and stream count: read the
 checkpoint and the ``p`` records, the key records ``1 / n`` of theirs per value head, write the
-checkpoint; the split flush adds the fp32 state written once and read three times,
-``16 dk dv``, plus ``S^T Q_0`` and the factors).
+checkpoint; the split flush adds the fp32 state written once and read twice, ``12 dk dv``,
+plus stage 1's parts of ``Y`` and the factors).
 
 Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
@@ -343,6 +355,26 @@ def _rebuild_parts(ins, pos, *, bits, rank, window, dk, per_channel, smoothing, 
             s = s + ck_ref[c, sl].astype(f32)[:, None] * cu_ref[c, :].astype(f32)[None, :]
         S.append((D0[:, None] if per_channel else D0) * s + _records_term(kd, bu, dot))
     return S
+
+
+def _start_rows(start_ref, ck_ref, rank, slices, warm_start):
+    """The fit's first basis ``Q_0`` as ``r`` rows of key-row parts: the seeded Gaussian, or with
+    ``warm_start`` the old ``K`` with all-zero rows topped up from the seed."""
+    q = [[start_ref[c, sl] for sl in slices] for c in range(rank)]
+    if not warm_start:
+        return q
+    out = []
+    for c in range(rank):
+        k0 = [ck_ref[c, sl].astype(f32) for sl in slices]
+        top = jnp.where(sum(jnp.sum(x * x) for x in k0) == 0.0, WARM_START_TOPUP, 0.0)
+        out.append([x + top * s0 for x, s0 in zip(k0, q[c])])
+    return out
+
+
+def _times_rows(S, q):
+    """``q S_b``: rows ``q`` (``r`` lists of parts ``[n]``) times the block's parts ``S`` -> ``r`` rows ``[BV]``
+    (elementwise products and exact fp32 sums, as the reference's ``HIGHEST`` einsums)."""
+    return [sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, qc)) for qc in q]
 
 
 def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, warm_start, only_full, precision):
@@ -687,138 +719,6 @@ def _cholesky_qr_tiles(a, rank, rp, dot):
     return [dot(t, x, ((1,), (0,))) for x in a]
 
 
-# ----------------------------------------------------------------------------- blocks flush
-# Three kinds of program over (sequence, head, value block), each rebuilding its block of S_p
-# from the checkpoint and the records (``_rebuild_parts``) instead of reading an fp32 state: the
-# fit's partial products, then the factors and the residual's row sums, then the quantization.
-# What couples the blocks of a head (``Y = S S^T Q`` sums over every value column, the smoothing
-# scale of a key row too) crosses between kernels as small per-block partial sums.
-
-def _start_rows(start_ref, ck_ref, rank, slices, warm_start):
-    """The fit's first basis ``Q_0`` as ``r`` rows of key-row parts: the seeded Gaussian, or with
-    ``warm_start`` the old ``K`` with all-zero rows topped up from the seed."""
-    q = [[start_ref[c, sl] for sl in slices] for c in range(rank)]
-    if not warm_start:
-        return q
-    out = []
-    for c in range(rank):
-        k0 = [ck_ref[c, sl].astype(f32) for sl in slices]
-        top = jnp.where(sum(jnp.sum(x * x) for x in k0) == 0.0, WARM_START_TOPUP, 0.0)
-        out.append([x + top * s0 for x, s0 in zip(k0, q[c])])
-    return out
-
-
-def _basis_rows(y_ref, nvb, rank, slices):
-    """The orthonormal basis ``CholeskyQR2(Y)`` as ``r`` rows of key-row parts from the value
-    blocks' partial products ``y_ref [nvb, r, dk]`` (``Y^T = sum_blocks``), scaled to unit max
-    first (``compensators.cholesky_qr2``)."""
-    y = [[sum(y_ref[b, c, sl] for b in range(nvb)) for sl in slices] for c in range(rank)]
-    return _cholesky_qr_round(_cholesky_qr_round(_scale_to_unit_max(y), rank), rank)
-
-
-def _times_rows(S, q):
-    """``q S_b``: rows ``q`` (``r`` lists of parts ``[n]``) times the block's parts ``S`` -> ``r`` rows ``[BV]``
-    (elementwise products and exact fp32 sums, as the reference's ``HIGHEST`` einsums)."""
-    return [sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, qc)) for qc in q]
-
-
-def _blocks_fit_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, warm_start, first, nvb, only_full,
-                       precision):
-    """Blocks flush, one round of subspace iteration: this block's part of ``Y^T = (S S^T Q)^T``,
-    ``(Q^T S_b) S_b^T`` (``[r, dk]``), from the start (``first``) or the previous round's partials."""
-    it = iter(refs)
-    ins = _input_refs(it, smoothing, rank)
-    y_prev = None if first else next(it)
-    y_out = next(it)
-    pos = ins[0][...]
-    slices = _part_slices(bits, dk)
-
-    def body():
-        S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
-                           smoothing=smoothing, precision=precision)
-        q = _start_rows(ins[1], ins[5], rank, slices, warm_start) if first else _basis_rows(y_prev, nvb, rank, slices)
-        _first_round(S, q, slices, y_out)
-
-    _run(body, pos, window, only_full)
-
-
-def _residual(S, k16, u16):
-    """``S - K^T U`` per part from the rounded factors (``k16``: ``r`` rows of parts ``[n]``, ``u16``: ``r`` rows ``[BV]``)."""
-    return [s - sum(k[i].astype(f32)[:, None] * u.astype(f32)[None, :] for k, u in zip(k16, u16))
-            for i, s in enumerate(S)]
-
-
-def _blocks_factor_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, nvb, only_full, precision):
-    """Blocks flush, factors and row sums: ``K`` (fp16, written by the head's first block), this
-    block's ``U = K S_b`` (clipped, fp16) and the row sums ``sum_j |R_ij|`` of its residual."""
-    it = iter(refs)
-    ins = _input_refs(it, smoothing, rank)
-    y_ref = next(it) if rank else None
-    k_out, u_out = (next(it), next(it)) if rank else (None, None)
-    rs_out = next(it) if smoothing else None
-    pos = ins[0][...]
-    slices = _part_slices(bits, dk)
-    first_block = pl.program_id(2) == 0
-
-    def body():
-        S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
-                           smoothing=smoothing, precision=precision)
-        if rank:
-            q = _basis_rows(y_ref, nvb, rank, slices)
-            u16 = [jnp.clip(u, -FP16_MAX, FP16_MAX).astype(jnp.float16) for u in _times_rows(S, q)]
-            k16 = [[x.astype(jnp.float16) for x in qc] for qc in q]
-            for c, u in enumerate(u16):
-                u_out[c, :] = u
-
-            @pl.when(first_block)
-            def _():
-                for c, kc in enumerate(k16):
-                    for x, sl in zip(kc, slices):
-                        k_out[c, sl] = x
-
-            S = _residual(S, k16, u16)
-        if smoothing:
-            for s, sl in zip(S, slices):
-                rs_out[sl] = jnp.sum(jnp.abs(s), axis=1)
-
-    _run(body, pos, window, only_full)
-
-
-def _blocks_quantize_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, nvb, only_full, precision):
-    """Blocks flush, quantization: the residual of this block from the new factors, smoothed by
-    ``c_i = sqrt(sum_blocks rs_i / dv)`` (floored), quantized and packed into the block's codes
-    and scales in place (only this program reads them); ``c`` written by the head's first block."""
-    it = iter(refs)
-    ins = _input_refs(it, smoothing, rank)
-    k_ref, u_ref = (next(it), next(it)) if rank else (None, None)
-    rs_ref = next(it) if smoothing else None
-    codes_out, scale_out = next(it), next(it)
-    smooth_out = next(it) if smoothing else None
-    pos = ins[0][...]
-    slices = _part_slices(bits, dk)
-    first_block = pl.program_id(2) == 0
-
-    def body():
-        S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
-                           smoothing=smoothing, precision=precision)
-        if rank:
-            S = _residual(S, [[k_ref[c, sl] for sl in slices] for c in range(rank)], [u_ref[c, :] for c in range(rank)])
-        if smoothing:
-            cs = [jnp.maximum(jnp.sqrt(sum(rs_ref[b, sl] for b in range(nvb)) / dv), SMOOTH_FLOOR) for sl in slices]
-            S = [s / c[:, None] for s, c in zip(S, cs)]
-
-            @pl.when(first_block)
-            def _():
-                for c, sl in zip(cs, slices):
-                    smooth_out[sl] = c
-
-        q_int, new_scale = _quantize_parts(S, bits)
-        store_codes(codes_out, q_int, bits, dk, 0, dk // num_parts(bits))
-        scale_out[...] = new_scale
-
-    _run(body, pos, window, only_full)
-
-
 # ----------------------------------------------------------------------------- wrapper
 
 
@@ -880,14 +780,14 @@ def _group(state) -> int:
     return state.shape[1] // state.key_heads
 
 
-IMPLS = ("auto", "split", "fused", "stream", "blocks")
+IMPLS = ("auto", "split", "fused", "stream")
 STREAM_NUM_WARPS = 4   # 5.75 ms per GDN flush at batch 512 against 9.16 ms at 8 warps (H200)
 # ``auto`` with ``only_full``: the split flush when at least this fraction of the batch flushes,
 # else the fused one (which pays only for full windows). Break-even points measured on the H200
-# at batch 512 (bench/results/kernels-20261129-155805-sweep: all full, split 3.33 ms / fused
-# 4.59 ms for GDN, 3.76 / 8.11 ms for KDA; one sequence in 16 full, split 1.53 / 1.59 ms, fused
-# 0.30 / 0.49 ms), interpolating both linearly: about 0.55 (GDN) and 0.27 (KDA).
-SPLIT_MIN_FULL_FRACTION = {False: 0.55, True: 0.27}
+# at batch 512 (bench/results/flush-time-20261201-0840-fills: all full, split 2680 us / fused
+# 5072 us for GDN, 3061 / 8207 us for KDA; one sequence in 16 full, split 808 / 828 us, fused
+# 311 / 430 us), interpolating both linearly: about 0.22 (GDN) and 0.13 (KDA).
+SPLIT_MIN_FULL_FRACTION = {False: 0.22, True: 0.13}
 
 
 def _check(config, state, impl):
@@ -1031,88 +931,6 @@ def flush_split(config, state, *, only_full, block_v=None, num_warps=None, inter
                           interpret=interpret)
 
 
-BLOCKS_BLOCK_V = 32     # value columns per program of the blocks flush
-BLOCKS_NUM_WARPS = 4
-
-
-def flush_blocks(config, state, *, only_full, block_v=None, num_warps=None, interpret=None) -> LeapQuantState:
-    """The blocks flush: ``fit_iters`` fit kernels, a factor kernel and a quantize kernel, each with
-    one program per (sequence, head, value block of ``block_v`` columns) that rebuilds its block
-    of ``S_p`` from the checkpoint and the records; no fp32 state goes through device memory,
-    only per-block partial sums (``Y`` ``[B, H, nvb, r, dk]``, row sums ``[B, H, nvb, dk]``)."""
-    interpret = default_interpret() if interpret is None else interpret
-    bsz, h, dk, dv = state.shape
-    p, r = config.window, config.effective_rank
-    bv = block_v or min(BLOCKS_BLOCK_V, dv)
-    if not is_pow2(bv) or dv % bv or bv < 16:
-        raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dv}")
-    nvb = dv // bv
-
-    def spec_k(*lead, vec=True):
-        shape = lead + ((dk,) if vec else ())
-        return pl.BlockSpec((None, None) + shape, lambda i, j, c: (i, j) + (0,) * len(shape))
-
-    def spec_v(*lead):
-        return pl.BlockSpec((None, None) + lead + (bv,), lambda i, j, c: (i, j) + (0,) * len(lead) + (c,))
-
-    def spec_block(*shape):     # one block's partial sums
-        return pl.BlockSpec((None, None, None) + shape, lambda i, j, c: (i, j, c) + (0,) * len(shape))
-
-    def spec_all(*shape):       # every block's partial sums of the head
-        return pl.BlockSpec((None, None, nvb) + shape, lambda i, j, c: (i, j) + (0,) * (len(shape) + 1))
-
-    group = _group(state)
-    keys = pl.BlockSpec((None, None, p, dk), lambda i, j, c: (i, j // group, 0, 0))
-    args, specs = _inputs(config, state, spec_k, spec_v, random_start(dk, max(r, 1), config.seed), keys)
-    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    common = dict(bits=config.bits, rank=r, window=p, dk=dk, per_channel=state.per_channel_decay,
-                  smoothing=config.smoothing, nvb=nvb, only_full=only_full, precision=precision)
-
-    def call(kernel, stage, extra, extra_specs, shapes, out_specs, aliases=None, **opts):
-        return pl.pallas_call(
-            functools.partial(kernel, **common, **opts), grid=(bsz, h, nvb), in_specs=specs + extra_specs,
-            out_specs=out_specs, out_shape=shapes, input_output_aliases=aliases or {},
-            compiler_params=compiler_params(num_warps=num_warps or BLOCKS_NUM_WARPS), interpret=interpret,
-            name=_name(config, state, stage))(*args, *extra)
-
-    y_shape = jax.ShapeDtypeStruct((bsz, h, nvb, r, dk), f32)
-    y = None
-    for i in range(config.fit_iters if r else 0):
-        first = i == 0
-        (y,) = call(_blocks_fit_kernel, "blocks_fit", [] if first else [y], [] if first else [spec_all(r, dk)],
-                    [y_shape], [spec_block(r, dk)], warm_start=config.warm_start, first=first)
-    factors, rs = [], []
-    if r or config.smoothing:
-        shapes, out_specs = [], []
-        if r:
-            shapes += [jax.ShapeDtypeStruct((bsz, h, r, dk), jnp.float16),
-                       jax.ShapeDtypeStruct((bsz, h, r, dv), jnp.float16)]
-            out_specs += [spec_k(r), spec_v(r)]
-        if config.smoothing:
-            shapes.append(jax.ShapeDtypeStruct((bsz, h, nvb, dk), f32))
-            out_specs.append(spec_block(dk))
-        res = call(_blocks_factor_kernel, "blocks_factor", [y] if r else [], [spec_all(r, dk)] if r else [],
-                   shapes, out_specs)
-        factors, rs = list(res[:2]) if r else [], list(res[-1:]) if config.smoothing else []
-    ckpt = state.checkpoint
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (ckpt.residual.codes, ckpt.residual.scale)]
-    out_specs = [spec_v(packed_rows(dk, config.bits)), spec_v()]
-    if config.smoothing:
-        shapes.append(jax.ShapeDtypeStruct(ckpt.smooth.shape, ckpt.smooth.dtype))
-        out_specs.append(spec_k())
-    res = call(_blocks_quantize_kernel, "blocks_quantize", factors + rs,
-               ([spec_k(r), spec_v(r)] if r else []) + ([spec_all(dk)] if config.smoothing else []),
-               shapes, out_specs, aliases={2: 0, 3: 1}, dv=dv)
-    # c, K and U are new arrays (every block of a head reads the old ones while any block writes):
-    # sequences that did not flush keep their old ones
-    fresh = list(res[2:]) + factors
-    olds = ([ckpt.smooth] if config.smoothing else []) + ([ckpt.comp_k, ckpt.comp_u] if r else [])
-    if only_full:
-        full = state.pos >= p
-        fresh = [jnp.where(full.reshape((-1,) + (1,) * (x.ndim - 1)), x, o) for x, o in zip(fresh, olds)]
-    return _new_state(config, state, list(res[:2]) + fresh, only_full)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "only_full", "impl", "block_v", "num_warps", "interpret"))
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, impl: str = "auto",
                     block_v: int | None = None, num_warps: int | None = None,
@@ -1136,8 +954,6 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
         return flush_fused(config, state, **kw)
     if impl == "stream":
         return flush_stream(config, state, **kw)
-    if impl == "blocks":
-        return flush_blocks(config, state, block_v=block_v, **kw)
     if impl == "split" or not only_full:
         return flush_split(config, state, block_v=block_v, **kw)
     frac = jnp.mean((state.pos >= config.window).astype(f32))
@@ -1159,9 +975,11 @@ def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, im
                                                                         else keys / group)
     n = 2 * ckpt + records + 4 * r * dk + 4
     if impl == "split":
-        # S written once, read by Y = S Z, U = S^T K^T and stage 3 (one more read per extra
-        # fit round), S^T Q_0 written and read, the factors written and read
-        n += 4 * dk * dv * (4 + 2 * (config.fit_iters - 1)) + 2 * 4 * r * dv + 2 * 2 * r * (dk + dv)
+        # S written once, read by U = S^T K^T and stage 3 (two more reads per extra fit round),
+        # stage 1's parts of Y written and read (one per value block of the default width), the
+        # factors written and read
+        nvb = dv // min(64 if per_channel else 32, dv)
+        n += 4 * dk * dv * (3 + 2 * (config.fit_iters - 1)) + 2 * 4 * nvb * r * dk + 2 * 2 * r * (dk + dv)
     return n
 
 
@@ -1175,6 +993,5 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["BLOCKS_BLOCK_V", "BLOCKS_NUM_WARPS", "IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_blocks",
-           "flush_bytes", "flush_fused", "flush_split", "flush_stream", "leapquant_flush",
+__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_bytes", "flush_fused", "flush_split", "flush_stream", "leapquant_flush",
            "leapquant_flush_reference", "split_fit", "split_quantize", "split_reconstruct"]
