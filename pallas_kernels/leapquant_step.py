@@ -55,7 +55,8 @@ value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference`
 ``pos >= p`` writes nothing (no out-of-bounds store) and its output is unspecified.
 
 Fastest on the H200 at batch 512 (``bench/results``): ``reduce="dot"``, the whole part per
-chunk, ``BV = dv``, 2 warps for GDN and 1 for KDA, one head per program (two heads, their
+chunk, ``BV = dv``, 2 warps for GDN and for KDA 1 at 8 bits, 2 at 4 and 4 at 6
+(``default_num_warps``), one head per program (two heads, their
 loads in flight together, hold twice the registers: 266.8 against 212.7 µs per step for GDN at
 2 warps in ``bench/results/kernels-20261130-225439``).
 
@@ -440,9 +441,13 @@ def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
     return dk // num_parts(bits)
 
 
-def default_num_warps(per_channel: bool) -> int:
-    """Warps per program: 2 for GDN, 1 for KDA, the fastest on the H200 at batch 512 (``bench/results``)."""
-    return 1 if per_channel else 2
+def default_num_warps(per_channel: bool, bits: int = 8) -> int:
+    """Warps per program, the fastest on the H200 at batch 512: 2 for GDN; for KDA 1 at 8 bits,
+    2 at 4 and 4 at 6 (µs per step 258, 399, 721; with one warp 494 at 4 bits and 1400 at 6,
+    where 255 registers spill 1.4-1.7 KB per thread; ``bench/results/step-warps-20261201``)."""
+    if not per_channel:
+        return 2
+    return {8: 1, 4: 2, 6: 4}[bits]
 
 
 REDUCES = ("dot", "lanes")
@@ -494,7 +499,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
                          f"head ({h} value heads, {state.key_heads} key heads)")
     kb = max(hp // group, 1)                           # key heads per program
     reduce = default_reduce(ch) if reduce is None else reduce
-    num_warps = default_num_warps(state.per_channel_decay) if num_warps is None else num_warps
+    num_warps = default_num_warps(state.per_channel_decay, config.bits) if num_warps is None else num_warps
     if reduce not in REDUCES:
         raise ValueError(f"reduce={reduce!r}: expected one of {REDUCES}")
     if reduce == "dot" and ch < MIN_DOT_ROWS:
