@@ -856,6 +856,12 @@ def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interp
                            num_warps=num_warps or STREAM_NUM_WARPS, chunk=ch, precision=precision)
 
 
+def default_reconstruct_block(per_channel: bool, dv: int) -> int:
+    """Value columns per program of the split flush's first kernel: 32 for GDN, 64 for KDA (the
+    fastest on the H200 at batch 512, ``bench/results``), at most ``dv``."""
+    return min(64 if per_channel else 32, dv)
+
+
 def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None):
     """Split flush, stage 1: ``(S [B, H, dk, dv] fp32, Y [B, H, nvb, r, dk] fp32 or None)``, ``Y``
     the value blocks' parts of the first round's ``(S S^T Q_0)^T`` (``nvb = dv / block_v``).
@@ -865,8 +871,7 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
     p, r = config.window, config.effective_rank
-    # 32 columns for GDN, 64 for KDA: the fastest on the H200 at batch 512 (bench/results)
-    bv = block_v or min(64 if state.per_channel_decay else 32, dv)
+    bv = block_v or default_reconstruct_block(state.per_channel_decay, dv)
     if not is_pow2(bv) or dv % bv or bv < 16:
         raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dv}")
 
@@ -978,7 +983,7 @@ def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, im
         # S written once, read by U = S^T K^T and stage 3 (two more reads per extra fit round),
         # stage 1's parts of Y written and read (one per value block of the default width), the
         # factors written and read
-        nvb = dv // min(64 if per_channel else 32, dv)
+        nvb = dv // default_reconstruct_block(per_channel, dv)
         n += 4 * dk * dv * (3 + 2 * (config.fit_iters - 1)) + 2 * 4 * nvb * r * dk + 2 * 2 * r * (dk + dv)
     return n
 
@@ -993,5 +998,6 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "flush_bytes", "flush_fused", "flush_split", "flush_stream", "leapquant_flush",
-           "leapquant_flush_reference", "split_fit", "split_quantize", "split_reconstruct"]
+__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split",
+           "flush_stream", "leapquant_flush", "leapquant_flush_reference", "split_fit", "split_quantize",
+           "split_reconstruct"]

@@ -1,12 +1,11 @@
 """Kernel helpers the decode step and the window flush share: the packed residual codes' planar
 layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``), the window's
 log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on the tensor cores (``DIGIT_BITS``,
-``digit_split``, ``digit_read``, ``digit_read_t``); the stream flush's ``load_code_part`` (one code part) and ``load_rows`` (a
+``digit_scales``, ``int8_digits``, ``combine_digits``, ``undigit``); the stream flush's ``load_code_part`` (one code part) and ``load_rows`` (a
 zero-padded tile of a ref's rows). Used inside Pallas kernel bodies only."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from leapquant_jax.quantizers import code_parts
@@ -123,7 +122,7 @@ def int8_digits(x, inv):
 
 
 def digit_scales(parts):
-    """The fixed-point scale of ``digit_split`` for rows of ``x`` given as parts ``[R, n_i]``:
+    """The fixed-point scale of the int8-digit split for rows of ``x`` given as parts ``[R, n_i]``:
     ``(inv [R, 1], back [R])``, ``inv = 2**DIGIT_BITS / max|row|`` (the max floored at
     ``DIGIT_SCALE_FLOOR``) and ``back = 1 / inv``. A kernel that splits the parts one at a time
     (``int8_digits(x, inv)``, converted to int8) takes the scale from here."""
@@ -133,20 +132,6 @@ def digit_scales(parts):
         m = mx if m is None else jnp.maximum(m, mx)
     m = jnp.maximum(m, DIGIT_SCALE_FLOOR)
     return ((2.0 ** DIGIT_BITS) / m)[:, None], m * (2.0 ** -DIGIT_BITS)
-
-
-def digit_split(parts):
-    """Rows of ``x`` (given as key-row parts ``[R, n_i]``) as three balanced int8 digit tiles each.
-
-    Each row gets one fixed-point scale over all its parts, ``2**DIGIT_BITS / max|row|`` (the max
-    floored at ``DIGIT_SCALE_FLOOR``, so an all-zero or denormal row stays finite), and
-    ``round(x * inv) = d0 + 256 d1 + 65536 d2`` with ``|d| <= 128``: the rounding is at most about
-    ``2**-23 max|row|`` per element. Returns ``(digits, back)``: ``digits[i]`` the three int8
-    tiles of part ``i``, ``back [R]`` the factor that undoes the scale.
-    """
-    inv, back = digit_scales(parts)
-    out = [[d.astype(jnp.int8) for d in int8_digits(x, inv)] for x in parts]
-    return out, back
 
 
 def combine_digits(sums):
@@ -160,32 +145,6 @@ def undigit(accs, back):
     """The three int32 digit sums ``accs`` (``[R, C]`` each) recombined in fp32 and scaled back by
     ``back [R]`` (``digit_scales``)."""
     return combine_digits(accs) * back[:, None]
-
-
-def digit_read(x_parts, code_parts):
-    """``x S_codes``: rows ``x`` (parts ``[R, n_i]`` fp32) times the codes (parts ``[n_i, C]`` int8).
-
-    Three exact int8 dots with int32 sums (one per digit, summed over the parts), recombined in
-    fp32. Returns ``[R, C]`` fp32, about fp32's accuracy (``digit_split``).
-    """
-    digits, back = digit_split(x_parts)
-    accs = [None] * DIGITS
-    for ds, codes in zip(digits, code_parts):
-        for k in range(DIGITS):
-            a = jax.lax.dot(ds[k], codes, preferred_element_type=jnp.int32)
-            accs[k] = a if accs[k] is None else accs[k] + a
-    return undigit(accs, back)
-
-
-def digit_read_t(x, code_parts):
-    """``x S_codes^T``: rows ``x [R, C]`` fp32 times each code part transposed (``[n_i, C]`` int8).
-
-    Returns one ``[R, n_i]`` fp32 tile per part (the same exact digit dots as ``digit_read``).
-    """
-    (ds,), back = digit_split([x])
-    dims = (((1,), (1,)), ((), ()))
-    return [undigit([jax.lax.dot_general(d, codes, dims, preferred_element_type=jnp.int32) for d in ds], back)
-            for codes in code_parts]
 
 
 def load_rows(ref, n_rows: int, cols=None, live=None):
@@ -219,16 +178,6 @@ def tile_rows(x, k: int):
     return [r.reshape(x.shape[1:]) for r in jnp.split(x, x.shape[0], axis=0)[:k]]
 
 
-def tile_from_rows(rows, n_rows: int, width: int):
-    """A ``[n_rows, width]`` fp32 tile whose first rows are ``rows`` (``[width]`` each), zero below."""
-    idx = jnp.arange(n_rows)[:, None]
-    out = jnp.zeros((n_rows, width), f32)
-    for i, r in enumerate(rows):
-        out = jnp.where(idx == i, r[None, :], out)
-    return out
-
-
-__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "combine_digits", "digit_read",
-           "digit_read_t", "digit_scales", "digit_split", "int8_digits", "load_code_part", "load_code_parts",
-           "load_rows", "num_parts", "tile_from_rows", "tile_rows", "undigit", "unpack_codes", "window_decay_part",
-           "window_decays"]
+__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "combine_digits", "digit_scales", "int8_digits",
+           "load_code_part", "load_code_parts", "load_rows", "num_parts", "tile_rows", "undigit", "unpack_codes",
+           "window_decay_part", "window_decays"]

@@ -407,6 +407,14 @@ def test_stream_flush_other_configs(options, kda):
     check_flush(config, st, impl="stream")
 
 
+def test_stream_flush_rejects_bad_chunks():
+    config = LeapQuantConfig(bits=8, window=4)
+    st = windowed.init_state(config, 1, 1, 64, 64)
+    for chunk in (8, 24, 128):
+        with pytest.raises(ValueError, match="chunk"):
+            flush_stream(config, st, only_full=False, chunk=chunk, interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("bits, kda", [(8, True), (4, False), (6, False)])
 def test_stream_flush_small_chunks(bits, kda):
     # chunk 16 at dk 64: several pieces per code part (the rolled loops over key-row chunks, up to
