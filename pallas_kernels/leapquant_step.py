@@ -97,7 +97,7 @@ from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 from ._compat import compiler_params, default_interpret, load, pl
 from .shared import (DIGIT_BITS, DIGIT_SCALE_FLOOR, DIGITS, code_planes, combine_digits, int8_digits, num_parts, unpack_codes,
                      window_decays)
-from .support import unsupported_reason
+from .support import check_token, unsupported_reason
 
 f32 = jnp.float32
 
@@ -413,21 +413,6 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
 
 
 # ----------------------------------------------------------------------------- wrapper
-
-
-def check_token(state: LeapQuantState, token: Token) -> None:
-    """Raises ``ValueError`` when the token does not match the state (``token.w`` at the state's
-    ``Hk`` key heads: ``windowed.match_key_heads`` brings it there)."""
-    bsz, h, dk, dv = state.shape
-    hk = state.key_heads
-    for name, x, shape in (("q", token.q, (bsz, h, dk)), ("w", token.w, (bsz, hk, dk)), ("b", token.b, (bsz, h, dk)),
-                           ("v", token.v, (bsz, h, dv)), ("beta", token.beta, (bsz, h))):
-        if x.shape != shape:
-            raise ValueError(f"token.{name} must be {shape} to match the state, got {x.shape}")
-    gshape = (bsz, h, dk) if state.per_channel_decay else (bsz, h)
-    if token.g.shape != gshape:
-        kind = "per-channel (KDA)" if state.per_channel_decay else "scalar (GDN)"
-        raise ValueError(f"token.g must be {gshape}: the state holds {kind} decays; got {token.g.shape}")
 
 
 def default_block_v(dv: int) -> int:

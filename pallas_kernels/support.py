@@ -1,9 +1,11 @@
 """Which configs and states the Pallas kernels take: ``unsupported_reason``, checked before any
-launch (``api`` re-exports it for ``leapquant_jax.dispatch``; the kernels check it themselves)."""
+launch (``api`` re-exports it for ``leapquant_jax.dispatch``; the kernels check it themselves),
+and ``check_token``, the token's shapes against the state (both step kernels)."""
 
 from __future__ import annotations
 
 from leapquant_jax.quantizers import IntTensor
+from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState
 
 from ._compat import is_pow2
@@ -57,4 +59,19 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     return None
 
 
-__all__ = ["HEAD_SIZES", "MAX_RANK", "MAX_WINDOW", "unsupported_reason"]
+def check_token(state: LeapQuantState, token: Token) -> None:
+    """Raises ``ValueError`` when the token does not match the state (``token.w`` at the state's
+    ``Hk`` key heads: ``windowed.match_key_heads`` brings it there)."""
+    bsz, h, dk, dv = state.shape
+    hk = state.key_heads
+    for name, x, shape in (("q", token.q, (bsz, h, dk)), ("w", token.w, (bsz, hk, dk)), ("b", token.b, (bsz, h, dk)),
+                           ("v", token.v, (bsz, h, dv)), ("beta", token.beta, (bsz, h))):
+        if x.shape != shape:
+            raise ValueError(f"token.{name} must be {shape} to match the state, got {x.shape}")
+    gshape = (bsz, h, dk) if state.per_channel_decay else (bsz, h)
+    if token.g.shape != gshape:
+        kind = "per-channel (KDA)" if state.per_channel_decay else "scalar (GDN)"
+        raise ValueError(f"token.g must be {gshape}: the state holds {kind} decays; got {token.g.shape}")
+
+
+__all__ = ["HEAD_SIZES", "MAX_RANK", "MAX_WINDOW", "check_token", "unsupported_reason"]

@@ -10,6 +10,9 @@ and the tests bound those by one step.
 
 ``test_kernels_lower_to_triton`` lowers every kernel to Triton IR (no GPU needed), which
 catches primitives the Pallas Triton backend cannot lower; compiled runs are in ``bench/``.
+The Mosaic GPU step runs in the Mosaic GPU interpreter (which simulates its shared memory,
+copies and barriers, not its register layouts) and is lowered for CUDA, which checks every
+layout it names.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pallas_kernels import api
 from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_stream, leapquant_flush, leapquant_flush_reference
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
+from pallas_kernels import mosaic_step
 
 INTERPRET = True
 FP16_ULP = 2.0 ** -10
@@ -157,9 +161,9 @@ def test_per_step_methods_run_the_dense_kernel_like_the_reference(name):
 # ----------------------------------------------------------------------------- LeapQuant step
 
 
-def check_step(config, st, tok, **opts):
+def check_step(config, st, tok, kernel=leapquant_step, interpret=INTERPRET, **opts):
     o_r, n_r = leapquant_step_reference(config, st, tok)
-    o_k, n_k = leapquant_step(config, copy(st), tok, interpret=INTERPRET, **opts)
+    o_k, n_k = kernel(config, copy(st), tok, interpret=interpret, **opts)
     assert np.all(np.isfinite(o_k))
     assert rel(o_k, o_r) < 1e-5, rel(o_k, o_r)
     np.testing.assert_array_equal(n_k.pos, n_r.pos)
@@ -589,3 +593,76 @@ def test_the_kernels_package_imports_one_way():
 
     for name in graph:
         visit(name, [])
+
+
+# ----------------------------------------------------------------------------- Mosaic GPU step
+
+
+@pytest.mark.parametrize("bsz, h, key_heads, opts", [
+    (6, 4, None, dict()),                                    # the last program's heads past B H repeat and store nothing
+    (4, 4, 2, dict(record_dtype="bfloat16")),                # GVA: one key record per key head
+    (2, 4, None, dict(compensators=False, smoothing=False)),
+], ids=["ragged-programs", "gva-bf16", "no-ct-no-smoothing"])
+def test_mosaic_step_matches_reference(bsz, h, key_heads, opts):
+    config = LeapQuantConfig(bits=8, window=8, **opts)
+    pos = [(3 * b + 1) % 8 for b in range(bsz - 1)] + [7]          # ragged, one at the last slot
+    st, tok = live_state(config, jax.random.PRNGKey(bsz), bsz, h, 128, 128, False, pos=pos, key_heads=key_heads)
+    check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=2)
+
+
+def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end():
+    config = LeapQuantConfig(bits=8, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(8), 2, 4, 128, 128, False, pos=[5, 2], log_decay=-1e3, zero=True)
+    o_k, _ = check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, chunk=16)
+    assert np.all(np.isfinite(o_k))
+    # pos == p breaks the step's precondition: that sequence writes nothing, the others are unaffected.
+    st, tok = live_state(config, jax.random.PRNGKey(9), 2, 4, 128, 128, False, pos=[8, 3])
+    o_r, _ = leapquant_step_reference(config, st, tok)
+    o_k, n_k = mosaic_step.leapquant_step(config, copy(st), tok)
+    assert rel(o_k[1], o_r[1]) < 1e-5
+    for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(st.buffer)):
+        np.testing.assert_array_equal(a[0], b[0])
+
+
+def test_mosaic_step_lowers_for_cuda():
+    # Lowering builds the Mosaic GPU module: every register layout and copy the kernel names is
+    # checked here, without a GPU. Only the buffer's three arrays and the output are written.
+    from jax import export
+
+    config = LeapQuantConfig(bits=8, window=16)
+    st = windowed.init_state(config, 4, 4, 128, 128, key_heads=2)
+    tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
+                           g=jnp.zeros((4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
+    f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, interpret=False))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
+    text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
+    assert "mosaic_gpu" in text
+    assert text.count("stablehlo.output_operand_alias<") == 4
+
+
+def test_mosaic_step_rejects_what_it_cannot_run():
+    def state(config, dk=128, dv=128, kda=False, bsz=2, h=4):
+        return windowed.init_state(config, bsz, h, dk, dv, per_channel_decay=kda)
+
+    c8 = LeapQuantConfig(bits=8, window=8)
+    for config, st, match in [
+        (c8, state(c8, kda=True), "scalar \\(GDN\\)"),
+        (LeapQuantConfig(bits=6, window=8), state(LeapQuantConfig(bits=6, window=8)), "8-bit"),
+        (c8, state(c8, dv=64), "dv=64"),
+        (c8, state(c8, dk=64), "dk=64"),
+        (c8, state(c8, bsz=1, h=6), "multiple of 8"),
+        (LeapQuantConfig(bits=8, window=8, rank=2), state(LeapQuantConfig(bits=8, window=8, rank=2)), "multiples of 4"),
+        (LeapQuantConfig(bits=8, window=4), state(LeapQuantConfig(bits=8, window=4)), "128-byte"),
+    ]:
+        assert mosaic_step.unsupported_reason(config, st) is not None
+        with pytest.raises(ValueError, match=match):
+            mosaic_step.leapquant_step(config, st, delta_rule_token(
+                q=jnp.zeros(st.shape[:2] + (st.shape[2],)), k=jnp.zeros(st.shape[:2] + (st.shape[2],)),
+                v=jnp.zeros(st.shape[:2] + (st.shape[3],)), g=jnp.zeros(st.shape[:2]), beta=jnp.zeros(st.shape[:2])))
+    st = state(c8)
+    tok = delta_rule_token(q=jnp.zeros((2, 4, 128)), k=jnp.zeros((2, 4, 128)), v=jnp.zeros((2, 4, 128)),
+                           g=jnp.zeros((2, 4)), beta=jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match="chunk=24"):
+        mosaic_step.leapquant_step(c8, st, tok, chunk=24)
+    with pytest.raises(ValueError, match="token.v"):
+        mosaic_step.leapquant_step(c8, st, tok.replace(v=jnp.zeros((2, 4, 64))))

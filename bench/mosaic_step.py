@@ -1,0 +1,165 @@
+"""The Mosaic GPU step (``pallas_kernels.mosaic_step``) against the Triton step, in one process:
+compiled correctness against the reference at ragged window positions, then µs per step over a
+window (``p`` steps from position 0, the state donated), and optionally a whole window with the
+split flush and the same pipeline with its arithmetic left out (``--load-only``).
+
+    python -m bench.mosaic_step [--batch 512] [--heads 32] [--variants JSON] [--window] [--load-only] [--out DIR]
+    python -m bench.mosaic_step --ncu JSON    # only run that variant 4 times, for Nsight Compute
+
+``--variants`` is a JSON list of option dicts for ``mosaic_step.leapquant_step`` (``programs``,
+``stages``, ``chunk``); the default is its defaults. GDN, 8 bits, 128 x 128, window 16. Writes
+``mosaic-step-<UTC time>.json`` and ``.log`` under ``--out`` (default ``bench/results``). Bandwidth
+is counted with ``step_bytes`` (the Triton step's masked loads) for the Triton rows and with
+``mosaic_step_bytes`` (every record slot) for the Mosaic rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from leapquant_jax import windowed
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels import leapquant_step as triton_step
+from pallas_kernels import mosaic_step
+from pallas_kernels.leapquant_flush import leapquant_flush
+from bench.kernels import git_commit, random_sequence, random_state, rel, time_copy, time_loop, token_at
+
+
+def ragged_state(config, bsz, h, dk, dv, seed=0):
+    """A random dense state rounded into a stream, sequence ``b`` then advanced ``b % p`` steps
+    by the reference; and the next token."""
+    p = config.window
+    st = windowed.from_dense(config, random_state(jax.random.PRNGKey(seed), bsz, h, dk, dv))
+    seq = random_sequence(jax.random.PRNGKey(seed + 1), bsz, p, h, dk, dv, False)
+    step = jax.jit(lambda s, t: windowed.step_reference(config, s, t))
+    for i in range(p - 1):
+        _, nxt = step(st, token_at(seq, i))
+        st = windowed.select_batch((jnp.arange(bsz) % p) > i, nxt, st)
+    return st, token_at(seq, p - 1)
+
+
+def window_fn(step, config, flush=False):
+    """Jitted ``p`` steps from position 0 (and with ``flush`` the flush of the full windows)."""
+    def run(state, toks):
+        state = state.replace(pos=jnp.zeros_like(state.pos))
+        o = None
+        for tok in toks:
+            o, state = step(config, state, tok)
+        if flush:
+            state = leapquant_flush(config, state, only_full=True)
+        return state, o
+
+    return jax.jit(run, donate_argnums=(0,))
+
+
+def load_only_head(i, meta_all, rg_all, tiles, *, lay, **_):
+    """A head's 'arithmetic' that only reads ``v`` and ``w``: the pipeline's own cost."""
+    vcol = mosaic_step.rows_layout(16).reduce(0)
+    v = lay.load(tiles["v"], vcol)
+    return v, v, lay.load(tiles["w"], vcol)
+
+
+def label(opts) -> str:
+    return "mosaic " + (" ".join(f"{k}={v}" for k, v in opts.items()) or "defaults")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--variants", default="[{}]", help="JSON list of option dicts for mosaic_step.leapquant_step")
+    ap.add_argument("--window", action="store_true", help="also time whole windows with the split flush")
+    ap.add_argument("--load-only", action="store_true", help="also time the pipeline without the arithmetic")
+    ap.add_argument("--ncu", default=None, help="JSON options: only run that variant 4 times (for Nsight Compute)")
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args(argv)
+    bsz, h, dk, dv = a.batch, a.heads, 128, 128
+    config = LeapQuantConfig(bits=8, impl="reference")
+    st, tok = ragged_state(config, bsz, h, dk, dv)
+    if a.ncu:
+        f = jax.jit(lambda s, t, o=json.loads(a.ncu): mosaic_step.leapquant_step(config, s, t, **o))
+        for _ in range(4):
+            jax.block_until_ready(f(st, tok))
+        return 0
+    os.makedirs(a.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(a.out, f"mosaic-step-{stamp}")
+    log = open(base + ".log", "w")
+    rows = []
+
+    def say(*x):
+        line = " ".join(str(y) for y in x)
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+
+    say("jax", jax.__version__, jax.devices(), "commit", git_commit(), "command", " ".join(sys.argv))
+    o_ref, st_ref = jax.jit(lambda s, t: windowed.step_reference(config, s, t))(st, tok)
+
+    def errors(o, new):
+        out = dict(o=rel(o, o_ref), nan=bool(jnp.isnan(o).any()))
+        for name in ("k", "u", "g"):
+            out[name] = rel(getattr(new.buffer, name).astype(jnp.float32), getattr(st_ref.buffer, name).astype(jnp.float32))
+        return out
+
+    ok = []
+    for opts in json.loads(a.variants):
+        try:
+            t0 = time.time()
+            o, new = jax.jit(lambda s, t, o=opts: mosaic_step.leapquant_step(config, s, t, **o))(st, tok)
+            err = errors(o, new)
+            say(label(opts), "compile + run", f"{time.time() - t0:.1f} s", "errors against the reference", err)
+            rows.append(dict(name=label(opts), opts=opts, errors=err))
+            ok.append(opts)
+        except Exception:
+            say(label(opts), "FAILED\n" + traceback.format_exc()[-3000:])
+    o, new = jax.jit(lambda s, t: triton_step.leapquant_step(config, s, t))(st, tok)
+    say("triton errors against the reference", errors(o, new))
+
+    seq = random_sequence(jax.random.PRNGKey(7), bsz, config.window, h, dk, dv, False)
+    toks = [token_at(seq, i) for i in range(config.window)]
+    copy_bw = time_copy() if jax.default_backend() == "gpu" else float("nan")
+    say(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
+    p = config.window
+    triton_bytes = np.mean([triton_step.step_bytes(config, dk, dv, pos, False) for pos in range(p)]) * bsz * h
+    mosaic_bytes = mosaic_step.mosaic_step_bytes(config, dk, dv) * bsz * h
+
+    def timed(name, step, nbytes, flush=False):
+        try:
+            fn = window_fn(step, config, flush)
+            us = time_loop(lambda c: fn(c[0], toks), (jax.tree_util.tree_map(jnp.copy, st), None)) / p
+            bw = nbytes / (us * 1e-6)
+            say(f"{name}: {us:.1f} us per step" + ("" if flush else f", {bw / 1e9:.0f} GB/s ({bw / copy_bw:.0%} of copy)"))
+            rows.append(dict(name=name, us=us, bytes=None if flush else nbytes))
+        except Exception:
+            say(name, "TIMING FAILED\n" + traceback.format_exc()[-3000:])
+
+    timed("triton step", triton_step.leapquant_step, triton_bytes)
+    for opts in ok:
+        timed(label(opts), lambda c, s, t, o=opts: mosaic_step.leapquant_step(c, s, t, **o), mosaic_bytes)
+    if a.window:
+        timed("triton window (p steps + split flush)", triton_step.leapquant_step, None, flush=True)
+        for opts in ok:
+            timed(label(opts) + " window (p steps + split flush)",
+                  lambda c, s, t, o=opts: mosaic_step.leapquant_step(c, s, t, **o), None, flush=True)
+    if a.load_only:
+        for opts in ok:
+            timed(label(opts) + " LOAD-ONLY",
+                  lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, load_only_head, **o), mosaic_bytes)
+    json.dump(dict(jax=jax.__version__, commit=git_commit(), copy_bw=copy_bw, batch=bsz, heads=h, rows=rows),
+              open(base + ".json", "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""LeapQuant decode step inside a window on Pallas Mosaic GPU (Hopper): GDN at 8 bits.
+
+Why: the Triton step (``leapquant_step``) is bound by the SM's L1/shared-memory pipe (its int8
+codes pass it three times: the load, the store to shared memory and the read into the dot's
+layout), not by DRAM. Here the copy engine (TMA) brings each head's tiles into shared memory
+``stages`` heads ahead of the arithmetic, and the registers read them once.
+
+Same contract as ``leapquant_step.leapquant_step`` (``windowed.step_reference``: ``u`` read at
+``l = pos``, the record appended at slot ``pos``, the output read at ``l = pos + 1``; ``pos < p``,
+a sequence at ``pos >= p`` writes nothing and its output is unspecified).
+
+Structure: ``programs`` programs of one warpgroup (128 threads) each take ``per`` consecutive
+heads of the flattened ``[B H]`` heads (the last program's heads past ``B H`` repeat head
+``B H - 1`` and store nothing). A program first copies in its heads' scalars (``g``, ``beta``,
+``pos``, packed by XLA) and record log-decays (a head's ``p`` of them are too few bytes for a
+copy of their own: ``GROUP_HEADS`` heads per copy), then walks its heads in an
+``emit_pipeline``: per head the token's vectors, the codes ``[dk, 128]``, the column and
+smoothing scales, the Compensator Tokens and all ``p`` record slots (dead slots are masked in
+the arithmetic: a copy has a static size, so this moves ``p - pos`` more records per head than
+the Triton step's masked loads, ``step_bytes``). The output row and the new record (``u``, and
+``k`` from the first value head of a key group under GVA) are copied out of shared memory as
+they are made, from two alternating slots; the program's record log-decays once at the end.
+The buffer is updated in place (its arrays are the kernel's mutable refs).
+
+Arithmetic, for ``x1 = b`` and ``x2 = exp(g) q``: ``S_l^T x = scale * D0 (Z^T (c x)) + U^T (K (D0
+x)) + sum_j u_j d_j (k_j . x)`` with GDN's scalar decays (``D0 = exp(G_l)``, ``d_j = exp(G_l -
+G_j)``, log-space sums of the live records, masked before ``exp``, never divided). The codes are
+read in fp32 on the CUDA cores, ``chunk`` key rows at a time (converted int8 -> bf16 -> fp32,
+exact for codes, cheaper than int8 -> fp32): products summed over rows in registers, then once
+across the 4 warps. Register layouts (``rows_layout``): rows over the warps and each thread's
+registers, the 128 value columns over the 32 lanes, 4 per lane. Rounding: fp32 throughout; the
+record is rounded to the record dtype when stored (as the reference does).
+
+Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic_step``,
+``bench/results/mosaic-step-20261201.md``): correct compiled (output error against the
+reference 1.6e-7; the Triton step's 3.1e-7) but slower than the Triton step: 249-258 us per
+step against 214 us at 2 programs per SM, slower with more (285 us at 3 per SM) or fewer (360 us
+at 1.5, 390 us at 1). With the arithmetic left out the same pipeline takes 125 us (about 94% of
+copy bandwidth on the bytes it moves). Nsight Compute: 7,900 warp-instructions per head at 2.0
+instructions per cycle per SM (8 warps per SM, shared memory limiting): the step is bound by its
+instruction count, half of it fp32 multiply-adds of the code reads that ``mul`` + ``add`` do not
+fuse. ``auto`` therefore keeps the Triton step; this kernel runs when called directly.
+
+Bytes moved per step and value head: ``mosaic_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU
+interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from leapquant_jax import windowed
+from leapquant_jax.quantizers import IntTensor
+from leapquant_jax.recurrence import Token
+from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
+
+from .support import check_token
+
+try:  # the Mosaic GPU interpreter (JAX 0.10+): how the kernel runs on a machine without a GPU
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # pragma: no cover - older JAX
+    InterpretGPUParams = None
+
+f32 = jnp.float32
+RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
+GROUP_HEADS = 8      # heads whose scalars and record log-decays move in one copy
+WARPS = 4            # warps of the one warpgroup of a program
+LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
+
+
+def rows_layout(n: int):
+    """The register layout of a tile ``[n, 128]`` (``n`` a multiple of 4): rows over the 4 warps
+    and each thread's registers, the 128 columns over the 32 lanes, 4 per lane (a warp reads one
+    whole row of a tile per load)."""
+    fa = mgpu.fragmented_array
+    raw = fa.TiledLayout(fa.Tiling(((n, LANES_COLS), (n // WARPS, LANES_COLS), (1, 4))), warp_dims=(-6,),
+                         lane_dims=(-3,), vector_dim=-1, _check_canonical=False).canonicalize()
+    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
+
+
+class _Layouts:
+    """Register layouts where the Mosaic GPU lowering needs them; in interpret mode (which has no
+    layouts) plain loads and no casts, so that the same body runs there."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def load(self, ref, layout):
+        return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout)
+
+    def cast(self, x, layout):
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def iota(self, n, layout):
+        if self.interpret:
+            return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+        return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay):
+    """Head ``i`` of the program from its tiles ``t`` (a dict of shared-memory refs):
+    ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout."""
+    RECS = rows_layout(p)
+    VCOL = RECS.reduce(0)        # [128] over lanes: a value column's vector (or a record column's)
+    PROW = RECS.reduce(1)        # [p] over warps and registers
+    g_new, beta, pos = meta_all[i, 0], meta_all[i, 1], meta_all[i, 2]
+
+    # GDN's scalar decays from the record log-decays: running sums of the live ones (scalars).
+    gs = [jnp.where(j < pos, rg_all[i, j].astype(f32), 0.0) for j in range(p)]
+    G = [gs[0]]
+    for j in range(1, p):
+        G.append(G[-1] + gs[j])
+    G_l = G[-1]
+    D0 = jnp.exp(G_l)
+    iota = lay.iota(p, PROW)
+    dvec = lay.cast(jnp.zeros((p,), f32), PROW)
+    for j in range(p):
+        dvec = jnp.where(iota == j, jnp.where(j < pos, jnp.exp(G_l - G[j]), 0.0), dvec)
+    a_new = jnp.exp(g_new)
+
+    # Code reads: C folded into the vectors, the scalar decays applied after; chunk products
+    # summed elementwise over the chunks, then across the rows once.
+    CH = rows_layout(chunk)
+    CROW = CH.reduce(1)
+    bcast_rows = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, LANES_COLS), (0,)), CH)
+    acc1 = acc2 = None
+    for k in range(dk // chunk):
+        rows = pl.ds(k * chunk, chunk)
+        z = lay.load(t["codes"].at[rows], CH).astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
+        y1, y2 = lay.load(t["b"].at[rows], CROW), lay.load(t["q"].at[rows], CROW)
+        if smoothing:
+            sm = lay.load(t["smooth"].at[rows], CROW)
+            y1, y2 = sm * y1, sm * y2
+        t1, t2 = z * bcast_rows(y1), z * bcast_rows(y2)
+        acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
+    scale = lay.load(t["scale"], VCOL)
+    r1 = (D0 * scale) * jnp.sum(acc1, axis=0)                                      # [128] VCOL
+    r2 = ((D0 * a_new) * scale) * jnp.sum(acc2, axis=0)
+
+    # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
+    x1 = lay.load(t["b"], VCOL)
+    qv = lay.load(t["q"], VCOL)
+    x2 = a_new * qv
+    along_rows = lambda x, n, to: lay.cast(jax.lax.broadcast_in_dim(x, (n, LANES_COLS), (1,)), to)
+    along_cols = lambda x, n, to: lay.cast(jax.lax.broadcast_in_dim(x, (n, LANES_COLS), (0,)), to)
+    rk = lay.load(t["rk"], RECS).astype(f32)                                       # [p, dk]
+    ru = lay.load(t["ru"], RECS).astype(f32)                                       # [p, 128]
+    kx1 = jnp.sum(rk * along_rows(x1, p, RECS), axis=1) * dvec                     # [p] PROW
+    kx2 = jnp.sum(rk * along_rows(x2, p, RECS), axis=1) * dvec
+    r1 = r1 + jnp.sum(ru * along_cols(kx1, p, RECS), axis=0)
+    r2 = r2 + jnp.sum(ru * along_cols(kx2, p, RECS), axis=0)
+    if r:
+        COMP = rows_layout(r)
+        ck = lay.load(t["ck"], COMP).astype(f32)                                   # [r, dk]
+        cu = lay.load(t["cu"], COMP).astype(f32)                                   # [r, 128]
+        c1 = jnp.sum(ck * along_rows(D0 * x1, r, COMP), axis=1)
+        c2 = jnp.sum(ck * along_rows(D0 * x2, r, COMP), axis=1)
+        r1 = r1 + jnp.sum(cu * along_cols(c1, r, COMP), axis=0)
+        r2 = r2 + jnp.sum(cu * along_cols(c2, r, COMP), axis=0)
+    u = beta * (lay.load(t["v"], VCOL) - r1)
+    w = lay.load(t["w"], VCOL)
+    return r2 + u * jnp.sum(w * qv), u, w
+
+
+def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, hk, group, smoothing, chunk,
+             interpret):
+    """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
+    GMEM refs by name; ``keyed``: the names read per key head; ``head``: a head's arithmetic
+    (``_head_step``)."""
+    meta_all, rg_all, o_s, u_s, k_s = scratch
+    bg, bk, bu, o_gmem = refs["bg"], refs["rk"], refs["ru"], refs["o"]
+    c = jax.lax.axis_index("c")
+    lay = _Layouts(interpret)
+
+    def key_head(t):
+        return (t // h) * hk + (t % h) // group
+
+    # The record log-decays of the program's real heads (``n`` is a multiple of GROUP_HEADS).
+    groups = [(j, c * per + j * GROUP_HEADS) for j in range(per // GROUP_HEADS)]
+
+    def fetch(bars):
+        plgpu.copy_gmem_to_smem(refs["meta"].at[c], meta_all, bars.at[0])
+        for j, start in groups:
+            pl.when(start < n)(lambda j=j, start=start: plgpu.copy_gmem_to_smem(
+                bg.at[pl.ds(start, GROUP_HEADS)], rg_all.at[pl.ds(j * GROUP_HEADS, GROUP_HEADS)], bars.at[j + 1]))
+        plgpu.barrier_wait(bars.at[0])
+        for j, start in groups:
+            pl.when(start < n)(lambda j=j: plgpu.barrier_wait(bars.at[j + 1]))
+
+    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=len(groups) + 1))
+
+    def body(idx, *tiles):
+        i = idx[0]
+        t = c * per + i
+        o, u, w = head(i, meta_all, rg_all, dict(zip(names, tiles)), dk=dk, p=p, r=r, smoothing=smoothing,
+                       chunk=chunk, lay=lay)
+        pos = meta_all[i, 2].astype(jnp.int32)
+        real = t < n
+        live = (pos < p) & real
+        slot = i % 2
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)      # the copies out of head i - 2 have read this slot
+        o_s[slot] = o
+        u_s[slot] = u.astype(u_s.dtype)
+        k_s[slot] = w.astype(k_s.dtype)
+
+        @pl.when(live)
+        def _():
+            rg_all[i, pos] = jnp.maximum(meta_all[i, 0], RECORD_LOG_DECAY_MIN).astype(rg_all.dtype)
+
+        plgpu.commit_smem()
+        pl.when(real)(lambda: plgpu.copy_smem_to_gmem(o_s.at[slot], o_gmem.at[t], commit_group=False))
+        pl.when(live)(lambda: plgpu.copy_smem_to_gmem(u_s.at[slot], bu.at[t, pos], commit_group=False))
+        # With GVA the first value head of a key group stores the key record.
+        pl.when(live & ((t % h) % group == 0))(
+            lambda: plgpu.copy_smem_to_gmem(k_s.at[slot], bk.at[key_head(t), pos], commit_group=False))
+        plgpu.commit_smem_to_gmem_group()
+
+    def spec(x, key):
+        zeros = (0,) * (x.ndim - 1)
+        return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (key(jnp.minimum(c * per + i, n - 1)),) + zeros)
+
+    ins = [refs[name] for name in names]
+    specs = [spec(x, key_head if name in keyed else (lambda t: t)) for name, x in zip(names, ins)]
+    plgpu.emit_pipeline(body, grid=(per,), in_specs=specs, max_concurrent_steps=stages)(*ins)
+    plgpu.commit_smem()
+    for j, start in groups:
+        pl.when(start < n)(lambda j=j, start=start: plgpu.copy_smem_to_gmem(
+            rg_all.at[pl.ds(j * GROUP_HEADS, GROUP_HEADS)], bg.at[pl.ds(start, GROUP_HEADS)]))
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
+    """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): GDN, 8-bit
+    integer codes, ``dk = dv = 128``, ``p`` and ``r`` multiples of 4, ``B H`` a multiple of
+    ``GROUP_HEADS``, a record dtype whose ``p`` log-decays fill 16 bytes, key heads dividing
+    ``H``."""
+    ckpt, buf = state.checkpoint, state.buffer
+    if config.residual_format is not None or config.bits != 8:
+        return f"the Mosaic GPU step reads 8-bit integer codes only (bits={config.bits}, " \
+               f"residual_format={config.residual_format!r})"
+    if not isinstance(ckpt.residual, IntTensor) or ckpt.residual.bits != 8:
+        return "the state's residual is not an 8-bit integer tensor"
+    if buf.k.ndim != 4 or buf.u.ndim != 4:
+        return f"the window buffer must be [B, Hk, p, dk] / [B, H, p, dv], got {buf.k.shape} / {buf.u.shape}"
+    if state.per_channel_decay:
+        return "the Mosaic GPU step takes scalar (GDN) decays only"
+    b, h, dk, dv = state.shape
+    p, r = config.window, config.effective_rank
+    if buf.u.shape[2] != p:
+        return f"the buffer holds {buf.u.shape[2]} slots but window={p}"
+    if dk != LANES_COLS or dv != LANES_COLS:
+        return f"dk={dk}, dv={dv}: the Mosaic GPU step takes {LANES_COLS} x {LANES_COLS} heads"
+    if p % WARPS or r % WARPS:
+        return f"window={p}, rank={r}: the Mosaic GPU step takes multiples of {WARPS}"
+    if state.pos.shape != (b,):
+        return f"pos must be [B] = ({b},), got {state.pos.shape}"
+    if (b * h) % GROUP_HEADS:
+        return f"B * H = {b * h}: the Mosaic GPU step takes a multiple of {GROUP_HEADS}"
+    if GROUP_HEADS * p * jnp.dtype(buf.g.dtype).itemsize % 128:
+        return f"{GROUP_HEADS} heads' record log-decays ({p} x {buf.g.dtype}) must fill whole 128-byte copies"
+    if h % state.key_heads:
+        return f"{state.key_heads} key heads do not divide {h} value heads"
+    if config.smoothing and ckpt.smooth is None:
+        return "smoothing is on but the checkpoint has no smoothing scales"
+    if ckpt.comp_k.shape[-2] != r:
+        return f"the checkpoint holds {ckpt.comp_k.shape[-2]} Compensator Tokens, the config {r}"
+    return None
+
+
+def default_programs(n: int) -> int:
+    """Programs of a launch: two per SM (the fastest on the H200 at batch 512: one per SM, or
+    three, were slower, ``bench/results/mosaic-step-20261201.md``), at most one per head group."""
+    try:
+        sms = jax.devices()[0].core_count
+    except (AttributeError, RuntimeError):
+        sms = 1
+    return max(1, min(2 * int(sms or 1), n // GROUP_HEADS))
+
+
+def _flat(x, n):
+    return x.reshape((n,) + x.shape[2:])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "programs", "stages", "chunk", "interpret"))
+def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, programs: int | None = None,
+                   stages: int = 3, chunk: int | None = None, interpret=None):
+    """One in-window decode step (``windowed.step_reference``'s contract) on Mosaic GPU.
+
+    state: ``LeapQuantState`` (``unsupported_reason`` says which); token: ``Token`` with
+    ``[B, H, ...]`` fields (``w`` may come at the buffer's ``Hk`` key heads). Returns
+    ``(o [B, H, 128] fp32, state with pos + 1)``; the buffer is updated in place when the
+    caller's ``jit`` donates the state. ``programs``: programs of the launch (default
+    ``default_programs``); ``stages``: heads in flight per program (3); ``chunk``: key rows per
+    code read (default ``dk``, whole tiles; 32 took fewer registers but ran slower).
+    ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    """
+    return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, interpret=interpret)
+
+
+def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=3, chunk=None,
+           interpret=None):
+    """``leapquant_step`` with ``head`` (``_head_step``'s signature) as each head's arithmetic:
+    the same pipeline around other arithmetic (``bench.mosaic_step``'s load-only variant)."""
+    why = unsupported_reason(config, state)
+    if why is not None:
+        raise ValueError(f"Mosaic GPU leapquant_step cannot run: {why}")
+    if interpret is None and jax.default_backend() != "gpu":
+        if InterpretGPUParams is None:
+            raise RuntimeError("the Mosaic GPU step needs a GPU or the Mosaic GPU interpreter (JAX >= 0.10)")
+        interpret = InterpretGPUParams()
+    token = windowed.match_key_heads(token, state.key_heads)
+    check_token(state, token)
+    bsz, h, dk, dv = state.shape
+    hk = state.key_heads
+    ckpt, buf = state.checkpoint, state.buffer
+    p, r = config.window, config.effective_rank
+    chunk = dk if chunk is None else chunk
+    if chunk % WARPS or dk % chunk:
+        raise ValueError(f"chunk={chunk} must be a multiple of {WARPS} dividing dk={dk}")
+    n = bsz * h
+    programs = default_programs(n) if programs is None else programs
+    if not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs={programs!r} must be a positive integer")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages={stages!r} must be a positive integer")
+    per = -(-n // programs)
+    per = -(-per // GROUP_HEADS) * GROUP_HEADS
+    programs = -(-n // per)
+    stages = min(stages, per)
+
+    # The scalars of every head, padded to whole programs: (g, beta, pos, 0).
+    meta = jnp.stack([token.g.astype(f32), token.beta.astype(f32),
+                      jnp.broadcast_to(state.pos[:, None], (bsz, h)).astype(f32), jnp.zeros((bsz, h), f32)],
+                     axis=-1).reshape(n, 4)
+    meta = jnp.pad(meta, ((0, programs * per - n), (0, 0))).reshape(programs, per, 4)
+    gmem = lambda x: jax.new_ref(x, memory_space=plgpu.GMEM)
+    arrays = dict(q=_flat(token.q.astype(f32), n), w=_flat(token.w.astype(f32), bsz * hk),
+                  b=_flat(token.b.astype(f32), n), v=_flat(token.v.astype(f32), n),
+                  codes=_flat(ckpt.residual.codes, n), scale=_flat(ckpt.residual.scale.astype(f32), n))
+    if config.smoothing:
+        arrays["smooth"] = _flat(ckpt.smooth.astype(f32), n)
+    if r:
+        arrays.update(ck=_flat(ckpt.comp_k, n), cu=_flat(ckpt.comp_u, n))
+    arrays.update(rk=_flat(buf.k, bsz * hk), ru=_flat(buf.u, n))
+    names = tuple(arrays)
+    refs = {name: gmem(x) for name, x in arrays.items()}
+    refs.update(meta=gmem(meta), bg=gmem(buf.g.reshape(n, p)), o=gmem(jnp.zeros((n, dv), f32)))
+    scratch = [plgpu.SMEM((per, 4), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
+               plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype)]
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages, dk=dk, p=p, r=r,
+                             h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
+                             interpret=bool(interpret))
+
+    @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=params, interpret=interpret,
+                 name="leapquant_step_mosaic")
+    def leapquant_step_mosaic():
+        pl.run_scoped(lambda *s: body(refs, s), *scratch)
+
+    new_buf = WindowBuffer(k=jax.freeze(refs["rk"]).reshape(buf.k.shape), u=jax.freeze(refs["ru"]).reshape(buf.u.shape),
+                           g=jax.freeze(refs["bg"]).reshape(buf.g.shape))
+    o = jax.freeze(refs["o"]).reshape(bsz, h, dv)
+    return o, LeapQuantState(checkpoint=ckpt, buffer=new_buf, pos=state.pos + 1)
+
+
+def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1) -> float:
+    """Bytes one value head moves in one step of this kernel (at any window position: every slot
+    is copied in). ``group``: value heads per key head, whose key bytes count ``1 / group``."""
+    e = jnp.dtype(config.record_dtype).itemsize
+    p, r = config.window, config.effective_rank
+    n = dk * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)   # checkpoint
+    n += p * e * dv + 2 * p * e                                  # value records; log-decays in and out
+    n += 4 * (2 * dk + dv) + 16                                  # q, b, v; the scalars
+    n += 4 * dv + e * dv                                         # output; the u record
+    keys = p * e * dk + 4 * dk + e * dk                          # key records, w, the key record
+    return n + keys / group
+
+
+__all__ = ["GROUP_HEADS", "default_programs", "launch", "leapquant_step", "mosaic_step_bytes", "rows_layout",
+           "unsupported_reason"]
