@@ -81,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--window", action="store_true", help="also time whole windows with the split flush")
     ap.add_argument("--load-only", action="store_true", help="also time the pipeline without the arithmetic")
     ap.add_argument("--ncu", default=None, help="JSON options: only run that variant 4 times (for Nsight Compute)")
+    ap.add_argument("--skip-steps", action="store_true", help="time only the --window and --load-only rows")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
     bsz, h, dk, dv = a.batch, a.heads, 128, 128
@@ -138,14 +139,15 @@ def main(argv=None):
         try:
             fn = window_fn(step, config, flush)
             us = time_loop(lambda c: fn(c[0], toks), (jax.tree_util.tree_map(jnp.copy, st), None)) / p
-            bw = nbytes / (us * 1e-6)
-            say(f"{name}: {us:.1f} us per step" + ("" if flush else f", {bw / 1e9:.0f} GB/s ({bw / copy_bw:.0%} of copy)"))
-            rows.append(dict(name=name, us=us, bytes=None if flush else nbytes))
+            bw = None if nbytes is None else nbytes / (us * 1e-6)
+            say(f"{name}: {us:.1f} us per step" + ("" if bw is None else f", {bw / 1e9:.0f} GB/s ({bw / copy_bw:.0%} of copy)"))
+            rows.append(dict(name=name, us=us, bytes=nbytes))
         except Exception:
             say(name, "TIMING FAILED\n" + traceback.format_exc()[-3000:])
 
-    timed("triton step", triton_step.leapquant_step, triton_bytes)
-    for opts in ok:
+    if not a.skip_steps:
+        timed("triton step", triton_step.leapquant_step, triton_bytes)
+    for opts in ok if not a.skip_steps else ():
         timed(label(opts), lambda c, s, t, o=opts: mosaic_step.leapquant_step(c, s, t, **o), mosaic_bytes)
     if a.window:
         timed("triton window (p steps + split flush)", triton_step.leapquant_step, None, flush=True)

@@ -1,14 +1,18 @@
-"""Pallas (Triton backend) kernels for the LeapQuant step and flush and the dense per-step baselines.
+"""Pallas kernels for the LeapQuant step and flush and the dense per-step baselines (Triton backend;
+one Mosaic GPU step for Hopper).
 
 Modules, each read top to bottom as kernel, wrapper, reference:
 
 * ``leapquant_step``: one in-window decode step (two reads served from one pass over the codes).
+* ``mosaic_step``: the same step on the Mosaic GPU backend (Hopper; GDN at 8 bits; measured
+  slower than ``leapquant_step``, so ``auto`` does not take it).
 * ``leapquant_flush``: window-end flush (reconstruct, fit Compensator Tokens, smooth, quantize).
 * ``dense_step``: the fp32 and bf16 per-step GDN/KDA baselines.
 * ``chunk_scan``: the serial part of the chunkwise-parallel delta rule (prefill).
 * ``kda_scores``: KDA's decayed pair scores inside a chunk (prefill).
 * ``shared``: helpers of both LeapQuant kernels (the codes' planar layout, the window's decays).
-* ``support``: which configs and states the kernels take (``unsupported_reason``).
+* ``support``: which configs and states the kernels take (``unsupported_reason``), the token's
+  shape checks (``check_token``).
 
 ``api`` is the seam ``leapquant_jax.dispatch`` calls. Imports run one way: ``api`` -> the kernel
 modules -> ``shared``, ``support``, ``_compat``; no kernel module imports ``api``.

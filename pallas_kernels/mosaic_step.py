@@ -3,7 +3,7 @@
 Why: the Triton step (``leapquant_step``) is bound by the SM's L1/shared-memory pipe (its int8
 codes pass it three times: the load, the store to shared memory and the read into the dot's
 layout), not by DRAM. Here the copy engine (TMA) brings each head's tiles into shared memory
-``stages`` heads ahead of the arithmetic, and the registers read them once.
+with up to ``stages`` heads in flight, and the registers read them once.
 
 Same contract as ``leapquant_step.leapquant_step`` (``windowed.step_reference``: ``u`` read at
 ``l = pos``, the record appended at slot ``pos``, the output read at ``l = pos + 1``; ``pos < p``,
@@ -33,9 +33,9 @@ record is rounded to the record dtype when stored (as the reference does).
 
 Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic_step``,
 ``bench/results/mosaic-step-20261201.md``): correct compiled (output error against the
-reference 1.6e-7; the Triton step's 3.1e-7) but slower than the Triton step: 249-258 us per
-step against 214 us at 2 programs per SM, slower with more (285 us at 3 per SM) or fewer (360 us
-at 1.5, 390 us at 1). With the arithmetic left out the same pipeline takes 125 us (about 94% of
+reference 1.6e-7; the Triton step's 3.1e-7) but slower than the Triton step: 257 us per step
+with the defaults against 214 us (249-258 us over the variants at 2 programs per SM; slower with
+more, 285 us at 3 per SM, or fewer, 360 us at 1.5 and 390 us at 1). With the arithmetic left out the same pipeline takes 125 us (about 94% of
 copy bandwidth on the bytes it moves). Nsight Compute: 7,900 warp-instructions per head at 2.0
 instructions per cycle per SM (8 warps per SM, shared memory limiting): the step is bound by its
 instruction count, half of it fp32 multiply-adds of the code reads that ``mul`` + ``add`` do not
@@ -309,6 +309,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, interpret=interpret)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "head", "programs", "stages", "chunk", "interpret"))
 def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=3, chunk=None,
            interpret=None):
     """``leapquant_step`` with ``head`` (``_head_step``'s signature) as each head's arithmetic:

@@ -190,3 +190,21 @@ def test_registers_captures_each_kernels_triton_ir():
                                                                                            "reconstruct")]
     assert all(k.num_warps >= 1 and k.num_stages >= 1 for k in kernels)
     assert "tt.func" in _text(kernels[0].bytecode)
+
+
+def test_mosaic_load_only_pipeline_delivers_every_head():
+    # bench.mosaic_step's load-only variant: the Mosaic GPU step's pipeline around a head that
+    # returns its v and w. Each head's output row must be its own v (index maps of every program,
+    # the last one's heads past B H included), and its records appended where the step puts them.
+    from bench import mosaic_step as bm
+    from pallas_kernels import mosaic_step
+
+    config = LeapQuantConfig(bits=8, window=8)
+    st = filled_state(config, 6, 4, 128, 128, False, [0, 3, 7, 5, 1, 6])
+    tok = bk.token_at(bk.random_sequence(jax.random.PRNGKey(5), 6, 1, 4, 128, 128, False), 0)
+    o, new = mosaic_step.launch(config, st, tok, bm.load_only_head, programs=2, stages=2)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(tok.v))
+    for b, pos in enumerate([0, 3, 7, 5, 1, 6]):
+        np.testing.assert_array_equal(np.asarray(new.buffer.u[b, :, pos]), np.asarray(tok.v[b].astype(jnp.float16)))
+        np.testing.assert_array_equal(np.asarray(new.buffer.k[b, :, pos]), np.asarray(tok.w[b].astype(jnp.float16)))
+    assert mosaic_step.mosaic_step_bytes(config, 128, 128) > step_bytes(config, 128, 128, config.window - 1, False)
