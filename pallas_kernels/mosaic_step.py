@@ -244,7 +244,7 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
 def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
     """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): GDN, 8-bit
     integer codes, ``dk = dv = 128``, ``p`` and ``r`` multiples of 4, ``B H`` a multiple of
-    ``GROUP_HEADS``, a record dtype whose ``p`` log-decays fill 16 bytes, key heads dividing
+    ``GROUP_HEADS``, a record dtype whose ``p`` log-decays take a multiple of 16 bytes, key heads dividing
     ``H``."""
     ckpt, buf = state.checkpoint, state.buffer
     if config.residual_format is not None or config.bits != 8:

@@ -68,16 +68,21 @@ def test_cholesky_pivot_of_an_indefinite_gram_is_clamped():
 
 @pytest.mark.parametrize("rank", [1, 2])
 def test_rank_deficient_columns_come_out_orthonormal_or_short(rank):
-    # ``rank`` unit columns span the space; the rest are dropped (zero) or, where the diagonal
-    # shift left a sliver of a column, short: never longer than one, never NaN.
-    q = np.asarray(cholesky_qr2(rank_deficient_columns(rank, rank=rank)))
+    # ``rank`` unit columns span the space; the rest are dropped (zero) or, where rounding left a
+    # sliver of a column just above the keep threshold in the first round, short and orthogonal
+    # to the span: never longer than one, never NaN. A sliver's length after the second round,
+    # sqrt(x / (x + 1)) with x its own part over the shift, depends on the rounding (one of these
+    # 1,024 draws reaches 0.1002 on an AMD EPYC CPU), so it is bounded by one, not by a fixed
+    # fraction; what the fit relies on is that it adds nothing along the unit columns.
+    q = np.asarray(cholesky_qr2(rank_deficient_columns(rank, rank=rank)), np.float64)
     norms = column_norms(q)
     assert np.all(np.isfinite(q))
     assert norms.max() < 1 + 1e-3
     unit = np.abs(norms - 1) < 1e-3
-    assert np.all(np.sum(unit, axis=-1) == rank) and np.all(norms[~unit] < 0.1)
+    assert np.all(np.sum(unit, axis=-1) == rank)
     for qi, ui in zip(q, unit):
         np.testing.assert_allclose(qi[:, ui].T @ qi[:, ui], np.eye(rank), atol=1e-5)
+        assert np.all(np.abs(qi[:, ui].T @ qi[:, ~ui]) < 1e-4)
 
 
 def test_lost_shift_margin_fails_unclamped_and_stays_bounded_clamped(lost_margin):
