@@ -110,7 +110,8 @@ def main(argv=None):
     def errors(o, new):
         out = dict(o=rel(o, o_ref), nan=bool(jnp.isnan(o).any()))
         for name in ("k", "u", "g"):
-            out[name] = rel(getattr(new.buffer, name).astype(jnp.float32), getattr(st_ref.buffer, name).astype(jnp.float32))
+            ours, ref = getattr(new.buffer, name), getattr(st_ref.buffer, name)
+            out[name] = rel(ours.astype(jnp.float32), ref.astype(jnp.float32))
         return out
 
     ok = []
@@ -140,7 +141,8 @@ def main(argv=None):
             fn = window_fn(step, config, flush)
             us = time_loop(lambda c: fn(c[0], toks), (jax.tree_util.tree_map(jnp.copy, st), None)) / p
             bw = None if nbytes is None else nbytes / (us * 1e-6)
-            say(f"{name}: {us:.1f} us per step" + ("" if bw is None else f", {bw / 1e9:.0f} GB/s ({bw / copy_bw:.0%} of copy)"))
+            rate = "" if bw is None else f", {bw / 1e9:.0f} GB/s ({bw / copy_bw:.0%} of copy)"
+            say(f"{name}: {us:.1f} us per step{rate}")
             rows.append(dict(name=name, us=us, bytes=nbytes))
         except Exception:
             say(name, "TIMING FAILED\n" + traceback.format_exc()[-3000:])

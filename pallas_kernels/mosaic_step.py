@@ -34,12 +34,13 @@ record is rounded to the record dtype when stored (as the reference does).
 Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic_step``,
 ``bench/results/mosaic-step-20261201.md``): correct compiled (output error against the
 reference 1.6e-7; the Triton step's 3.1e-7) but slower than the Triton step: 257 us per step
-with the defaults against 214 us (249-258 us over the variants at 2 programs per SM; slower with
-more, 285 us at 3 per SM, or fewer, 360 us at 1.5 and 390 us at 1). With the arithmetic left out the same pipeline takes 125 us (about 94% of
-copy bandwidth on the bytes it moves). Nsight Compute: 7,900 warp-instructions per head at 2.0
-instructions per cycle per SM (8 warps per SM, shared memory limiting): the step is bound by its
-instruction count, half of it fp32 multiply-adds of the code reads that ``mul`` + ``add`` do not
-fuse. ``auto`` therefore keeps the Triton step; this kernel runs when called directly.
+with the defaults against 214 us (249-258 us over the variants at 2 programs per SM; slower
+with more, 285 us at 3 per SM, or fewer, 360 us at 1.5 and 390 us at 1). With the arithmetic
+left out the same pipeline takes 125 us (95% of copy bandwidth on the bytes it moves). Nsight
+Compute: 7,900 warp-instructions per head at 2.0 per cycle per SM (8 warps per SM, shared
+memory limiting), 38% of them fp32 arithmetic (half of that multiplies and adds left unfused):
+the step is bound by its instruction count. ``auto`` therefore keeps the Triton step; this
+kernel runs when called directly.
 
 Bytes moved per step and value head: ``mosaic_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU
 interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
@@ -361,8 +362,8 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
     scratch = [plgpu.SMEM((per, 4), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
                plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype)]
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages, dk=dk, p=p, r=r,
-                             h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
+    body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
+                             dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
                              interpret=bool(interpret))
 
     @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=params, interpret=interpret,

@@ -599,7 +599,7 @@ def test_the_kernels_package_imports_one_way():
 
 
 @pytest.mark.parametrize("bsz, h, key_heads, opts", [
-    (6, 4, None, dict()),                                    # the last program's heads past B H repeat and store nothing
+    (6, 4, None, dict()),                      # the last program's heads past B H repeat and store nothing
     (4, 4, 2, dict(record_dtype="bfloat16")),                # GVA: one key record per key head
     (2, 4, None, dict(compensators=False, smoothing=False)),
 ], ids=["ragged-programs", "gva-bf16", "no-ct-no-smoothing"])
