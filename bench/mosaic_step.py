@@ -30,7 +30,7 @@ import numpy as np
 from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import leapquant_step as triton_step
-from pallas_kernels import mosaic_step
+from pallas_kernels import mosaic_shared, mosaic_step
 from pallas_kernels.leapquant_flush import leapquant_flush
 from bench.kernels import git_commit, random_sequence, random_state, rel, time_copy, time_loop, token_at
 
@@ -64,7 +64,7 @@ def window_fn(step, config, flush=False):
 
 def load_only_head(i, meta_all, rg_all, tiles, *, lay, **_):
     """A head's 'arithmetic' that only reads ``v`` and ``w``: the pipeline's own cost."""
-    vcol = mosaic_step.rows_layout(16).reduce(0)
+    vcol = mosaic_shared.rows_layout(16).reduce(0)
     v = lay.load(tiles["v"], vcol)
     return v, v, lay.load(tiles["w"], vcol)
 

@@ -53,7 +53,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from leapquant_jax import windowed
@@ -61,47 +60,13 @@ from leapquant_jax.quantizers import IntTensor
 from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
+from .mosaic_shared import WARPS, Layouts, check_launch, gmem, lane_params, resolve_interpret, rows_layout, sm_count
 from .support import check_token
-
-try:  # the Mosaic GPU interpreter (JAX 0.10+): how the kernel runs on a machine without a GPU
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-except ImportError:  # pragma: no cover - older JAX
-    InterpretGPUParams = None
 
 f32 = jnp.float32
 RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
 GROUP_HEADS = 8      # heads whose scalars and record log-decays move in one copy
-WARPS = 4            # warps of the one warpgroup of a program
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
-
-
-def rows_layout(n: int):
-    """The register layout of a tile ``[n, 128]`` (``n`` a multiple of 4): rows over the 4 warps
-    and each thread's registers, the 128 columns over the 32 lanes, 4 per lane (a warp reads one
-    whole row of a tile per load)."""
-    fa = mgpu.fragmented_array
-    raw = fa.TiledLayout(fa.Tiling(((n, LANES_COLS), (n // WARPS, LANES_COLS), (1, 4))), warp_dims=(-6,),
-                         lane_dims=(-3,), vector_dim=-1, _check_canonical=False).canonicalize()
-    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
-
-
-class _Layouts:
-    """Register layouts where the Mosaic GPU lowering needs them; in interpret mode (which has no
-    layouts) plain loads and no casts, so that the same body runs there."""
-
-    def __init__(self, interpret: bool):
-        self.interpret = interpret
-
-    def load(self, ref, layout):
-        return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout)
-
-    def cast(self, x, layout):
-        return x if self.interpret else plgpu.layout_cast(x, layout)
-
-    def iota(self, n, layout):
-        if self.interpret:
-            return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-        return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -180,7 +145,7 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
     meta_all, rg_all, o_s, u_s, k_s = scratch
     bg, bk, bu, o_gmem = refs["bg"], refs["rk"], refs["ru"], refs["o"]
     c = jax.lax.axis_index("c")
-    lay = _Layouts(interpret)
+    lay = Layouts(interpret)
 
     def key_head(t):
         return (t // h) * hk + (t % h) // group
@@ -283,11 +248,7 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
 def default_programs(n: int) -> int:
     """Programs of a launch: two per SM (the fastest on the H200 at batch 512: one per SM, or
     three, were slower, ``bench/results/mosaic-step-20261201.md``), at most one per head group."""
-    try:
-        sms = jax.devices()[0].core_count
-    except (AttributeError, RuntimeError):
-        sms = 1
-    return max(1, min(2 * int(sms or 1), n // GROUP_HEADS))
+    return max(1, min(2 * sm_count(), n // GROUP_HEADS))
 
 
 def _flat(x, n):
@@ -318,10 +279,7 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_step cannot run: {why}")
-    if interpret is None and jax.default_backend() != "gpu":
-        if InterpretGPUParams is None:
-            raise RuntimeError("the Mosaic GPU step needs a GPU or the Mosaic GPU interpreter (JAX >= 0.10)")
-        interpret = InterpretGPUParams()
+    interpret = resolve_interpret(interpret, "the Mosaic GPU step")
     token = windowed.match_key_heads(token, state.key_heads)
     check_token(state, token)
     bsz, h, dk, dv = state.shape
@@ -332,11 +290,8 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
     if chunk % WARPS or dk % chunk:
         raise ValueError(f"chunk={chunk} must be a multiple of {WARPS} dividing dk={dk}")
     n = bsz * h
+    check_launch(programs, stages)
     programs = default_programs(n) if programs is None else programs
-    if not isinstance(programs, int) or programs < 1:
-        raise ValueError(f"programs={programs!r} must be a positive integer")
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages={stages!r} must be a positive integer")
     per = -(-n // programs)
     per = -(-per // GROUP_HEADS) * GROUP_HEADS
     programs = -(-n // per)
@@ -347,7 +302,6 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
                       jnp.broadcast_to(state.pos[:, None], (bsz, h)).astype(f32), jnp.zeros((bsz, h), f32)],
                      axis=-1).reshape(n, 4)
     meta = jnp.pad(meta, ((0, programs * per - n), (0, 0))).reshape(programs, per, 4)
-    gmem = lambda x: jax.new_ref(x, memory_space=plgpu.GMEM)
     arrays = dict(q=_flat(token.q.astype(f32), n), w=_flat(token.w.astype(f32), bsz * hk),
                   b=_flat(token.b.astype(f32), n), v=_flat(token.v.astype(f32), n),
                   codes=_flat(ckpt.residual.codes, n), scale=_flat(ckpt.residual.scale.astype(f32), n))
@@ -361,7 +315,7 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
     refs.update(meta=gmem(meta), bg=gmem(buf.g.reshape(n, p)), o=gmem(jnp.zeros((n, dv), f32)))
     scratch = [plgpu.SMEM((per, 4), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
                plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype)]
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    params = lane_params()
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
                              dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
                              interpret=bool(interpret))
@@ -390,5 +344,5 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1)
     return n + keys / group
 
 
-__all__ = ["GROUP_HEADS", "default_programs", "launch", "leapquant_step", "mosaic_step_bytes", "rows_layout",
+__all__ = ["GROUP_HEADS", "default_programs", "launch", "leapquant_step", "mosaic_step_bytes",
            "unsupported_reason"]

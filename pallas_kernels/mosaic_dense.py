@@ -1,0 +1,262 @@
+"""Dense per-step GDN/KDA decode step on Pallas Mosaic GPU (Hopper), state in fp32 or bf16.
+
+Why: the dense step moves the whole state twice per token (read and write) and does little
+arithmetic, so it is as fast as its copies. The Triton step (``dense_step``) keeps a few tiles
+per SM in flight through the registers and reaches 84-86% of copy bandwidth at batch 512 on the
+H200 (``bench/results``); here the copy engine (TMA) brings each tile into shared memory with
+``stages`` tiles in flight per program and writes the new tile back from shared memory while
+the next ones arrive.
+
+Same contract and arithmetic as ``dense_step.dense_step`` (in fp32, for ``S [dk, BV]``):
+
+    u = beta (v - S^T b),  S' = Diag(exp(g)) S + w u^T,  o = S'^T q = S^T (exp(g) q) + (w . q) u
+
+(GDN's scalar ``exp(g)`` applied after the sums), ``S'`` stored in place in the state's dtype
+(bf16 by round-to-nearest-even), ``o`` from the unrounded ``S'``.
+
+Structure: the ``[B H]`` heads' value blocks of ``BV`` columns are ``T = B H dv / BV`` tiles;
+``programs`` programs of one warpgroup (128 threads) each take a run of consecutive tiles
+(runs differ in length by at most one). A program copies in its tiles' scalars (``g`` for GDN,
+``beta``; packed by XLA) once, then walks its tiles in an ``emit_pipeline``: per tile the state
+block and the token's vectors (``q``, ``b``, ``w``, the block of ``v``; KDA's ``g``). The new
+state block and the output block leave through shared memory by TMA, from two alternating
+slots. Register layout (``mosaic_shared.rows_layout``): key rows over the warps and each
+thread's registers, the ``BV`` columns over the lanes; the two column sums reduce over a
+thread's rows, then once across the 4 warps.
+
+Bytes moved per step and head: ``dense_step.dense_step_bytes`` (the vectors are copied once per
+value block; blocks after a head's first read them from L2). Tested with JAX 0.10.2 (Mosaic GPU
+interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from leapquant_jax.recurrence import Token
+
+from .dense_step import STATE_DTYPES, check_dense_inputs
+from .mosaic_shared import Layouts, check_launch, gmem, lane_params, resolve_interpret, rows_layout, sm_count
+
+f32 = jnp.float32
+DK = 128                 # key rows of a head: the vectors' layout spreads them over the 32 lanes, 4 each
+BLOCKS_V = (32, 64, 128)  # value columns per tile the register layout takes
+META_ALIGN = 8           # tiles per 128-byte run of the packed scalars (4 fp32 each)
+SMEM_LIMIT = 232448      # bytes of shared memory a Hopper program may take (227 KB)
+SMEM_PER_SM = 233472     # and an SM holds (228 KB), 1 KB of it reserved per resident program
+DEFAULT_STAGES = 3
+
+
+def default_block_v(dtype) -> int:
+    """Value columns per tile: 64 for fp32 states, 128 for bf16 ones (32 KB tiles; the fastest
+    on the H200 at batch 512, ``bench/results/mosaic-dense-20261201.md``)."""
+    return 128 if jnp.dtype(dtype).itemsize == 2 else 64
+
+
+def smem_bytes(block_v: int, stages: int, dtype, per_channel: bool, per_pad: int, inplace: bool) -> int:
+    """Shared memory of one program: ``stages`` sets of input tiles, two output slots (the output
+    row's only, ``inplace``), the scalars."""
+    tile = DK * block_v * jnp.dtype(dtype).itemsize
+    inputs = tile + 4 * (3 * DK + block_v + (DK if per_channel else 0))
+    return stages * inputs + 2 * ((0 if inplace else tile) + 4 * block_v) + 16 * per_pad
+
+
+def default_programs(tiles: int, smem_of) -> int:
+    """Programs of a launch: two per SM where two fit in its shared memory (``smem_of(programs)``
+    bytes each), else one (three per SM, with fewer stages, were slower, ``bench/results``), at
+    most one per tile."""
+    sms = sm_count()
+    per_sm = 2 if 2 * (smem_of(2 * sms) + 1024) <= SMEM_PER_SM else 1
+    return max(1, min(per_sm * sms, tiles))
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _tile_step(meta_all, i, t, *, per_channel, bv, lay):
+    """Tile ``i`` of the program from its shared-memory tiles ``t``: ``(o [BV], S' [dk, BV])`` in fp32."""
+    L = rows_layout(DK, bv)
+    VCOL = L.reduce(0)                    # [BV] over the lanes
+    ROW = L.reduce(1)                     # [dk] over the warps and registers
+    VEC = rows_layout(4, DK).reduce(0)    # [dk] over the lanes (the dot w . q)
+    beta = meta_all[i, 1]
+    rows = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (DK, bv), (0,)), L)
+    cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (DK, bv), (1,)), L)
+
+    s = lay.load(t["s"], L).astype(f32)
+    q = lay.load(t["q"], ROW)
+    if per_channel:
+        alpha = jnp.exp(lay.load(t["g"], ROW))
+        q = alpha * q
+    sb = jnp.sum(s * rows(lay.load(t["b"], ROW)), axis=0)
+    sq = jnp.sum(s * rows(q), axis=0)
+    u = beta * (lay.load(t["v"], VCOL) - sb)
+    wq = jnp.sum(lay.load(t["w"], VEC) * lay.load(t["q"], VEC))
+    wu = rows(lay.load(t["w"], ROW)) * cols(u)
+    if per_channel:
+        return sq + wq * u, rows(alpha) * s + wu
+    a = jnp.exp(meta_all[i, 0])
+    return a * sq + wq * u, a * s + wu
+
+
+def tile_order(c, i, tiles: int, programs: int, interleave: bool, xp=jnp):
+    """``(tile, count)``: the tile program ``c`` takes at its step ``i`` and how many it takes.
+    Runs: tiles ``[c T // programs, (c + 1) T // programs)``; interleaved: ``c + i programs``. The
+    steps past a program's count repeat its last tile (read, never written)."""
+    if interleave:
+        count = (tiles - c + programs - 1) // programs
+        return c + xp.minimum(i, count - 1) * programs, count
+    start = (c * tiles) // programs
+    count = ((c + 1) * tiles) // programs - start
+    return start + xp.minimum(i, count - 1), count
+
+
+def _program(refs, scratch, *, names, tiles, programs, per, nb, stages, per_channel, bv, dtype, inplace, interleave,
+             interpret):
+    """Program ``c``: its tiles in ``tile_order``."""
+    meta_all, o_s = scratch[:2]
+    c = jax.lax.axis_index("c")
+    count = tile_order(c, 0, tiles, programs, interleave)[1]
+    lay = Layouts(interpret)
+
+    def tile_of(i):
+        return tile_order(c, i, tiles, programs, interleave)[0]
+
+    def fetch(bar):
+        plgpu.copy_gmem_to_smem(refs["meta"].at[c], meta_all, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+
+    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=1))
+
+    def body(idx, *tiles_in):
+        i = idx[0]
+        t = tile_of(i)
+        tile = dict(zip(names, tiles_in))
+        o, s_new = _tile_step(meta_all, i, tile, per_channel=per_channel, bv=bv, lay=lay)
+        slot = i % 2
+        # The copies out of tile i - 2 have read their slots (o's; in place, the state's slot of
+        # tile i - 2 was already refilled, so this only bounds the groups in flight).
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        s_out = tile["s"] if inplace else scratch[2].at[slot]
+        o_s[slot] = o
+        s_out[...] = s_new.astype(dtype)
+        plgpu.commit_smem()
+        head, cols = t // nb, pl.ds((t % nb) * bv, bv)
+
+        @pl.when(i < count)
+        def _():
+            plgpu.copy_smem_to_gmem(o_s.at[slot], refs["o"].at[head, cols], commit_group=False)
+            plgpu.copy_smem_to_gmem(s_out, refs["s"].at[head, :, cols], commit_group=False)
+
+        plgpu.commit_smem_to_gmem_group()
+        if inplace:
+            # The pipeline refills this tile's state slot after the next tile's body (the
+            # state's spec delays its release by one step): by then this copy has read it.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+    specs = dict(
+        s=plgpu.BlockSpec((None, DK, bv), lambda i: (tile_of(i) // nb, 0, tile_of(i) % nb),
+                          delay_release=1 if inplace else 0),
+        v=plgpu.BlockSpec((None, bv), lambda i: (tile_of(i) // nb, tile_of(i) % nb)))
+    vec = plgpu.BlockSpec((None, DK), lambda i: (tile_of(i) // nb, 0))
+    plgpu.emit_pipeline(body, grid=(per,), in_specs=[specs.get(name, vec) for name in names],
+                        max_concurrent_steps=stages)(*[refs[name] for name in names])
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def unsupported_reason(values: jax.Array, token: Token, block_v: int | None = None) -> str | None:
+    """Why this kernel cannot take the ``[B, H, dk, dv]`` state ``values`` and ``token`` (``None``
+    when it can): ``dense_step``'s input checks, ``dk = 128``, ``block_v`` in ``BLOCKS_V`` dividing ``dv``."""
+    bv = block_v or default_block_v(values.dtype)
+    if values.ndim == 4 and values.shape[2] != DK:
+        return f"dk={values.shape[2]}: the Mosaic GPU dense step takes dk = {DK}"
+    if bv not in BLOCKS_V:
+        return f"block_v={bv}: the Mosaic GPU dense step takes {BLOCKS_V}"
+    try:
+        check_dense_inputs(values, token, bv)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "programs", "stages", "inplace", "interleave", "interpret"))
+def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, programs: int | None = None,
+               stages: int = DEFAULT_STAGES, inplace: bool = True, interleave: bool = True, interpret=None):
+    """One dense step on a ``[B, H, 128, dv]`` fp32 or bf16 state (``dense_step.dense_step``'s contract).
+
+    token: general-form ``Token`` with ``H`` value heads. Returns ``(o [B, H, dv] fp32, state)``,
+    the state updated in place when the caller's ``jit`` donates it. ``block_v``: value columns
+    per tile (``default_block_v``); ``programs``: of the launch (``default_programs``);
+    ``stages``: tiles in flight per program; ``inplace``: the new state block is written over
+    its input slot in shared memory and copied out from there (the slot is refilled one tile
+    later), instead of through two output slots of its own (which a program of a single tile
+    always takes: the delayed refill needs two stages); ``interleave``: which tiles a program
+    takes (``tile_order``). ``interpret``: ``None`` runs compiled on a GPU and
+    in the Mosaic GPU interpreter elsewhere.
+    """
+    why = unsupported_reason(state, token, block_v)
+    if why is not None:
+        raise ValueError(f"Mosaic GPU dense_step cannot run: {why}")
+    check_launch(programs, stages)
+    interpret = resolve_interpret(interpret, "the Mosaic GPU dense step")
+    bsz, h, dk, dv = state.shape
+    bv = block_v or default_block_v(state.dtype)
+    per_channel = token.g.ndim == 3
+    n, nb = bsz * h, dv // bv
+    tiles = n * nb
+
+    def layout(programs):   # (tiles per program, padded to whole scalar runs; stages; in place; bytes)
+        per = -(-tiles // programs)
+        per_pad = -(-per // META_ALIGN) * META_ALIGN
+        st = min(stages, per)
+        inp = inplace and st >= 2
+        return per, per_pad, st, inp, smem_bytes(bv, st, state.dtype, per_channel, per_pad, inp)
+
+    if programs is None:
+        programs = default_programs(tiles, lambda p: layout(p)[-1])
+    programs = min(programs, tiles)
+    per, per_pad, stages, inplace, need = layout(programs)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"block_v={bv} with stages={stages} needs {need} bytes of shared memory per program "
+                         f"(at most {SMEM_LIMIT}): take fewer stages or a narrower block")
+
+    # Each program's tiles' scalars (g for GDN, beta, 0, 0), padded to whole 128-byte runs.
+    scalars = jnp.stack([jnp.zeros((n,), f32) if per_channel else token.g.reshape(n).astype(f32),
+                         token.beta.reshape(n).astype(f32)] + [jnp.zeros((n,), f32)] * 2, axis=-1)
+    heads = tile_order(np.arange(programs)[:, None], np.arange(per_pad)[None, :], tiles, programs, interleave,
+                       np)[0] // nb
+    meta = scalars[jnp.asarray(heads, jnp.int32)]                                  # [programs, per_pad, 4]
+
+    flat = lambda x: x.reshape((n,) + x.shape[2:]).astype(f32)
+    arrays = dict(s=state.reshape(n, dk, dv), q=flat(token.q), b=flat(token.b), w=flat(token.w), v=flat(token.v))
+    if per_channel:
+        arrays["g"] = flat(token.g)
+    names = tuple(arrays)
+    refs = {name: gmem(x) for name, x in arrays.items()}
+    refs.update(meta=gmem(meta), o=gmem(jnp.zeros((n, dv), f32)))
+    scratch = [plgpu.SMEM((per_pad, 4), f32), plgpu.SMEM((2, bv), f32)]
+    if not inplace:
+        scratch.append(plgpu.SMEM((2, dk, bv), state.dtype))
+    body = functools.partial(_program, names=names, tiles=tiles, programs=programs, per=per, nb=nb, stages=stages,
+                             per_channel=per_channel, bv=bv, dtype=state.dtype, inplace=inplace,
+                             interleave=interleave, interpret=bool(interpret))
+
+    @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
+                 interpret=interpret, name=f"dense_step_mosaic_{'kda' if per_channel else 'gdn'}_{state.dtype}")
+    def dense_step_mosaic():
+        pl.run_scoped(lambda *s: body(refs, s), *scratch)
+
+    return jax.freeze(refs["o"]).reshape(bsz, h, dv), jax.freeze(refs["s"]).reshape(state.shape)
+
+
+__all__ = ["BLOCKS_V", "DK", "SMEM_LIMIT", "STATE_DTYPES", "default_block_v", "default_programs", "dense_step",
+           "smem_bytes", "unsupported_reason"]

@@ -1,0 +1,94 @@
+"""Helpers of the Mosaic GPU kernels (``mosaic_step``, ``mosaic_dense``): register layouts, the
+interpret-mode shim, how a launch is sized and run.
+
+Why one module: both kernels walk their tiles in one ``emit_pipeline`` per program, take the
+same register layout (rows over the warps and registers, columns over the lanes) and run in the
+Mosaic GPU interpreter on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+try:  # the Mosaic GPU interpreter (JAX 0.10+): how the kernels run on a machine without a GPU
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # pragma: no cover - older JAX
+    InterpretGPUParams = None
+
+WARPS = 4            # warps of the one warpgroup of a program
+LANES = 32
+
+
+def rows_layout(n: int, cols: int = 128):
+    """The register layout of a tile ``[n, cols]`` (``n`` a multiple of 4, ``cols`` 32, 64 or 128):
+    rows over the 4 warps and each thread's registers, the columns over the 32 lanes,
+    ``cols / 32`` per lane (a warp reads one whole row of a tile per load)."""
+    if cols % LANES or cols // LANES not in (1, 2, 4):
+        raise ValueError(f"cols={cols}: a rows layout spreads 32, 64 or 128 columns over the lanes")
+    fa = mgpu.fragmented_array
+    raw = fa.TiledLayout(fa.Tiling(((n, cols), (n // WARPS, cols), (1, cols // LANES))), warp_dims=(-6,),
+                         lane_dims=(-3,), vector_dim=-1, _check_canonical=False).canonicalize()
+    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
+
+
+class Layouts:
+    """Register layouts where the Mosaic GPU lowering needs them; in interpret mode (which has no
+    layouts) plain loads and no casts, so that the same body runs there."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def load(self, ref, layout):
+        return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout)
+
+    def cast(self, x, layout):
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def iota(self, n, layout):
+        if self.interpret:
+            return jax.lax.broadcasted_iota(jax.numpy.int32, (n,), 0)
+        return plgpu.broadcasted_iota(jax.numpy.int32, (n,), 0, layout=layout)
+
+
+def resolve_interpret(interpret, what: str):
+    """``interpret`` as given, or ``None`` resolved: compiled on a GPU, the Mosaic GPU interpreter
+    elsewhere (an error naming ``what`` where this JAX has none)."""
+    if interpret is None and jax.default_backend() != "gpu":
+        if InterpretGPUParams is None:
+            raise RuntimeError(f"{what} needs a GPU or the Mosaic GPU interpreter (JAX >= 0.10)")
+        return InterpretGPUParams()
+    return interpret
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the default device (1 where it does not say)."""
+    try:
+        sms = jax.devices()[0].core_count
+    except (AttributeError, RuntimeError):
+        sms = 1
+    return max(1, int(sms or 1))
+
+
+def check_launch(programs, stages) -> None:
+    """``ValueError`` unless ``programs`` (or ``None``) and ``stages`` are positive integers."""
+    if programs is not None and (not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs={programs!r} must be a positive integer")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages={stages!r} must be a positive integer")
+
+
+def lane_params():
+    """Compiler parameters of every kernel here: Lane lowering semantics (the layouts above are
+    per-thread register layouts; JAX 0.11's default, Warpgroup, infers its own)."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def gmem(x):
+    """``x`` as a mutable device-memory ref of a ``core_map`` kernel."""
+    return jax.new_ref(x, memory_space=plgpu.GMEM)
+
+
+__all__ = ["InterpretGPUParams", "LANES", "Layouts", "WARPS", "check_launch", "gmem", "lane_params",
+           "resolve_interpret", "rows_layout", "sm_count"]
