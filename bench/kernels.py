@@ -346,17 +346,23 @@ def window_tokens(bsz, h, dk, dv, kda, p, seed=0):
     return [token_at(seq, i) for i in range(p)]
 
 
+def step_timer(step, **opts):
+    """Jitted ``(state, toks) -> (state, o)``: ``o, state = step(state, tok, **opts)`` per token,
+    the state donated."""
+    def run(state, toks):
+        o = None
+        for tok in toks:
+            o, state = step(state, tok, **opts)
+        return state, o
+
+    return jax.jit(run, donate_argnums=(0,))
+
+
 def dense_timer(dtype, tokens, **opts):
     """Jitted ``(state [B, H, dk, dv], toks) -> (state, o [B, H, dv])``: one dense step per token;
     ``opts`` go to ``dense_step`` as they are (``block_v``, ``num_warps``, and ``num_stages`` where
     ``dense_accepts`` says it takes it)."""
-    def run(state, toks):
-        o = None
-        for tok in toks:
-            o, state = dense_step(state, tok, **opts)
-        return state, o
-
-    return jax.jit(run, donate_argnums=(0,))
+    return step_timer(dense_step, **opts)
 
 
 def dense_accepts(option: str) -> bool:
@@ -647,6 +653,23 @@ def git_commit():
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
         return None
+
+
+def results_log(out: str, prefix: str):
+    """``(base, say)``: ``out/<prefix>-<UTC time>`` (the folder made) and a ``say(*x)`` that prints
+    its arguments and appends them to ``base.log``, flushed at once (a run cut short keeps them)."""
+    os.makedirs(out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(out, f"{prefix}-{stamp}")
+    log = open(base + ".log", "w")
+
+    def say(*x):
+        line = " ".join(str(y) for y in x)
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+
+    return base, say
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@ reference over a few tokens, then µs per token-step at one batch, for each mode
     python -m bench.mosaic_dense --ncu JSON [--modes ...]   # that variant and FLA, 3 launches each (Nsight Compute)
 
 ``--variants``: JSON list of option dicts for ``mosaic_dense.dense_step`` (``block_v``, ``stages``,
-and ``per_sm``, programs per SM, turned into ``programs``); ``--triton-variants`` the same for
+``inplace``, ``interleave``, and ``per_sm``, programs per SM, turned into ``programs``); ``--triton-variants`` the same for
 ``dense_step.dense_step`` (``block_v``, ``num_warps``). Variants a dtype cannot take (shared
 memory) are reported and skipped. 128 x 128 heads, 8 tokens per timed call, the state donated.
 Writes ``mosaic-dense-<UTC time>.json``, ``.log`` and ``.md`` under ``--out`` (default
@@ -17,9 +17,7 @@ Writes ``mosaic-dense-<UTC time>.json``, ``.log`` and ``.md`` under ``--out`` (d
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 import traceback
@@ -27,15 +25,18 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from bench.kernels import fla_fns, git_commit, random_sequence, random_state, rel, time_copy, time_fla, time_jax, token_at
+from bench.kernels import (
+    fla_fns, git_commit, random_sequence, random_state, rel, results_log, step_timer, time_copy, time_fla, time_jax,
+    token_at,
+)
 from pallas_kernels import dense_step as triton_dense
 from pallas_kernels import mosaic_dense
 from pallas_kernels.mosaic_shared import sm_count
 
 TOKENS = 8
-DEFAULT_VARIANTS = ('[{}, {"block_v": 32, "stages": 3, "per_sm": 2}, {"block_v": 32, "stages": 2, "per_sm": 3},'
-                    ' {"block_v": 64, "stages": 3, "per_sm": 1}, {"block_v": 128, "stages": 2, "per_sm": 1}]')
-DEFAULT_TRITON = '[{}, {"block_v": 16, "num_warps": 1}, {"block_v": 8, "num_warps": 1}, {"block_v": 32, "num_warps": 2}]'
+DEFAULT_VARIANTS = '[{}, {"stages": 4, "per_sm": 1}, {"interleave": false}, {"inplace": false, "per_sm": 1}]'
+DEFAULT_TRITON = ('[{}, {"block_v": 16, "num_warps": 1}, {"block_v": 8, "num_warps": 1},'
+                  ' {"block_v": 32, "num_warps": 2}]')
 
 
 def mosaic_options(opts: dict) -> dict:
@@ -48,17 +49,6 @@ def mosaic_options(opts: dict) -> dict:
 
 def label(kind: str, opts: dict) -> str:
     return f"{kind} " + (" ".join(f"{k}={v}" for k, v in opts.items()) or "defaults")
-
-
-def timer(step, **opts):
-    """Jitted ``(state, toks) -> (state, o)``: one ``step`` per token, the state donated."""
-    def run(state, toks):
-        o = None
-        for tok in toks:
-            o, state = step(state, tok, **opts)
-        return state, o
-
-    return jax.jit(run, donate_argnums=(0,))
 
 
 def profile_launches(a, opts) -> int:
@@ -92,17 +82,8 @@ def main(argv=None):
     bsz, h, dk, dv = a.batch, a.heads, 128, 128
     if a.ncu:
         return profile_launches(a, json.loads(a.ncu))
-    os.makedirs(a.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = os.path.join(a.out, f"mosaic-dense-{stamp}")
-    log = open(base + ".log", "w")
+    base, say = results_log(a.out, "mosaic-dense")
     rows, checks = [], []
-
-    def say(*x):
-        line = " ".join(str(y) for y in x)
-        print(line, flush=True)
-        log.write(line + "\n")
-        log.flush()
 
     say("jax", jax.__version__, jax.devices(), "commit", git_commit(), "command", " ".join(sys.argv))
     gpu = jax.default_backend() == "gpu"
@@ -120,7 +101,7 @@ def main(argv=None):
         for dtype in a.dtypes:
             nbytes = triton_dense.dense_step_bytes(dk, dv, jnp.dtype(dtype).itemsize, kda) * bsz * h
             state = s0.astype(dtype)
-            ref = timer(triton_dense.dense_step_reference)
+            ref = step_timer(triton_dense.dense_step_reference)
             s_r, o_r = ref(jnp.copy(state), toks)
             entries = [("fla", {}, None)] if dtype == "float32" and fla_us is not None else []
             entries += [("triton", o, triton_dense.dense_step) for o in json.loads(a.triton_variants)]
@@ -133,7 +114,7 @@ def main(argv=None):
                     fn_opts = mosaic_options(opts) if kind == "mosaic" else opts
                     try:
                         t0 = time.time()
-                        fn = timer(step, **fn_opts)
+                        fn = step_timer(step, **fn_opts)
                         s_k, o_k = fn(jnp.copy(state), toks)
                         err = dict(o=rel(o_k, o_r), state=rel(s_k.astype(jnp.float32), s_r.astype(jnp.float32)),
                                    finite=bool(jnp.all(jnp.isfinite(o_k)) & jnp.all(jnp.isfinite(s_k))))
@@ -166,7 +147,8 @@ def main(argv=None):
                      f"{100 * r['frac_copy_bw']:.0f} | {fx} |\n")
         md.write("\n| mode | state | kernel | o error | state error | finite |\n| --- | --- | --- | --- | --- | --- |\n")
         for c in checks:
-            md.write(f"| {c['mode']} | {c['dtype']} | {c['name']} | {c['o']:.2e} | {c['state']:.2e} | {c['finite']} |\n")
+            md.write(f"| {c['mode']} | {c['dtype']} | {c['name']} | {c['o']:.2e} | {c['state']:.2e} | "
+                     f"{c['finite']} |\n")
     return 0
 
 

@@ -16,9 +16,7 @@ is counted with ``step_bytes`` (the Triton step's masked loads) for the Triton r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 import traceback
@@ -32,7 +30,7 @@ from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import leapquant_step as triton_step
 from pallas_kernels import mosaic_shared, mosaic_step
 from pallas_kernels.leapquant_flush import leapquant_flush
-from bench.kernels import git_commit, random_sequence, random_state, rel, time_copy, time_loop, token_at
+from bench.kernels import git_commit, random_sequence, random_state, rel, results_log, time_copy, time_loop, token_at
 
 
 def ragged_state(config, bsz, h, dk, dv, seed=0):
@@ -92,17 +90,8 @@ def main(argv=None):
         for _ in range(4):
             jax.block_until_ready(f(st, tok))
         return 0
-    os.makedirs(a.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = os.path.join(a.out, f"mosaic-step-{stamp}")
-    log = open(base + ".log", "w")
+    base, say = results_log(a.out, "mosaic-step")
     rows = []
-
-    def say(*x):
-        line = " ".join(str(y) for y in x)
-        print(line, flush=True)
-        log.write(line + "\n")
-        log.flush()
 
     say("jax", jax.__version__, jax.devices(), "commit", git_commit(), "command", " ".join(sys.argv))
     o_ref, st_ref = jax.jit(lambda s, t: windowed.step_reference(config, s, t))(st, tok)

@@ -1,5 +1,5 @@
 """Pallas kernels for the LeapQuant step and flush and the dense per-step baselines (Triton backend;
-one Mosaic GPU step for Hopper).
+a Mosaic GPU step and dense step for Hopper).
 
 Modules, each read top to bottom as kernel, wrapper, reference:
 
@@ -8,12 +8,16 @@ Modules, each read top to bottom as kernel, wrapper, reference:
   slower than ``leapquant_step``, so ``auto`` does not take it).
 * ``leapquant_flush``: window-end flush (reconstruct, fit Compensator Tokens, smooth, quantize).
 * ``dense_step``: the fp32 and bf16 per-step GDN/KDA baselines.
+* ``mosaic_dense``: the same on the Mosaic GPU backend (Hopper; dk = 128; faster than
+  ``dense_step`` on the H200, but it cannot run under ``vmap``, so ``auto`` does not take it).
 * ``chunk_scan``: the serial part of the chunkwise-parallel delta rule (prefill).
 * ``kda_scores``: KDA's decayed pair scores inside a chunk (prefill).
 * ``shared``: helpers of both LeapQuant kernels (the codes' planar layout, the window's decays).
+* ``mosaic_shared``: helpers of both Mosaic GPU kernels (register layouts, the interpreter shim,
+  launch sizing).
 * ``support``: which configs and states the kernels take (``unsupported_reason``), the token's
   shape checks (``check_token``).
 
 ``api`` is the seam ``leapquant_jax.dispatch`` calls. Imports run one way: ``api`` -> the kernel
-modules -> ``shared``, ``support``, ``_compat``; no kernel module imports ``api``.
+modules -> ``shared``, ``mosaic_shared``, ``support``, ``_compat``; no kernel module imports ``api``.
 """

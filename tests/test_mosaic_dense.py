@@ -1,0 +1,130 @@
+"""The Mosaic GPU dense step against the reference, in the Mosaic GPU interpreter on the CPU, and
+lowered for CUDA (which checks every register layout and copy it names without a GPU).
+
+Inputs as in ``test_kernels``: realistic keys, decays and queries on a random dense state with
+outlier value columns; several steps in a row, so a wrong in-place write shows in the next one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from leapquant_jax.recurrence import delta_rule_token
+from pallas_kernels import mosaic_dense
+from pallas_kernels.dense_step import dense_step_reference
+
+from test_kernels import dense_state, rel, sequence, token
+
+
+def check_steps(kda, dtype, bsz, h, dv, steps=2, **opts):
+    key = jax.random.PRNGKey(hash((kda, dtype, bsz, h, dv)) % 1000)
+    seq = sequence(key, bsz, steps, h, 128, dv, kda)
+    s_k = s_r = dense_state(jax.random.fold_in(key, 1), bsz, h, 128, dv).astype(dtype)
+    for i in range(steps):
+        o_r, s_r = dense_step_reference(s_r, token(seq, i))
+        o_k, s_k = mosaic_dense.dense_step(jnp.copy(s_k), token(seq, i), **opts)
+        assert s_k.dtype == s_r.dtype and s_k.shape == s_r.shape
+        assert rel(o_k, o_r) < 1e-5
+        # the same fp32 update rounded once: equal in fp32, at most a bf16 step apart in bf16
+        a, b = np.asarray(s_k, np.float64), np.asarray(s_r, np.float64)
+        bound = 1e-6 if dtype == "float32" else 2.0 ** -7
+        assert np.all(np.abs(a - b) <= bound * np.abs(b) + 1e-6 * np.abs(b).max())
+    return o_k, s_k
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mosaic_dense_step_matches_reference(kda, dtype):
+    # defaults: every programs-th tile, the new block written over its input slot
+    check_steps(kda, dtype, 3, 2, 128, programs=4)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(block_v=32, programs=5, interleave=False),              # runs of unequal length
+    dict(block_v=128, programs=2, stages=2),
+    dict(block_v=64, programs=3, inplace=False),                 # two output slots of its own
+    dict(block_v=64, programs=12),                               # one tile per program: no delayed refill
+], ids=["runs", "whole-heads", "out-of-place", "one-tile-each"])
+def test_mosaic_dense_step_launch_options(opts):
+    check_steps(True, "float32", 3, 2, 256 if opts["block_v"] == 32 else 128, **opts)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_mosaic_dense_step_fully_decayed_heads(kda):
+    seq = sequence(jax.random.PRNGKey(3), 2, 1, 2, 128, 128, kda, log_decay=-1e3)
+    s = dense_state(jax.random.PRNGKey(4), 2, 2, 128, 128)
+    o_k, s_k = mosaic_dense.dense_step(jnp.copy(s), token(seq, 0))
+    o_r, s_r = dense_step_reference(s, token(seq, 0))
+    assert np.all(np.isfinite(o_k)) and np.all(np.isfinite(s_k))
+    assert rel(o_k, o_r) < 1e-5 and rel(s_k, s_r) < 1e-6
+
+
+def test_mosaic_dense_step_runs_inside_scan():
+    # the models' decode loops: the kernel's refs inside a scanned body
+    seq = sequence(jax.random.PRNGKey(5), 2, 3, 2, 128, 128, False)
+    s = dense_state(jax.random.PRNGKey(6), 2, 2, 128, 128)
+    toks = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), seq)
+
+    def body(state, x):
+        o, state = mosaic_dense.dense_step(state, delta_rule_token(**x))
+        return state, o
+
+    s_k, o_k = jax.jit(lambda s: jax.lax.scan(body, s, toks))(s)
+    s_r = s
+    for i in range(3):
+        o_r, s_r = dense_step_reference(s_r, token(seq, i))
+    assert rel(o_k[-1], o_r) < 1e-5 and rel(s_k, s_r) < 1e-6
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mosaic_dense_step_lowers_for_cuda(kda, dtype):
+    from jax import export
+
+    bsz, h = 4, 4
+    z = lambda *shape: jnp.zeros(shape)
+    tok = delta_rule_token(q=z(bsz, h, 128), k=z(bsz, h, 128), v=z(bsz, h, 128),
+                           g=z(bsz, h, 128) if kda else z(bsz, h), beta=z(bsz, h))
+    f = jax.jit(lambda s, t: mosaic_dense.dense_step(s, t, programs=3, interpret=False))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    (jnp.zeros((bsz, h, 128, 128), dtype), tok))
+    text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
+    assert "mosaic_gpu" in text
+    assert text.count("stablehlo.output_operand_alias<") == 2          # the state and the output only
+
+
+def test_mosaic_dense_step_rejects_what_it_cannot_run():
+    seq = sequence(jax.random.PRNGKey(0), 2, 1, 2, 128, 128, False)
+    tok = token(seq, 0)
+    s = jnp.zeros((2, 2, 128, 128))
+    with pytest.raises(ValueError, match="dk=64"):
+        mosaic_dense.dense_step(jnp.zeros((2, 2, 64, 128)), token(sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 128,
+                                                                           False), 0))
+    with pytest.raises(ValueError, match="block_v=16"):
+        mosaic_dense.dense_step(s, tok, block_v=16)
+    with pytest.raises(ValueError, match="token.v"):
+        mosaic_dense.dense_step(s, tok.replace(v=jnp.zeros((2, 2, 64))))
+    with pytest.raises(TypeError, match="states"):
+        mosaic_dense.dense_step(s.astype(jnp.float16), tok)
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic_dense.dense_step(s, tok, block_v=128, stages=4)
+    with pytest.raises(ValueError, match="stages=0"):
+        mosaic_dense.dense_step(s, tok, stages=0)
+    assert mosaic_dense.unsupported_reason(s, tok) is None
+    assert "dk=64" in mosaic_dense.unsupported_reason(jnp.zeros((2, 2, 64, 128)), tok)
+
+
+def test_tile_orders_cover_every_tile_once():
+    for tiles, programs in [(12, 5), (7, 7), (64, 3), (5, 1)]:
+        for interleave in (False, True):
+            seen = []
+            for c in range(programs):
+                count = mosaic_dense.tile_order(c, 0, tiles, programs, interleave, np)[1]
+                seen += [int(mosaic_dense.tile_order(c, i, tiles, programs, interleave, np)[0]) for i in range(count)]
+                # steps past the count repeat the last tile
+                last = mosaic_dense.tile_order(c, count - 1, tiles, programs, interleave, np)[0]
+                assert mosaic_dense.tile_order(c, count + 2, tiles, programs, interleave, np)[0] == last
+            assert sorted(seen) == list(range(tiles)), (tiles, programs, interleave)
