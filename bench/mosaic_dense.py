@@ -4,6 +4,7 @@ reference over a few tokens, then µs per token-step at one batch, for each mode
 
     python -m bench.mosaic_dense [--batch 512] [--heads 32] [--modes gdn kda] [--dtypes float32 bfloat16]
         [--variants JSON] [--triton-variants JSON] [--out DIR]
+    python -m bench.mosaic_dense ... --copy-only   # also the pipeline without the arithmetic
     python -m bench.mosaic_dense --ncu JSON [--modes ...]   # that variant and FLA, 3 launches each (Nsight Compute)
 
 ``--variants``: JSON list of option dicts for ``mosaic_dense.dense_step`` (``block_v``, ``stages``,
@@ -31,7 +32,7 @@ from bench.kernels import (
 )
 from pallas_kernels import dense_step as triton_dense
 from pallas_kernels import mosaic_dense
-from pallas_kernels.mosaic_shared import sm_count
+from pallas_kernels.mosaic_shared import rows_layout, sm_count
 
 TOKENS = 8
 DEFAULT_VARIANTS = '[{}, {"stages": 4, "per_sm": 1}, {"interleave": false}, {"inplace": false, "per_sm": 1}]'
@@ -45,6 +46,17 @@ def mosaic_options(opts: dict) -> dict:
     if "per_sm" in opts:
         opts["programs"] = opts.pop("per_sm") * sm_count()
     return opts
+
+
+def copy_only_tile(meta_all, i, t, *, per_channel, bv, lay):
+    """A tile's 'arithmetic' that returns its state block unchanged and its ``v`` block as the
+    output: the pipeline's own cost on the same bytes."""
+    tile = rows_layout(mosaic_dense.DK, bv)
+    return lay.load(t["v"], tile.reduce(0)), lay.load(t["s"], tile).astype(jnp.float32)
+
+
+def copy_only_step(state, token, **opts):
+    return mosaic_dense.launch(state, token, copy_only_tile, **opts)
 
 
 def label(kind: str, opts: dict) -> str:
@@ -76,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(triton_dense.STATE_DTYPES))
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="JSON list of mosaic_dense.dense_step options")
     ap.add_argument("--triton-variants", default=DEFAULT_TRITON, help="JSON list of dense_step.dense_step options")
+    ap.add_argument("--copy-only", action="store_true",
+                    help="also time each Mosaic variant's pipeline with the arithmetic left out (state unchanged)")
     ap.add_argument("--ncu", default=None, help="JSON options: only launch that variant (fp32) and FLA 3 times each")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
@@ -106,21 +120,28 @@ def main(argv=None):
             entries = [("fla", {}, None)] if dtype == "float32" and fla_us is not None else []
             entries += [("triton", o, triton_dense.dense_step) for o in json.loads(a.triton_variants)]
             entries += [("mosaic", o, mosaic_dense.dense_step) for o in json.loads(a.variants)]
+            if a.copy_only:
+                entries += [("copy-only", o, copy_only_step) for o in json.loads(a.variants)]
             for kind, opts, step in entries:
                 name = label(kind, opts)
                 if kind == "fla":
                     us = fla_us
                 else:
-                    fn_opts = mosaic_options(opts) if kind == "mosaic" else opts
+                    fn_opts = opts if kind == "triton" else mosaic_options(opts)
                     try:
                         t0 = time.time()
                         fn = step_timer(step, **fn_opts)
                         s_k, o_k = fn(jnp.copy(state), toks)
-                        err = dict(o=rel(o_k, o_r), state=rel(s_k.astype(jnp.float32), s_r.astype(jnp.float32)),
-                                   finite=bool(jnp.all(jnp.isfinite(o_k)) & jnp.all(jnp.isfinite(s_k))))
+                        if kind == "copy-only":   # the state comes back as it went in, o is the last v
+                            err = dict(o=rel(o_k, toks[-1].v), state=rel(s_k.astype(jnp.float32),
+                                                                         state.astype(jnp.float32)))
+                        else:
+                            err = dict(o=rel(o_k, o_r), state=rel(s_k.astype(jnp.float32), s_r.astype(jnp.float32)))
+                        err["finite"] = bool(jnp.all(jnp.isfinite(o_k)) & jnp.all(jnp.isfinite(s_k)))
                         s_k = o_k = None
                         say(mode, dtype, name, f"compile + run {time.time() - t0:.1f} s;",
-                            f"{TOKENS} tokens against the reference:", err)
+                            f"{TOKENS} tokens against the "
+                            + ("input (copy only):" if kind == "copy-only" else "reference:"), err)
                         checks.append(dict(mode=mode, dtype=dtype, name=name, **err))
                         us = time_jax(fn, jnp.copy(state), toks, TOKENS) if gpu else None
                     except Exception:

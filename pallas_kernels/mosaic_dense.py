@@ -33,7 +33,8 @@ the Triton step in the same run: fp32 GDN 561.8 (91% of copy bandwidth; FLA 736.
 peak DRAM bandwidth, FLA's at 529 us and 85%. Not taken by ``auto`` (``api``): ``core_map`` has
 no batching rule, so the kernel does not run under ``vmap``, which the per-step methods must
 (a ``custom_vmap`` around it breaks ``lax.scan``: no state discharge rule); it runs when called
-directly.
+directly. ``launch`` runs the same pipeline around other arithmetic (``bench.mosaic_dense
+--copy-only``: the state copied through unchanged, to measure the pipeline's own ceiling).
 
 Bytes moved per step and head: ``dense_step.dense_step_bytes`` (the vectors are copied once per
 value block; blocks after a head's first read them from L2). Tested with JAX 0.10.2 (Mosaic GPU
@@ -60,7 +61,8 @@ DK = 128                 # key rows of a head: the vectors' layout spreads them 
 BLOCKS_V = (32, 64, 128)  # value columns per tile the register layout takes
 META_ALIGN = 8           # tiles per 128-byte run of the packed scalars (4 fp32 each)
 SMEM_LIMIT = 232448      # bytes of shared memory a Hopper program may take (227 KB)
-SMEM_PER_SM = 233472     # and an SM holds (228 KB), 1 KB of it reserved per resident program
+SMEM_PER_SM = 233472     # and an SM holds (228 KB),
+SMEM_RESERVED = 1024     # 1 KB of it reserved per resident program
 DEFAULT_STAGES = 3
 
 
@@ -83,7 +85,7 @@ def default_programs(tiles: int, smem_of) -> int:
     bytes each), else one (three per SM, with fewer stages, were slower, ``bench/results``), at
     most one per tile."""
     sms = sm_count()
-    per_sm = 2 if 2 * (smem_of(2 * sms) + 1024) <= SMEM_PER_SM else 1
+    per_sm = 2 if 2 * (smem_of(2 * sms) + SMEM_RESERVED) <= SMEM_PER_SM else 1
     return max(1, min(per_sm * sms, tiles))
 
 
@@ -128,8 +130,8 @@ def tile_order(c, i, tiles: int, programs: int, interleave: bool, xp=jnp):
     return start + xp.minimum(i, count - 1), count
 
 
-def _program(refs, scratch, *, names, tiles, programs, per, nb, stages, per_channel, bv, dtype, inplace, interleave,
-             interpret):
+def _program(refs, scratch, *, tile_fn, names, tiles, programs, per, nb, stages, per_channel, bv, dtype, inplace,
+             interleave, interpret):
     """Program ``c``: its tiles in ``tile_order``."""
     meta_all, o_s = scratch[:2]
     c = jax.lax.axis_index("c")
@@ -149,7 +151,7 @@ def _program(refs, scratch, *, names, tiles, programs, per, nb, stages, per_chan
         i = idx[0]
         t = tile_of(i)
         tile = dict(zip(names, tiles_in))
-        o, s_new = _tile_step(meta_all, i, tile, per_channel=per_channel, bv=bv, lay=lay)
+        o, s_new = tile_fn(meta_all, i, tile, per_channel=per_channel, bv=bv, lay=lay)
         slot = i % 2
         # The copies out of tile i - 2 have read their slots (o's; in place, the state's slot of
         # tile i - 2 was already refilled, so this only bounds the groups in flight).
@@ -217,6 +219,16 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
     takes (``tile_order``). ``interpret``: ``None`` runs compiled on a GPU and
     in the Mosaic GPU interpreter elsewhere.
     """
+    return launch(state, token, _tile_step, block_v=block_v, programs=programs, stages=stages, inplace=inplace,
+                  interleave=interleave, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_fn", "block_v", "programs", "stages", "inplace", "interleave",
+                                             "interpret"))
+def launch(state: jax.Array, token: Token, tile_fn, *, block_v=None, programs=None, stages=DEFAULT_STAGES,
+           inplace=True, interleave=True, interpret=None):
+    """``dense_step`` with ``tile_fn`` (``_tile_step``'s signature) as each tile's arithmetic: the
+    same pipeline around other arithmetic (``bench.mosaic_dense``'s copy-only variant)."""
     try:
         _check(state, token, block_v or default_block_v(state.dtype))
     except (ValueError, TypeError) as err:
@@ -261,8 +273,8 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
     scratch = [plgpu.SMEM((per_pad, 4), f32), plgpu.SMEM((2, bv), f32)]
     if not inplace:
         scratch.append(plgpu.SMEM((2, dk, bv), state.dtype))
-    body = functools.partial(_program, names=names, tiles=tiles, programs=programs, per=per, nb=nb, stages=stages,
-                             per_channel=per_channel, bv=bv, dtype=state.dtype, inplace=inplace,
+    body = functools.partial(_program, tile_fn=tile_fn, names=names, tiles=tiles, programs=programs, per=per, nb=nb,
+                             stages=stages, per_channel=per_channel, bv=bv, dtype=state.dtype, inplace=inplace,
                              interleave=interleave, interpret=bool(interpret))
 
     @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
@@ -274,4 +286,4 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
 
 
 __all__ = ["BLOCKS_V", "DK", "SMEM_LIMIT", "STATE_DTYPES", "default_block_v", "default_programs", "dense_step",
-           "smem_bytes", "unsupported_reason"]
+           "launch", "smem_bytes", "unsupported_reason"]

@@ -212,15 +212,19 @@ def test_mosaic_load_only_pipeline_delivers_every_head():
 
 def test_mosaic_dense_bench_checks_and_writes_its_tables(tmp_path):
     # bench.mosaic_dense on the CPU: the compiled-correctness rows (interpreter, Triton interpret
-    # mode) land in the JSON and the Markdown, with no timing rows (no GPU to time on).
+    # mode) land in the JSON and the Markdown, with no timing rows (no GPU to time on); the
+    # copy-only pipeline gives the state back unchanged and each head's v block as its output.
     import json
 
     from bench import mosaic_dense as bd
 
     assert bd.main(["--batch", "2", "--heads", "2", "--modes", "kda", "--dtypes", "float32", "--out", str(tmp_path),
-                    "--variants", '[{"block_v": 32, "per_sm": 1}]', "--triton-variants", '[{"block_v": 32}]']) == 0
+                    "--variants", '[{"block_v": 32, "per_sm": 1}]', "--triton-variants", '[{"block_v": 32}]',
+                    "--copy-only"]) == 0
     out = json.loads(next(tmp_path.glob("mosaic-dense-*.json")).read_text())
-    assert [c["name"] for c in out["checks"]] == ["triton block_v=32", "mosaic block_v=32 per_sm=1"]
+    checks = {c["name"]: c for c in out["checks"]}
+    assert list(checks) == ["triton block_v=32", "mosaic block_v=32 per_sm=1", "copy-only block_v=32 per_sm=1"]
     assert all(c["o"] < 1e-5 and c["state"] < 1e-6 and c["finite"] for c in out["checks"]), out["checks"]
+    assert checks["copy-only block_v=32 per_sm=1"]["o"] == 0.0 == checks["copy-only block_v=32 per_sm=1"]["state"]
     assert out["rows"] == []
     assert "mosaic block_v=32 per_sm=1" in next(tmp_path.glob("mosaic-dense-*.md")).read_text()
