@@ -2,8 +2,12 @@
 every window full, or one in ``--full-every``), after single-op checks of flush implementations against the reference.
 
     python -m bench.flush_time --out DIR [--bits 8] [--modes gdn kda] [--check-bits 8] [--check-impls stream]
-                               [--full-every 1 16]
+                               [--check-configs '[{}, {"warm_start": true}]'] [--full-every 1 16]
                                [--variants '[{"impl": "split"}, {"impl": "stream", "num_warps": 4}]']
+
+``impl="mosaic"`` (in ``--variants`` and ``--check-impls``) is the Mosaic GPU flush
+(``pallas_kernels.mosaic_flush``) with its own options; a ``--check-impls`` entry may be a JSON
+object of such options.
 
 A short device call next to ``bench.kernels`` (which times the flush inside whole windows):
 each variant is compiled, then timed with ``bench.kernels.time_loop`` (host clock, median) on a
@@ -18,10 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench.kernels import check_single_ops, random_state, time_loop
+from bench.kernels import check_single_ops, random_state, run_flush, time_loop
 from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels.leapquant_flush import leapquant_flush
 
 
 def main(argv=None):
@@ -31,9 +34,15 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
     ap.add_argument("--variants", default='[{"impl": "split"}, {"impl": "stream", "num_warps": 4}, '
                                           '{"impl": "stream", "num_warps": 8}]',
-                    help="JSON list of leapquant_flush keyword options, one per variant")
+                    help="JSON list of leapquant_flush keyword options, one per variant "
+                         '(impl "mosaic": the Mosaic GPU flush, with its options)')
     ap.add_argument("--check-bits", type=int, nargs="*", default=[8])
-    ap.add_argument("--check-impls", nargs="+", default=["stream"], help="flush implementations checked")
+    ap.add_argument("--check-impls", nargs="+", default=["stream"],
+                    help="flush implementations checked (leapquant_flush's impl, or mosaic: the Mosaic GPU flush; "
+                         "or a JSON object of run_flush options with its impl)")
+    ap.add_argument("--check-configs", default="[{}]",
+                    help="JSON list of further LeapQuantConfig fields, one check per entry "
+                         "(e.g. warm_start, fit_iters)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--full-every", type=int, nargs="+", default=[1],
                     help="one sequence in N has a full window (the others hold 5 records): one row per N")
@@ -50,7 +59,11 @@ def main(argv=None):
     log(dict(devices=str(jax.devices()), jax=jax.__version__))
     if args.check_bits:
         t0 = time.time()
-        check_single_ops(log, tuple(args.check_bits), tuple(m == "kda" for m in args.modes), flush_impls=tuple(args.check_impls))
+        impls = tuple(json.loads(x) if x.startswith("{") else x for x in args.check_impls)
+        for options in json.loads(args.check_configs):
+            log(dict(check_config=options))
+            check_single_ops(log, tuple(args.check_bits), tuple(m == "kda" for m in args.modes), flush_impls=impls,
+                             config_options=options)
         log(dict(check_seconds=time.time() - t0))
     for bits in args.bits:
         config = LeapQuantConfig(bits=bits, window=16, impl="pallas")
@@ -75,7 +88,7 @@ def time_variant(config, full, options, **row):
     pos = full.pos
 
     def flush_again(s):
-        return leapquant_flush(config, s, only_full=True, **options).replace(pos=pos)
+        return run_flush(config, s, only_full=True, **options).replace(pos=pos)
 
     fn = jax.jit(flush_again, donate_argnums=0)
     try:

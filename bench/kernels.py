@@ -76,6 +76,7 @@ from pallas_kernels.dense_step import dense_step, dense_step_bytes, dense_step_r
 from pallas_kernels.leapquant_flush import IMPLS as FLUSH_IMPLS
 from pallas_kernels.leapquant_flush import flush_bytes, leapquant_flush, split_fit, split_quantize, split_reconstruct
 from pallas_kernels.leapquant_step import check_token, leapquant_step, step_bytes
+from pallas_kernels import mosaic_flush
 from pallas_kernels.shared import num_parts
 
 
@@ -130,17 +131,26 @@ def ragged_decode(method, state, seq, offsets):
     return jnp.moveaxis(o, 0, 1), state
 
 
-def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=("auto",)):
+def run_flush(config, state, impl="auto", **options):
+    """``leapquant_flush`` with ``impl``, or the Mosaic GPU flush for ``impl="mosaic"``."""
+    if impl == "mosaic":
+        return mosaic_flush.leapquant_flush(config, state, **options)
+    return leapquant_flush(config, state, impl=impl, **options)
+
+
+def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=("auto",),
+                     config_options=None):
     """One step and one flush of the compiled kernels against the reference from the same state
     (ragged positions 0, 5, 11, 16 of a 16-slot window; the flush covers every sequence), one
-    row per flush implementation in ``flush_impls``."""
+    row per flush implementation in ``flush_impls`` (an ``impl`` name, or a dict of ``run_flush``
+    options with its ``impl``); ``config_options``: further ``LeapQuantConfig`` fields."""
     rows = []
     bsz, h, dk, dv = 4, 4, 128, 128
     for kda in kda_modes:
         seq = random_sequence(jax.random.PRNGKey(11 + kda), bsz, 16, h, dk, dv, kda)
         s0 = random_state(jax.random.PRNGKey(5), bsz, h, dk, dv)
         for bits in bits_list:
-            config = LeapQuantConfig(bits=bits, window=16, impl="pallas")
+            config = LeapQuantConfig(bits=bits, window=16, impl="pallas", **(config_options or {}))
             st = windowed.from_dense(config, s0, per_channel_decay=kda)
             for i in range(15):
                 _, st = windowed.step_reference(config, st, token_at(seq, i))
@@ -156,9 +166,14 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=(
             dense = windowed.reconstruct_reference(config, n_r)
             d_r = windowed.decode_checkpoint(config, f_r.checkpoint)
             for impl in flush_impls:
-                f_k = leapquant_flush(config, jax.tree_util.tree_map(jnp.copy, n_r), impl=impl)
+                options = dict(impl) if isinstance(impl, dict) else dict(impl=impl)
+                impl = options.pop("impl", "auto")
+                if impl == "mosaic" and mosaic_flush.unsupported_reason(config, n_r) is not None:
+                    continue
+                f_k = run_flush(config, jax.tree_util.tree_map(jnp.copy, n_r), impl, **options)
                 d_k = windowed.decode_checkpoint(config, f_k.checkpoint)
-                label = "" if impl == "auto" else f" ({impl} flush)"
+                label = "" if impl == "auto" and not options else f" ({impl} flush{', ' if options else ''}" \
+                    f"{', '.join(f'{k}={v}' for k, v in options.items())})"
                 row = dict(check=f"int{bits} one step + one flush vs reference (same state){label}",
                            mode="KDA" if kda else "GDN",
                            o_rel_err=max(step_errs.values()), state_rel_err=rel(d_k, d_r), buffer_rel_err=buf_err,
@@ -389,7 +404,7 @@ def leapquant_window_timer(config, mode, step_opts=None, flush_opts=None):
                 state = state.replace(pos=jnp.full_like(state.pos, p))
             elif mode == "flush-1/16":
                 state = state.replace(pos=jnp.where(jnp.arange(state.pos.shape[0]) % 16 == 0, p, 0).astype(state.pos.dtype))
-            state = leapquant_flush(config, state, only_full=True, **(flush_opts or {}))
+            state = run_flush(config, state, only_full=True, **(flush_opts or {}))
         return state, o
 
     return jax.jit(run, donate_argnums=(0,))
@@ -398,8 +413,17 @@ def leapquant_window_timer(config, mode, step_opts=None, flush_opts=None):
 def leapquant_bytes_per_step(config, dk, dv, kda, flush_impl="split"):
     """Bytes per head per token-step of a full window: ``p`` steps and one flush, divided by ``p``."""
     p = config.window
-    total = sum(step_bytes(config, dk, dv, pos, kda) for pos in range(p)) + flush_bytes(config, dk, dv, kda, flush_impl)
+    total = sum(step_bytes(config, dk, dv, pos, kda) for pos in range(p))
+    total += impl_flush_bytes(config, dk, dv, kda, flush_impl)
     return total / p
+
+
+def impl_flush_bytes(config, dk, dv, kda, impl):
+    """Bytes per flushed head of a flush implementation (``leapquant_flush.flush_bytes``, or the
+    Mosaic GPU flush's ``mosaic_flush_bytes`` for ``impl="mosaic"``)."""
+    if impl == "mosaic":
+        return mosaic_flush.mosaic_flush_bytes(config, dk, dv, kda)
+    return flush_bytes(config, dk, dv, kda, impl)
 
 
 def bytes_impl(flush_opts) -> str:
@@ -688,6 +712,9 @@ def main(argv=None):
     ap.add_argument("--check-bits", type=int, nargs="+", default=[8, 6, 4])
     ap.add_argument("--check-flush-impls", nargs="+", default=["auto"], choices=list(FLUSH_IMPLS),
                     help="flush implementations the single-op checks compare with the reference")
+    ap.add_argument("--flush", default="{}", metavar="JSON",
+                    help='the timed flush: run_flush options (default {}: impl auto; {"impl": "mosaic"}: the Mosaic '
+                         'GPU flush); --sweep replaces it with the fastest of its flush variants')
     ap.add_argument("--flush-stages", action="store_true",
                     help="time the split flush's stages at the largest batch (also done by --sweep)")
     ap.add_argument("--extra-bits", type=int, nargs="*", default=[],
@@ -776,7 +803,7 @@ def main(argv=None):
     # Sweep first (largest batch): the main timings use the fastest variant of each kernel.
     best = {False: {}, True: {}}
     for kda in (False, True):
-        best[kda] = dict(dense=dict(block_v=min(64, dv), num_warps=4), step={}, flush={})
+        best[kda] = dict(dense=dict(block_v=min(64, dv), num_warps=4), step={}, flush=json.loads(args.flush))
     if args.load_only or args.sweep:
         results["load_only"] = time_load_only(log, config, max(args.batches), h, dk, dv, copy_bw, kda_modes, over)
         save()
@@ -856,7 +883,7 @@ def main(argv=None):
                     nb = sum(step_bytes(config, dk, dv, i, kda) for i in range(p)) / p * bsz * h
                     name = f"LeapQuant int{args.bits} step only (mean over window)"
                 else:
-                    nb = flush_bytes(config, dk, dv, kda, flush_impl) * bsz * h
+                    nb = impl_flush_bytes(config, dk, dv, kda, flush_impl) * bsz * h
                     name = f"LeapQuant int{args.bits} flush (per flush)"
                 rows.append(dict(impl=name, kind=f"lq-{what}", bits=args.bits, flush_impl=flush_impl, us=us, bytes=nb))
                 if err:

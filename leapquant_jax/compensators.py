@@ -42,12 +42,13 @@ def gram_shift(trace: Array, rank: int) -> Array:
     return CHOLESKY_SHIFT * trace / rank + NORMAL_TINY
 
 
-def unrolled_cholesky(gram, shift):
+def unrolled_cholesky(gram, shift, sqrt=jnp.sqrt):
     """Lower Cholesky factor of ``gram + shift I`` from elementwise entries, unrolled.
 
     gram: nested lists, ``gram[i][j]`` for ``j <= i`` (arrays of any common shape, or scalars
-    inside a kernel); shift: the same shape. Returns ``(chol, keep)``: ``chol[i][j]`` for
-    ``j <= i``, and ``keep[i]`` (bool) where column ``i`` brings a direction of its own.
+    inside a kernel); shift: the same shape; ``sqrt``: the square root (a kernel backend without
+    one passes its own). Returns ``(chol, keep)``: ``chol[i][j]`` for ``j <= i``, and ``keep[i]``
+    (bool) where column ``i`` brings a direction of its own.
 
     In exact arithmetic every pivot (a Schur complement of ``G + shift I``, ``G`` positive
     semi-definite) is at least ``shift``, and the part ``pivot - shift`` is the squared norm of
@@ -70,7 +71,7 @@ def unrolled_cholesky(gram, shift):
                 acc = acc - chol[i][k] * chol[j][k]
             if i == j:
                 keep[i] = acc > CHOLESKY_KEEP * gram[i][i]
-                chol[i][i] = jnp.sqrt(jnp.maximum(acc + shift, shift))
+                chol[i][i] = sqrt(jnp.maximum(acc + shift, shift))
             else:
                 chol[i][j] = acc / chol[j][j]
     return chol, keep

@@ -7,13 +7,16 @@ Modules, each read top to bottom as kernel, wrapper, reference:
 * ``mosaic_step``: the same step on the Mosaic GPU backend (Hopper; GDN at 8 bits; measured
   slower than ``leapquant_step``, so ``auto`` does not take it).
 * ``leapquant_flush``: window-end flush (reconstruct, fit Compensator Tokens, smooth, quantize).
+* ``mosaic_flush``: the same flush on the Mosaic GPU backend (Hopper; 8 bits; the state held in
+  shared memory; measured faster than the split flush with every window full, but it cannot run
+  under ``vmap``, so ``auto`` does not take it).
 * ``dense_step``: the fp32 and bf16 per-step GDN/KDA baselines.
 * ``mosaic_dense``: the same on the Mosaic GPU backend (Hopper; dk = 128; faster than
   ``dense_step`` on the H200, but it cannot run under ``vmap``, so ``auto`` does not take it).
 * ``chunk_scan``: the serial part of the chunkwise-parallel delta rule (prefill).
 * ``kda_scores``: KDA's decayed pair scores inside a chunk (prefill).
 * ``shared``: helpers of both LeapQuant kernels (the codes' planar layout, the window's decays).
-* ``mosaic_shared``: helpers of both Mosaic GPU kernels (register layouts, the interpreter shim,
+* ``mosaic_shared``: helpers of the Mosaic GPU kernels (register layouts, the interpreter shim,
   launch sizing).
 * ``support``: which configs and states the kernels take (``unsupported_reason``), the token's
   shape checks (``check_token``).

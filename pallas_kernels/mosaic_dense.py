@@ -54,15 +54,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from leapquant_jax.recurrence import Token
 
 from .dense_step import STATE_DTYPES, check_dense_inputs
-from .mosaic_shared import Layouts, check_launch, gmem, lane_params, resolve_interpret, rows_layout, sm_count
+from .mosaic_shared import (
+    META_ALIGN, SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, Layouts, check_launch, gmem, lane_params, resolve_interpret,
+    rows_layout, sm_count,
+)
 
 f32 = jnp.float32
 DK = 128                 # key rows of a head: the vectors' layout spreads them over the 32 lanes, 4 each
 BLOCKS_V = (32, 64, 128)  # value columns per tile the register layout takes
-META_ALIGN = 8           # tiles per 128-byte run of the packed scalars (4 fp32 each)
-SMEM_LIMIT = 232448      # bytes of shared memory a Hopper program may take (227 KB)
-SMEM_PER_SM = 233472     # and an SM holds (228 KB),
-SMEM_RESERVED = 1024     # 1 KB of it reserved per resident program
 DEFAULT_STAGES = 3
 
 

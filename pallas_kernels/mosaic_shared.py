@@ -1,9 +1,9 @@
-"""Helpers of the Mosaic GPU kernels (``mosaic_step``, ``mosaic_dense``): register layouts, the
-interpret-mode shim, how a launch is sized and run.
+"""Helpers of the Mosaic GPU kernels (``mosaic_step``, ``mosaic_dense``, ``mosaic_flush``):
+register layouts, the interpret-mode shim, barriers, how a launch is sized and run.
 
-Why one module: both kernels walk their tiles in one ``emit_pipeline`` per program, take the
-same register layout (rows over the warps and registers, columns over the lanes) and run in the
-Mosaic GPU interpreter on a machine without a GPU.
+Why one module: the kernels walk their tiles in one ``emit_pipeline`` per program, take the
+same register layout (rows over the warps and registers, columns over the lanes), share the
+SM's shared-memory budget and run in the Mosaic GPU interpreter on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ except ImportError:  # pragma: no cover - older JAX
 
 WARPS = 4            # warps of the one warpgroup of a program
 LANES = 32
+META_ALIGN = 8       # rows of packed per-program scalars (4 fp32 each) per 128-byte run: a TMA copy's unit
+SMEM_LIMIT = 232448  # bytes of shared memory a Hopper program may take (227 KB)
+SMEM_PER_SM = 233472  # and an SM holds (228 KB),
+SMEM_RESERVED = 1024  # 1 KB of it reserved per resident program
+REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes   # what a program adds for cross-warp sums
 
 
 def rows_layout(n: int, cols: int = 128):
@@ -45,6 +50,9 @@ class Layouts:
 
     def cast(self, x, layout):
         return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def sync(self):
+        sync(self.interpret)
 
     def iota(self, n, layout):
         if self.interpret:
@@ -79,10 +87,27 @@ def check_launch(programs, stages) -> None:
         raise ValueError(f"stages={stages!r} must be a positive integer")
 
 
-def lane_params():
+def lane_params(auto_barriers: bool = True):
     """Compiler parameters of every kernel here: Lane lowering semantics (the layouts above are
-    per-thread register layouts; JAX 0.11's default, Warpgroup, infers its own)."""
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    per-thread register layouts; JAX 0.11's default, Warpgroup, infers its own). Without
+    ``auto_barriers`` no store to shared memory is fenced by warpgroup barriers (two per store):
+    the kernel places its own (``sync``) where threads exchange data through shared memory."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                unsafe_no_auto_barriers=not auto_barriers)
+
+
+def sync(interpret) -> None:
+    """A barrier of the program's warpgroup (nothing in interpret mode, which runs a program's
+    threads as one): what one thread stored to shared memory is visible to all after it."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def barrier(ctx):
+        del ctx
+        mgpu.utils.warpgroup_barrier()
+
+    barrier()
 
 
 def gmem(x):
@@ -90,5 +115,6 @@ def gmem(x):
     return jax.new_ref(x, memory_space=plgpu.GMEM)
 
 
-__all__ = ["InterpretGPUParams", "LANES", "Layouts", "WARPS", "check_launch", "gmem", "lane_params",
-           "resolve_interpret", "rows_layout", "sm_count"]
+__all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_LIMIT", "SMEM_PER_SM",
+           "SMEM_RESERVED", "WARPS", "check_launch", "gmem", "lane_params", "resolve_interpret", "rows_layout", "sm_count",
+           "sync"]

@@ -228,3 +228,17 @@ def test_mosaic_dense_bench_checks_and_writes_its_tables(tmp_path):
     assert checks["copy-only block_v=32 per_sm=1"]["o"] == 0.0 == checks["copy-only block_v=32 per_sm=1"]["state"]
     assert out["rows"] == []
     assert "mosaic block_v=32 per_sm=1" in next(tmp_path.glob("mosaic-dense-*.md")).read_text()
+
+
+def test_flush_checks_take_the_mosaic_flush_with_options_and_configs():
+    # bench.flush_time's compiled checks: impl "mosaic" with its options (a JSON object on the
+    # command line) and further config fields, here in the Mosaic GPU interpreter; the flushed
+    # state as close to the exact one as the reference's, and its byte count in the window rows.
+    rows = []
+    bk.check_single_ops(rows.append, (8,), (True,), flush_impls=({"impl": "mosaic", "programs": 4},),
+                        config_options=dict(warm_start=True))
+    [row] = rows
+    assert "mosaic flush, programs=4" in row["check"] and row["finite"]
+    assert row["pallas_flush_err"] <= 1.05 * row["reference_flush_err"]
+    config = LeapQuantConfig(bits=8, window=16)
+    assert bk.impl_flush_bytes(config, 128, 128, True, "mosaic") < bk.impl_flush_bytes(config, 128, 128, True, "split")

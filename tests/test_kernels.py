@@ -313,9 +313,14 @@ def test_step_kernel_rejects_mismatched_token_and_bad_options():
 # ----------------------------------------------------------------------------- LeapQuant flush
 
 
-def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto"):
+def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", flush=None):
+    """A flush kernel (``leapquant_flush`` with ``impl``, or ``flush(config, state, only_full=...)``)
+    against the reference; returns both flushed states."""
     ref = leapquant_flush_reference(config, st, only_full=only_full)
-    ker = leapquant_flush(config, copy(st), only_full=only_full, impl=impl, interpret=INTERPRET)
+    if flush is None:
+        ker = leapquant_flush(config, copy(st), only_full=only_full, impl=impl, interpret=INTERPRET)
+    else:
+        ker = flush(config, copy(st), only_full=only_full)
     np.testing.assert_array_equal(ker.pos, ref.pos)
     # The kernels leave the buffer as it was (every slot is then past pos = 0, never read), where
     # the reference zeroes it.

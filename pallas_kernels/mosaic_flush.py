@@ -1,0 +1,443 @@
+"""LeapQuant window flush on Pallas Mosaic GPU (Hopper): 8-bit codes, GDN and KDA, 128 x 128 heads.
+
+Why: the split flush (``leapquant_flush``) writes the fp32 state to device memory and reads it
+back twice, 266 KB per head for a checkpoint of 19 KB (``flush_bytes``); the one-program-per-head Triton
+flushes that keep it on chip are latency-bound. Here each program keeps one head's fp32 state
+in shared memory (64 KB) and makes every pass of the flush over it there, while the copy engine
+(TMA) brings the next heads' checkpoints and records in: the flush reads the checkpoint and the
+records once and writes the checkpoint once.
+
+Same contract as ``leapquant_flush.leapquant_flush`` (``windowed.flush_reference``; with
+``only_full`` only the sequences at ``pos >= p``, ``windowed.maybe_flush``); the buffer is left as
+it was (no read reaches a slot at or past the reset ``pos``).
+
+Structure: XLA first forms, with the reference's own code (``windowed.window_decays``,
+``record_keys``), the decayed key rows of the reconstruction, ``kd = [D0 K; w_j k_j]``
+(``[r + p, dk]`` fp32 per value head: the Compensator Tokens' keys times the checkpoint's decay,
+then the live records' keys times their decays, zero for dead slots) and the row factors
+``D0 c`` (``[dk]``), so that the kernel's reconstruction is one form for GDN and KDA:
+
+    S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj,   ud = [U; u]  (the fp16 values as stored).
+
+``programs`` programs of one warpgroup (128 threads) take ``per`` consecutive heads of the
+flattened ``[B H]`` heads (past ``B H`` the last head repeats and stores nothing) and walk them in
+an ``emit_pipeline`` (per head: the codes, the column and row factors, ``kd``, ``U``, the value
+records). With one stage (the default) a program takes 110 KB of shared memory, so two run on
+an SM and each one's copies overlap the other's arithmetic; with two stages or more a program
+prefetches its next head itself but takes 142 KB, one per SM. Per head, ``chunk`` key rows at a
+time (register layout ``mosaic_shared.rows_layout``: rows over the warps and each thread's
+registers, the 128 value columns over the lanes):
+
+1. ``S`` from the codes and ``kd``/``ud``, stored in shared memory, and ``Z = S^T Q_0`` (the
+   seeded start, or the warm start made in XLA as the reference makes it);
+2. ``Y = S Z``, then CholeskyQR2 on ``Y`` with the reference's factorisation
+   (``compensators.unrolled_cholesky``; ``fit_iters > 1`` repeats ``Z``, ``Y``);
+3. ``U = S^T K^T`` from the fp32 ``K``, clipped to fp16's range; both rounded to fp16;
+4. ``R = S - K^T U`` from the rounded factors, its row sums ``c_i = sqrt(mean_j |R_ij|)`` floored
+   at ``SMOOTH_FLOOR``, and ``R / c`` (over ``S``) with its column maxima, the scales (one pass:
+   a chunk's rows are whole);
+5. the codes (round half to even, clipped), written over the head's input codes in shared memory
+   and copied out from there; the factors and scales through two slots of their own.
+
+The kernel places its own warpgroup barriers where threads exchange data through shared memory
+(the fit's rows, the outputs before their copies) instead of the two that Mosaic GPU puts around
+every store by default (``auto_barriers``); every pass over ``S`` reads what the same thread
+wrote, in the same layout.
+
+Rounding: fp32 throughout, in the reference's order except the summation order of the
+reconstruction and of the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` (Mosaic GPU lowers no
+``sqrt``), and the divisions by the smoothing and quantization scales as products with their
+reciprocals (a division costs about ten instructions per element); a code on a rounding boundary
+may differ by one step.
+
+Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full (``python -m
+bench.flush_time``, ``bench/results/mosaic-flush-20261202.md``): compiled, it agrees with the
+reference (8 bits: the decoded state's error against the exact state 5.4110e-3 / 5.3684e-3 for
+GDN / KDA, the reference's to five digits; also with a warm start and two fit rounds); 2428 /
+2685 us per flush against the split flush's 2672 / 3033 us in the same run (0.91x / 0.89x its
+time) with two programs per SM; 4313 / 4573 us with one (an earlier run, against 2670 / 3030).
+With one window in 16 full it still copies in every head: 2379 / 2619 us, against the fused
+flush's 317 / 522 (``auto``). Nsight Compute (one program per SM): 4.2 ms at 0.16 instructions
+issued per cycle and scheduler, one warp per scheduler, 232 registers, DRAM 4%: bound by the
+latency of each
+warpgroup's dependent arithmetic, with too few warps per SM to hide it. ``auto`` does not take
+this flush (``core_map`` has no batching rule, so it does not run under ``vmap``; the
+``mosaic_dense`` docstring); it runs when called directly.
+
+Bytes per flushed value head: ``mosaic_flush_bytes`` (70 KB for 8-bit GDN at ``p = 16``, 20 KB of
+them the decayed keys written and read back, against the split flush's 266 KB).
+
+Tested with JAX 0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled,
+H200).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from leapquant_jax import windowed
+from leapquant_jax.compensators import (
+    FP16_MAX, NORMAL_TINY, SMOOTH_FLOOR, WARM_START_TOPUP, gram_shift, random_start, unrolled_cholesky,
+)
+from leapquant_jax.quantizers import IntTensor, qmax_for_bits
+from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
+
+from .mosaic_shared import (
+    META_ALIGN, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, WARPS, Layouts, check_launch, gmem,
+    lane_params, resolve_interpret, rows_layout, sm_count,
+)
+from .support import unsupported_reason as kernels_unsupported_reason
+
+f32 = jnp.float32
+DK = 128                 # key rows and value columns of a head (the rows layout's 128 columns)
+DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumulators in registers
+DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _sqrt(x):
+    """``sqrt(x)`` for ``x >= 0`` as ``x rsqrt(x)`` (0 at 0): Mosaic GPU lowers ``rsqrt``, not ``sqrt``."""
+    return jnp.where(x > 0, x * jax.lax.rsqrt(x), 0.0)
+
+
+def _cholesky_qr(cols, rank):
+    """CholeskyQR2 of the columns ``cols`` (``rank`` fp32 vectors ``[dk]``) as
+    ``compensators.cholesky_qr2``: scaled to a unit maximum, two rounds of the reference's
+    unrolled factorisation (a dropped column comes out zero)."""
+    m = None
+    for x in cols:
+        mx = jnp.max(jnp.abs(x))
+        m = mx if m is None else jnp.maximum(m, mx)
+    m = jnp.where(m > NORMAL_TINY, m, 1.0)
+    cols = [x / m for x in cols]
+    for _ in range(2):
+        gram = [[jnp.sum(cols[a] * cols[b]) for b in range(a + 1)] for a in range(rank)]
+        chol, keep = unrolled_cholesky(gram, gram_shift(sum(gram[a][a] for a in range(rank)), rank), sqrt=_sqrt)
+        out = []
+        for i in range(rank):
+            col = cols[i]
+            for j in range(i):
+                col = col - chol[i][j] * out[j]
+            out.append((col / chol[i][i]) * jnp.where(keep[i], 1.0, 0.0))
+        cols = out
+    return cols
+
+
+def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, chunk, qmax, lay):
+    """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
+    slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
+    ``s_ref [dk, dv]`` and the fit's rows in ``fit_ref [2, r, dk]``; ``start``: the ref of the
+    fit's first basis ``[r, dk]``."""
+    CH = rows_layout(chunk)
+    CROW = CH.reduce(1)          # [chunk] over the warps and registers: a row's factor
+    VCOL = CH.reduce(0)          # [128] over the lanes: a column's factor (or a row of the fit)
+    nch = DK // chunk
+    rows = lambda k: pl.ds(k * chunk, chunk)
+    along = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (0,)), CH)     # [chunk] -> rows
+    across = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (1,)), CH)    # [128] -> columns
+
+    def col_sums(acc):
+        return [jnp.sum(a, axis=0) for a in acc]
+
+    # 1. S and the first round's Z = S^T Q_0.
+    scale = lay.load(t["scale"], VCOL)
+    ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
+    ud += [lay.load(t["ru"].at[j], VCOL).astype(f32) for j in range(p)]
+    zacc = [None] * r
+    for k in range(nch):
+        z = lay.load(t["codes"].at[rows(k)], CH).astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
+        s = z * along(lay.load(t["rowfac"].at[rows(k)], CROW)) * across(scale)
+        for m, u in enumerate(ud):
+            s = s + along(lay.load(t["kd"].at[m, rows(k)], CROW)) * across(u)
+        s_ref[rows(k)] = s
+        for c in range(r):
+            term = s * along(lay.load(start.at[c, rows(k)], CROW))
+            zacc[c] = term if zacc[c] is None else zacc[c] + term
+
+    def times_z(zs):
+        """``Y = S Z`` for the columns ``zs`` (``r`` vectors ``[dv]``): stored as rows of ``fit_ref[0]``."""
+        for k in range(nch):
+            s = lay.load(s_ref.at[rows(k)], CH)
+            for c in range(r):
+                fit_ref[0, c, rows(k)] = jnp.sum(s * across(zs[c]), axis=1)
+
+    def times_rows(q_row):
+        """``S^T q`` for each row ``q_row(c, k)`` (a ``[chunk]`` CROW vector): ``r`` vectors ``[dv]``."""
+        acc = [None] * r
+        for k in range(nch):
+            s = lay.load(s_ref.at[rows(k)], CH)
+            for c in range(r):
+                term = s * along(q_row(c, k))
+                acc[c] = term if acc[c] is None else acc[c] + term
+        return col_sums(acc)
+
+    if r:
+        # 2. Subspace iteration: Y = S Z, orthonormalised; later rounds from the new basis.
+        zs = col_sums(zacc)
+        for it in range(fit_iters):
+            if it:
+                zs = times_rows(lambda c, k: lay.load(fit_ref.at[1, c, rows(k)], CROW))
+            times_z(zs)
+            lay.sync()
+            basis = _cholesky_qr([lay.load(fit_ref.at[0, c], VCOL) for c in range(r)], r)
+            for c in range(r):
+                fit_ref[1, c] = basis[c]
+            lay.sync()
+        # 3. U = S^T K^T from the fp32 K, clipped; both rounded to fp16.
+        us = times_rows(lambda c, k: lay.load(fit_ref.at[1, c, rows(k)], CROW))
+        for c in range(r):
+            u16 = jnp.clip(us[c], -FP16_MAX, FP16_MAX).astype(jnp.float16)
+            outs["cu"][c] = u16
+            k16 = lay.load(fit_ref.at[1, c], VCOL).astype(jnp.float16)
+            outs["ck"][c] = k16
+            fit_ref[0, c] = k16.astype(f32)
+            us[c] = u16.astype(f32)
+        lay.sync()
+
+    # 4, 5. R = S - K^T U from the rounded factors, the smoothing scales of its rows, R / c and
+    # its column maxima (a reciprocal per row and per column: a division per element costs
+    # about ten instructions). A chunk's rows are whole, so one pass does both.
+    cmax = None
+    for k in range(nch):
+        s = lay.load(s_ref.at[rows(k)], CH)
+        for c in range(r):
+            s = s - along(lay.load(fit_ref.at[0, c, rows(k)], CROW)) * across(us[c])
+        if smoothing:
+            cs = jnp.maximum(_sqrt(jnp.sum(jnp.abs(s), axis=1) / DK), SMOOTH_FLOOR)
+            outs["smooth"][rows(k)] = cs
+            s = s * along(1.0 / cs)
+        if r or smoothing:
+            s_ref[rows(k)] = s
+        m = jnp.abs(s)
+        cmax = m if cmax is None else jnp.maximum(cmax, m)
+    new_scale = jnp.max(cmax, axis=0) / qmax
+    outs["scale"][...] = new_scale
+    inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
+
+    # 6. The codes, over the input codes.
+    for k in range(nch):
+        s = lay.load(s_ref.at[rows(k)], CH)
+        q = jnp.clip(jnp.round(s * inv), -qmax, qmax)
+        t["codes"][rows(k)] = q.astype(jnp.int32).astype(jnp.int8)
+
+
+def _program(refs, scratch, *, names, out_names, n, per, stages, r, p, smoothing, fit_iters, warm_start, chunk, qmax,
+             interpret):
+    """Program ``c``: its heads ``c per + [0, per)`` (module docstring)."""
+    meta_all, start_s, s_ref, fit_ref = scratch[:4]
+    slots = dict(zip(out_names, scratch[4:]))
+    c = jax.lax.axis_index("c")
+    lay = Layouts(interpret)
+    delay = min(stages - 1, 1)
+
+    def fetch(bars):
+        plgpu.copy_gmem_to_smem(refs["meta"].at[c], meta_all, bars.at[0])
+        if r and not warm_start:
+            plgpu.copy_gmem_to_smem(refs["seeded_start"], start_s, bars.at[1])
+            plgpu.barrier_wait(bars.at[1])
+        plgpu.barrier_wait(bars.at[0])
+
+    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=2))
+
+    def body(idx, *tiles):
+        i = idx[0]
+        t = c * per + i
+        tile = dict(zip(names, tiles))
+        slot = i % 2
+        # The copies out of head i - 2 have read this slot.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        outs = {name: ref.at[slot] for name, ref in slots.items()}
+        start = tile["start"] if warm_start else start_s
+        _head_flush(tile, outs, s_ref, fit_ref, start, r=r, p=p, smoothing=smoothing, fit_iters=fit_iters,
+                    chunk=chunk, qmax=qmax, lay=lay)
+        plgpu.commit_smem()
+        lay.sync()
+
+        @pl.when((t < n) & (meta_all[i, 0] > 0))
+        def _():
+            plgpu.copy_smem_to_gmem(tile["codes"], refs["codes"].at[t], commit_group=False)
+            for name, ref in outs.items():
+                plgpu.copy_smem_to_gmem(ref, refs[name].at[t], commit_group=False)
+
+        plgpu.commit_smem_to_gmem_group()
+        # The pipeline refills this head's codes slot after the next head's body where the
+        # codes' spec delays its release by one step (two stages or more), else after this one:
+        # by then this copy has read it.
+        plgpu.wait_smem_to_gmem(delay, wait_read_only=True)
+
+    def spec(name, x):
+        zeros = (0,) * (x.ndim - 1)
+        return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (jnp.minimum(c * per + i, n - 1),) + zeros,
+                               delay_release=delay if name == "codes" else 0)
+
+    ins = [refs[name] for name in names]
+    plgpu.emit_pipeline(body, grid=(per,), in_specs=[spec(name, x) for name, x in zip(names, ins)],
+                        max_concurrent_steps=stages)(*ins)
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
+    """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): the kernels'
+    ``support.unsupported_reason``, 8-bit codes, ``dk = dv = 128``."""
+    why = kernels_unsupported_reason(config, state)
+    if why is not None:
+        return why
+    if config.bits != 8 or not isinstance(state.checkpoint.residual, IntTensor):
+        return f"the Mosaic GPU flush writes 8-bit integer codes only (bits={config.bits})"
+    dk, dv = state.shape[2:]
+    if dk != DK or dv != DK:
+        return f"dk={dk}, dv={dv}: the Mosaic GPU flush takes {DK} x {DK} heads"
+    return None
+
+
+def smem_bytes(config: LeapQuantConfig, stages: int, per_pad: int) -> int:
+    """Shared memory of one program: ``stages`` sets of a head's inputs, the fp32 state, the fit's
+    rows, two slots of outputs besides the codes, the start and the scalars."""
+    e = jnp.dtype(config.record_dtype).itemsize
+    p, r = config.window, config.effective_rank
+    head = DK * DK + 4 * 2 * DK + 4 * (r + p) * DK + 2 * r * DK + e * p * DK + (4 * r * DK if config.warm_start else 0)
+    outs = 4 * DK * (1 + config.smoothing) + 2 * 2 * r * DK
+    return stages * head + 4 * DK * DK + 2 * 4 * r * DK + 2 * outs + 4 * r * DK + 16 * per_pad
+
+
+def default_programs(n: int, smem_of) -> int:
+    """Programs of a launch: two per SM where two fit in its shared memory (``smem_of(programs)``
+    bytes each, with the cross-warp reductions' scratch), else one; at most one per head."""
+    sms = sm_count()
+    per_sm = 2 if 2 * (smem_of(2 * sms) + REDUCTION_SCRATCH + SMEM_RESERVED) <= SMEM_PER_SM else 1
+    return max(1, min(per_sm * sms, n))
+
+
+def _flat(x, n):
+    return x.reshape((n,) + x.shape[2:])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "only_full", "programs", "stages", "chunk", "auto_barriers",
+                                             "interpret"))
+def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
+                    programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
+                    auto_barriers: bool = False, interpret=None) -> LeapQuantState:
+    """Window flush (``leapquant_flush.leapquant_flush``'s contract) on Mosaic GPU.
+
+    state: ``LeapQuantState`` (``unsupported_reason`` says which), updated in place when the
+    caller's ``jit`` donates it. Returns the state with new checkpoints and ``pos = 0`` for the
+    flushed sequences. ``programs``: of the launch (``default_programs``); ``stages``: heads in
+    flight per program (at least 2: a head's codes slot is refilled one head later);
+    ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``auto_barriers``: every
+    store to shared memory fenced by warpgroup barriers (``mosaic_shared.lane_params``) instead
+    of the kernel's own barriers where threads exchange data. ``interpret``: ``None``
+    runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    """
+    why = unsupported_reason(config, state)
+    if why is not None:
+        raise ValueError(f"Mosaic GPU leapquant_flush cannot run: {why}")
+    check_launch(programs, stages)
+    if not isinstance(chunk, int) or chunk < WARPS or chunk % WARPS or DK % chunk:
+        raise ValueError(f"chunk={chunk!r} must be a multiple of {WARPS} dividing {DK}")
+    interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
+    bsz, h, dk, dv = state.shape
+    ckpt, buf = state.checkpoint, state.buffer
+    p, r = config.window, config.effective_rank
+    n = bsz * h
+
+    def layout(programs):   # (heads per program, padded to whole scalar runs; stages; bytes)
+        per = -(-n // programs)
+        per_pad = -(-per // META_ALIGN) * META_ALIGN
+        st = min(stages, per)
+        return per, per_pad, st, smem_bytes(config, st, per_pad)
+
+    if programs is None:
+        programs = default_programs(n, lambda q: layout(q)[-1])
+    programs = min(programs, n)
+    per, per_pad, stages, need = layout(programs)
+    programs = -(-n // per)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"stages={stages} needs {need} bytes of shared memory per program (at most {SMEM_LIMIT})")
+
+    # The reconstruction's decayed keys and row factors, from the reference's own code.
+    G_l, w = windowed.window_decays(buf, state.pos, dk)                        # [B, H, dk], [B, H, p, dk]
+    D0 = jnp.exp(G_l)
+    kd = w * windowed.record_keys(buf)                                          # [B, H, p, dk]
+    if r:
+        kd = jnp.concatenate([D0[:, :, None, :] * ckpt.comp_k.astype(f32), kd], axis=2)
+    rowfac = D0 * ckpt.smooth.astype(f32) if config.smoothing else D0
+    flush = (state.pos >= p) if only_full else jnp.ones((bsz,), bool)
+    # Each program's heads' scalars (flushed or not, 0, 0, 0), padded to whole 128-byte runs.
+    flags = jnp.pad(jnp.broadcast_to(flush[:, None], (bsz, h)).astype(f32).reshape(n), (0, programs * per - n))
+    meta = jnp.pad(flags.reshape(programs, per, 1), ((0, 0), (0, per_pad - per), (0, 3)))
+
+    arrays = dict(codes=_flat(ckpt.residual.codes, n), scale=_flat(ckpt.residual.scale.astype(f32), n),
+                  rowfac=_flat(rowfac, n), kd=_flat(kd, n), ru=_flat(buf.u, n))
+    if r:
+        arrays["cu"] = _flat(ckpt.comp_u, n)
+        if config.warm_start:
+            # The warm start as the reference makes it (subspace_basis): the old K, a zero row
+            # topped up from the seeded start.
+            q0 = ckpt.comp_k.astype(f32)
+            seed = random_start(dk, r, config.seed)
+            q0 = q0 + WARM_START_TOPUP * seed * (jnp.linalg.norm(q0, axis=-1, keepdims=True) == 0)
+            arrays["start"] = _flat(q0, n)
+    names = tuple(arrays)
+    refs = {name: gmem(x) for name, x in arrays.items()}
+    outs = dict(scale=refs["scale"])
+    out_shapes = dict(scale=((dv,), f32))
+    if config.smoothing:
+        refs["smooth"] = outs["smooth"] = gmem(_flat(ckpt.smooth.astype(f32), n))
+        out_shapes["smooth"] = ((dk,), f32)
+    if r:
+        refs["ck"] = outs["ck"] = gmem(_flat(ckpt.comp_k, n))
+        outs["cu"] = refs["cu"]
+        out_shapes.update(ck=((r, dk), jnp.float16), cu=((r, dv), jnp.float16))
+    out_names = tuple(outs)
+    refs.update(meta=gmem(meta), seeded_start=gmem(random_start(dk, max(r, 1), config.seed)))
+    scratch = [plgpu.SMEM((per_pad, 4), f32), plgpu.SMEM((max(r, 1), dk), f32), plgpu.SMEM((dk, dv), f32),
+               plgpu.SMEM((2, max(r, 1), dk), f32)]
+    scratch += [plgpu.SMEM((2,) + out_shapes[name][0], out_shapes[name][1]) for name in out_names]
+    body = functools.partial(_program, names=names, out_names=out_names, n=n, per=per, stages=stages, r=r, p=p,
+                             smoothing=config.smoothing, fit_iters=config.fit_iters, warm_start=config.warm_start,
+                             chunk=chunk, qmax=qmax_for_bits(config.bits), interpret=bool(interpret))
+
+    @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(auto_barriers),
+                 interpret=interpret,
+                 name=f"leapquant_flush_mosaic_{'kda' if state.per_channel_decay else 'gdn'}")
+    def leapquant_flush_mosaic():
+        pl.run_scoped(lambda *s: body(refs, s), *scratch)
+
+    new = {name: jax.freeze(refs[name]) for name in ("codes", "scale") + (("smooth",) if config.smoothing else ())
+           + (("ck", "cu") if r else ())}
+    comp_k = new["ck"].reshape(ckpt.comp_k.shape) if r else ckpt.comp_k
+    comp_u = new["cu"].reshape(ckpt.comp_u.shape) if r else ckpt.comp_u
+    smooth = new["smooth"].reshape(ckpt.smooth.shape).astype(ckpt.smooth.dtype) if config.smoothing else ckpt.smooth
+    residual = IntTensor(codes=new["codes"].reshape(ckpt.residual.codes.shape),
+                         scale=new["scale"].reshape(ckpt.residual.scale.shape).astype(ckpt.residual.scale.dtype),
+                         bits=config.bits, dk=dk)
+    pos = jnp.where(state.pos >= p, 0, state.pos) if only_full else jnp.zeros_like(state.pos)
+    return LeapQuantState(checkpoint=Checkpoint(residual=residual, smooth=smooth, comp_k=comp_k, comp_u=comp_u),
+                          buffer=buf, pos=pos)
+
+
+def mosaic_flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, group: int = 1) -> float:
+    """Bytes one flushed value head moves: the XLA prologue (the records' keys and log-decays
+    read, ``kd`` written) and the kernel (the checkpoint and ``kd`` and the value records read,
+    the checkpoint written). ``group``: value heads per key head (GVA)."""
+    e = jnp.dtype(config.record_dtype).itemsize
+    p, r = config.window, config.effective_rank
+    ckpt = dk * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
+    prologue = e * p * dk / group + e * p * (dk if per_channel else 1) + 2 * r * dk + 4 * (r + p) * dk \
+        + (2 * 4 * dk if config.smoothing else 4 * dk)
+    kernel = 2 * ckpt + 4 * (r + p) * dk + e * p * dv + 4 * dk
+    return prologue + kernel
+
+
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "default_programs", "leapquant_flush", "mosaic_flush_bytes",
+           "smem_bytes", "unsupported_reason"]

@@ -1,0 +1,116 @@
+"""The Mosaic GPU flush against the reference, in the Mosaic GPU interpreter on the CPU, and
+lowered for CUDA (which checks every register layout and copy it names without a GPU).
+
+States as in ``test_kernels``: a random dense state with outlier value columns, then reference
+steps at realistic keys and decays, set to ragged window positions (``check_flush``: codes within
+one step of the reference's, the decoded state's error against the exact state as the reference's).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from leapquant_jax import windowed
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels import mosaic_flush
+
+from test_kernels import check_flush, copy, expanded_state, live_state
+
+
+def mosaic(**opts):
+    def flush(config, state, *, only_full):
+        return mosaic_flush.leapquant_flush(config, state, only_full=only_full, **opts)
+    return flush
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("opts", [dict(programs=2), dict(programs=2, stages=2), dict(programs=3, chunk=32)],
+                         ids=["one-stage", "two-stages", "ragged-programs-chunk-32"])
+def test_mosaic_flush_matches_reference(kda, opts):
+    config = LeapQuantConfig(bits=8, window=16)
+    st, _ = live_state(config, jax.random.PRNGKey(30 + kda), 2, 2, 128, 128, kda, pos=[16, 9])
+    check_flush(config, st, flush=mosaic(**opts))
+
+
+@pytest.mark.parametrize("options", [dict(warm_start=True, fit_iters=2), dict(rank=2, smoothing=False),
+                                     dict(compensators=False), dict(window=4, record_dtype="bfloat16")],
+                         ids=["warm-start-two-rounds", "rank-2-no-smoothing", "no-compensators", "p4-bf16"])
+def test_mosaic_flush_other_configs(options):
+    config = LeapQuantConfig(bits=8, **{"window": 8, **options})
+    st, _ = live_state(config, jax.random.PRNGKey(40), 1, 2, 128, 128, False, pos=[config.window])
+    check_flush(config, st, flush=mosaic(programs=2))
+
+
+def test_mosaic_flush_only_full_windows_and_shared_key_records():
+    # Only the full window (sequence 0) flushes; the others are left exactly as they were. GVA:
+    # value heads 2j and 2j + 1 read key head j's records, as the layout with a copy per value head.
+    config = LeapQuantConfig(bits=8, window=8)
+    st, _ = live_state(config, jax.random.PRNGKey(41), 3, 4, 128, 128, True, pos=[8, 3, 0], key_heads=2)
+    ker, _ = check_flush(config, st, only_full=True, flush=mosaic(programs=4))
+    for a, b in zip(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1:], ker)),
+                    jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1:], st))):
+        np.testing.assert_array_equal(a, b)
+    ker_e = mosaic_flush.leapquant_flush(config, copy(expanded_state(st)), only_full=True, programs=4)
+    for a, b in zip(jax.tree_util.tree_leaves(ker.checkpoint), jax.tree_util.tree_leaves(ker_e.checkpoint)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mosaic_flush_fully_decayed_heads_and_zero_state():
+    config = LeapQuantConfig(bits=8, window=4)
+    st, _ = live_state(config, jax.random.PRNGKey(42), 2, 1, 128, 128, True, pos=[4, 2], log_decay=-1e3, zero=True)
+    # A rank-1 state the Compensator Tokens take whole: the residual is rounding noise whose codes
+    # are arbitrary in both; finite, and as close to the exact state as the reference.
+    check_flush(config, st, codes_agree=False, flush=mosaic(programs=2))
+    st = windowed.init_state(config, 2, 1, 128, 128)
+    ker = mosaic_flush.leapquant_flush(config, copy(st), programs=2)
+    assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_mosaic_flush_lowers_for_cuda(kda, stages):
+    # Lowering builds the Mosaic GPU module: every register layout, reduction and copy is checked
+    # here without a GPU. The checkpoint's five arrays are written in place, nothing else.
+    from jax import export
+
+    config = LeapQuantConfig(bits=8, window=16)
+    st = windowed.init_state(config, 4, 4, 128, 128, per_channel_decay=kda, key_heads=2)
+    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, stages=stages, interpret=False))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+    text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
+    assert "mosaic_gpu" in text
+    assert text.count("stablehlo.output_operand_alias<") == 5
+
+
+def test_mosaic_flush_rejects_what_it_cannot_run():
+    def state(config, dk=128, dv=128):
+        return windowed.init_state(config, 2, 2, dk, dv)
+
+    c8 = LeapQuantConfig(bits=8, window=8)
+    for config, st, match in [
+        (LeapQuantConfig(bits=6, window=8), state(LeapQuantConfig(bits=6, window=8)), "8-bit"),
+        (c8, state(c8, dv=64), "dv=64"),
+        (c8, state(c8, dk=64), "dk=64"),
+        (c8, state(LeapQuantConfig(bits=8, window=4)), "slots"),
+    ]:
+        assert mosaic_flush.unsupported_reason(config, st) is not None
+        with pytest.raises(ValueError, match=match):
+            mosaic_flush.leapquant_flush(config, st)
+    st = windowed.init_state(c8, 8, 2, 128, 128)
+    for opts, match in [(dict(chunk=24), "chunk=24"), (dict(stages=0), "stages=0"), (dict(programs=0), "programs=0"),
+                        (dict(stages=6, programs=1), "shared memory")]:
+        with pytest.raises(ValueError, match=match):
+            mosaic_flush.leapquant_flush(c8, st, **opts)
+
+
+def test_mosaic_flush_bytes_read_the_checkpoint_once():
+    config = LeapQuantConfig(bits=8, window=16)
+    ckpt = 128 * 128 + 4 * 128 * 2 + 2 * 4 * 256
+    b = mosaic_flush.mosaic_flush_bytes(config, 128, 128, False)
+    assert 2 * ckpt < b < 2 * ckpt + 4 * 20 * 128 * 2 + 2 * 16 * 256 + 4096
+    assert mosaic_flush.mosaic_flush_bytes(config, 128, 128, False, group=2) < b
+    assert mosaic_flush.mosaic_flush_bytes(config, 128, 128, True) > b
+    # one stage: two programs fit on an SM; two stages: one
+    assert mosaic_flush.smem_bytes(config, 1, 128) * 2 < 232448 < mosaic_flush.smem_bytes(config, 2, 128) * 2
