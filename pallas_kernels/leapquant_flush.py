@@ -112,15 +112,15 @@ import jax.numpy as jnp
 
 from leapquant_jax import windowed
 from leapquant_jax.compensators import (
-    FP16_MAX, NORMAL_TINY, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, gram_shift, random_start, unrolled_cholesky,
+    FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, gram_shift, random_start, unrolled_cholesky,
 )
 from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
 from .shared import (
-    DIGITS, digit_scales, int8_digits, load_code_part, load_code_parts, load_rows, num_parts,
-    tile_rows, undigit, window_decay_part, window_decays,
+    DIGITS, cholesky_qr_round, digit_scales, int8_digits, load_code_part, load_code_parts, load_rows, num_parts,
+    scale_cols_to_unit_max, tile_rows, undigit, window_decay_part, window_decays,
 )
 from .support import unsupported_reason
 
@@ -140,35 +140,6 @@ def _records_term(kd, bu, dot):
     if kd.shape[0] >= 16:
         return dot(kd, bu)
     return sum(_row(kd, j)[:, None] * _row(bu, j)[None, :] for j in range(kd.shape[0]))
-
-
-def _cholesky_qr_round(cols, rank):
-    """One round of Cholesky QR on columns ``cols[c][part]`` (lists of fp32 vectors); the
-    factorisation is the reference's own (``compensators.unrolled_cholesky``: pivots clamped,
-    columns without a direction of their own dropped)."""
-    def dot(a, b):
-        return sum(jnp.sum(x * y) for x, y in zip(a, b))
-
-    gram = [[dot(cols[a], cols[b]) for b in range(a + 1)] for a in range(rank)]
-    chol, keep = unrolled_cholesky(gram, gram_shift(sum(gram[a][a] for a in range(rank)), rank))
-    out = []
-    for i in range(rank):
-        col = list(cols[i])
-        for j in range(i):
-            col = [x - chol[i][j] * y for x, y in zip(col, out[j])]
-        out.append([jnp.where(keep[i], x / chol[i][i], 0.0) for x in col])
-    return out
-
-
-def _scale_to_unit_max(cols):
-    """``cols[c][part]`` divided by their largest magnitude, as ``compensators.scale_to_unit_max``."""
-    m = None
-    for col in cols:
-        for x in col:
-            mx = jnp.max(jnp.abs(x))
-            m = mx if m is None else jnp.maximum(m, mx)
-    m = jnp.where(m > NORMAL_TINY, m, 1.0)
-    return [[x / m for x in col] for col in cols]
 
 
 def store_codes(codes_out, q_int, bits, dk, start, rows):
@@ -310,7 +281,7 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
             for _ in range(fit_iters):
                 z = [sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q[c])) for c in range(rank)]   # [dv]
                 y = [[jnp.sum(s * z[c][None, :], axis=1) for s in S] for c in range(rank)]               # [n]
-                q = _cholesky_qr_round(_cholesky_qr_round(_scale_to_unit_max(y), rank), rank)
+                q = cholesky_qr_round(cholesky_qr_round(scale_cols_to_unit_max(y), rank), rank)
             for c in range(rank):
                 uc = sum(jnp.sum(s * x[:, None], axis=0) for s, x in zip(S, q[c]))
                 uc = jnp.minimum(jnp.maximum(uc, -FP16_MAX), FP16_MAX)
@@ -612,13 +583,7 @@ def _stream_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, wa
                 top = jnp.where(nrm == 0.0, WARM_START_TOPUP, 0.0)[:, None]
                 q = [x + top * s0 for x, s0 in zip(k0, q)]
             for _ in range(fit_iters):
-                y = read_t(read(q))
-                m = None
-                for x in y:
-                    mx = jnp.max(jnp.abs(x))
-                    m = mx if m is None else jnp.maximum(m, mx)
-                m = jnp.where(m > NORMAL_TINY, m, 1.0)
-                q = [x / m for x in y]
+                [q] = scale_cols_to_unit_max([read_t(read(q))])
                 for _round in range(2):
                     q = _cholesky_qr_tiles(q, rank, rp, dot)
             new_u = jnp.clip(read(q), -FP16_MAX, FP16_MAX).astype(jnp.float16)                # [rp, dv]

@@ -81,9 +81,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from leapquant_jax import windowed
-from leapquant_jax.compensators import (
-    FP16_MAX, NORMAL_TINY, SMOOTH_FLOOR, WARM_START_TOPUP, gram_shift, random_start, unrolled_cholesky,
-)
+from leapquant_jax.compensators import FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, random_start
 from leapquant_jax.quantizers import IntTensor, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
@@ -91,6 +89,7 @@ from .mosaic_shared import (
     META_ALIGN, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, WARPS, Layouts, check_launch, gmem,
     lane_params, resolve_interpret, rows_layout, sm_count,
 )
+from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
 
 f32 = jnp.float32
@@ -107,27 +106,19 @@ def _sqrt(x):
     return jnp.where(x > 0, x * jax.lax.rsqrt(x), 0.0)
 
 
+def _zero_unless(keep, x):
+    """``x`` where the scalar ``keep`` holds, else zeros, as a product: ``x`` is finite here (a
+    quotient by a pivot of at least ``sqrt(shift)``)."""
+    return x * jnp.where(keep, 1.0, 0.0)
+
+
 def _cholesky_qr(cols, rank):
     """CholeskyQR2 of the columns ``cols`` (``rank`` fp32 vectors ``[dk]``) as
-    ``compensators.cholesky_qr2``: scaled to a unit maximum, two rounds of the reference's
-    unrolled factorisation (a dropped column comes out zero)."""
-    m = None
-    for x in cols:
-        mx = jnp.max(jnp.abs(x))
-        m = mx if m is None else jnp.maximum(m, mx)
-    m = jnp.where(m > NORMAL_TINY, m, 1.0)
-    cols = [x / m for x in cols]
+    ``compensators.cholesky_qr2`` (a dropped column comes out zero)."""
+    cols = scale_cols_to_unit_max([[x] for x in cols])
     for _ in range(2):
-        gram = [[jnp.sum(cols[a] * cols[b]) for b in range(a + 1)] for a in range(rank)]
-        chol, keep = unrolled_cholesky(gram, gram_shift(sum(gram[a][a] for a in range(rank)), rank), sqrt=_sqrt)
-        out = []
-        for i in range(rank):
-            col = cols[i]
-            for j in range(i):
-                col = col - chol[i][j] * out[j]
-            out.append((col / chol[i][i]) * jnp.where(keep[i], 1.0, 0.0))
-        cols = out
-    return cols
+        cols = cholesky_qr_round(cols, rank, sqrt=_sqrt, zero_unless=_zero_unless)
+    return [c[0] for c in cols]
 
 
 def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, chunk, qmax, lay):

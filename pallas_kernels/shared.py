@@ -1,13 +1,17 @@
-"""Kernel helpers the decode step and the window flush share: the packed residual codes' planar
+"""Kernel helpers the decode step and the window flushes share: the packed residual codes' planar
 layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``), the window's
-log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on the tensor cores (``DIGIT_BITS``,
-``digit_scales``, ``int8_digits``, ``combine_digits``, ``undigit``); the stream flush's ``load_code_part`` (one code part) and ``load_rows`` (a
-zero-padded tile of a ref's rows). Used inside Pallas kernel bodies only."""
+log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on
+the tensor cores (``DIGIT_BITS``, ``digit_scales``, ``int8_digits``, ``combine_digits``,
+``undigit``); the stream flush's ``load_code_part`` (one code part) and ``load_rows`` (a
+zero-padded tile of a ref's rows); CholeskyQR2 on columns held as pieces
+(``scale_cols_to_unit_max``, ``cholesky_qr_round``: the fused and Mosaic GPU flushes). Used
+inside Pallas kernel bodies only (Triton and Mosaic GPU alike)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from leapquant_jax.compensators import NORMAL_TINY, gram_shift, unrolled_cholesky
 from leapquant_jax.quantizers import code_parts
 
 from ._compat import load, pl
@@ -178,6 +182,42 @@ def tile_rows(x, k: int):
     return [r.reshape(x.shape[1:]) for r in jnp.split(x, x.shape[0], axis=0)[:k]]
 
 
-__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "code_planes", "combine_digits", "digit_scales", "int8_digits",
-           "load_code_part", "load_code_parts", "load_rows", "num_parts", "tile_rows", "undigit", "unpack_codes",
-           "window_decay_part", "window_decays"]
+def scale_cols_to_unit_max(cols):
+    """Columns ``cols[c][part]`` (arrays) divided by their largest magnitude, as
+    ``compensators.scale_to_unit_max`` (left as they are when all are zero)."""
+    m = None
+    for col in cols:
+        for x in col:
+            mx = jnp.max(jnp.abs(x))
+            m = mx if m is None else jnp.maximum(m, mx)
+    m = jnp.where(m > NORMAL_TINY, m, 1.0)
+    return [[x / m for x in col] for col in cols]
+
+
+def _zero_unless(keep, x):
+    return jnp.where(keep, x, 0.0)
+
+
+def cholesky_qr_round(cols, rank, sqrt=jnp.sqrt, zero_unless=_zero_unless):
+    """One round of Cholesky QR on ``rank`` columns ``cols[c][part]`` (fp32 arrays), with the
+    reference's factorisation (``compensators.unrolled_cholesky``: pivots clamped, a column
+    without a direction of its own dropped, zero). ``sqrt`` and ``zero_unless(keep, x)`` (``x``
+    where the scalar ``keep`` holds, else zeros): for a backend that lowers neither ``sqrt`` nor
+    a select of an array by a scalar."""
+    def dot(a, b):
+        return sum(jnp.sum(x * y) for x, y in zip(a, b))
+
+    gram = [[dot(cols[a], cols[b]) for b in range(a + 1)] for a in range(rank)]
+    chol, keep = unrolled_cholesky(gram, gram_shift(sum(gram[a][a] for a in range(rank)), rank), sqrt=sqrt)
+    out = []
+    for i in range(rank):
+        col = list(cols[i])
+        for j in range(i):
+            col = [x - chol[i][j] * y for x, y in zip(col, out[j])]
+        out.append([zero_unless(keep[i], x / chol[i][i]) for x in col])
+    return out
+
+
+__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "cholesky_qr_round", "code_planes", "combine_digits",
+           "digit_scales", "int8_digits", "load_code_part", "load_code_parts", "load_rows", "num_parts",
+           "scale_cols_to_unit_max", "tile_rows", "undigit", "unpack_codes", "window_decay_part", "window_decays"]
