@@ -212,7 +212,7 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
     outs["scale"][...] = new_scale
     inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
-    # 6. The codes, over the input codes.
+    # 5. The codes, over the input codes.
     for k in range(nch):
         s = lay.load(s_ref.at[rows(k)], CH)
         q = jnp.clip(jnp.round(s * inv), -qmax, qmax)
@@ -323,7 +323,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     state: ``LeapQuantState`` (``unsupported_reason`` says which), updated in place when the
     caller's ``jit`` donates it. Returns the state with new checkpoints and ``pos = 0`` for the
     flushed sequences. ``programs``: of the launch (``default_programs``); ``stages``: heads in
-    flight per program (at least 2: a head's codes slot is refilled one head later);
+    flight per program (1, the default, lets two programs share an SM; from 2 a program
+    prefetches its next head and a head's codes slot is refilled one head later);
     ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``auto_barriers``: every
     store to shared memory fenced by warpgroup barriers (``mosaic_shared.lane_params``) instead
     of the kernel's own barriers where threads exchange data. ``interpret``: ``None``
