@@ -55,8 +55,7 @@ from leapquant_jax.recurrence import Token
 
 from .dense_step import STATE_DTYPES, check_dense_inputs
 from .mosaic_shared import (
-    META_ALIGN, SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, Layouts, check_launch, gmem, lane_params, resolve_interpret,
-    rows_layout, sm_count,
+    META_ALIGN, SMEM_LIMIT, Layouts, check_launch, default_programs, gmem, lane_params, resolve_interpret, rows_layout,
 )
 
 f32 = jnp.float32
@@ -77,15 +76,6 @@ def smem_bytes(block_v: int, stages: int, dtype, per_channel: bool, per_pad: int
     tile = DK * block_v * jnp.dtype(dtype).itemsize
     inputs = tile + 4 * (3 * DK + block_v + (DK if per_channel else 0))
     return stages * inputs + 2 * ((0 if inplace else tile) + 4 * block_v) + 16 * per_pad
-
-
-def default_programs(tiles: int, smem_of) -> int:
-    """Programs of a launch: two per SM where two fit in its shared memory (``smem_of(programs)``
-    bytes each), else one (three per SM, with fewer stages, were slower, ``bench/results``), at
-    most one per tile."""
-    sms = sm_count()
-    per_sm = 2 if 2 * (smem_of(2 * sms) + SMEM_RESERVED) <= SMEM_PER_SM else 1
-    return max(1, min(per_sm * sms, tiles))
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -210,7 +200,7 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
 
     token: general-form ``Token`` with ``H`` value heads. Returns ``(o [B, H, dv] fp32, state)``,
     the state updated in place when the caller's ``jit`` donates it. ``block_v``: value columns
-    per tile (``default_block_v``); ``programs``: of the launch (``default_programs``);
+    per tile (``default_block_v``); ``programs``: of the launch (``mosaic_shared.default_programs``);
     ``stages``: tiles in flight per program; ``inplace``: the new state block is written over
     its input slot in shared memory and copied out from there (the slot is refilled one tile
     later), instead of through two output slots of its own (which a program of a single tile

@@ -86,8 +86,8 @@ from leapquant_jax.quantizers import IntTensor, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
-    META_ALIGN, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_PER_SM, SMEM_RESERVED, WARPS, Layouts, check_launch, gmem,
-    lane_params, resolve_interpret, rows_layout, sm_count,
+    META_ALIGN, SMEM_LIMIT, WARPS, Layouts, check_launch, default_programs, gmem, lane_params, resolve_interpret,
+    rows_layout,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -301,14 +301,6 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_pad: int) -> int:
     return stages * head + 4 * DK * DK + 2 * 4 * r * DK + 2 * outs + 4 * r * DK + 16 * per_pad
 
 
-def default_programs(n: int, smem_of) -> int:
-    """Programs of a launch: two per SM where two fit in its shared memory (``smem_of(programs)``
-    bytes each, with the cross-warp reductions' scratch), else one; at most one per head."""
-    sms = sm_count()
-    per_sm = 2 if 2 * (smem_of(2 * sms) + REDUCTION_SCRATCH + SMEM_RESERVED) <= SMEM_PER_SM else 1
-    return max(1, min(per_sm * sms, n))
-
-
 def _flat(x, n):
     return x.reshape((n,) + x.shape[2:])
 
@@ -322,7 +314,7 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
 
     state: ``LeapQuantState`` (``unsupported_reason`` says which), updated in place when the
     caller's ``jit`` donates it. Returns the state with new checkpoints and ``pos = 0`` for the
-    flushed sequences. ``programs``: of the launch (``default_programs``); ``stages``: heads in
+    flushed sequences. ``programs``: of the launch (``mosaic_shared.default_programs``); ``stages``: heads in
     flight per program (1, the default, lets two programs share an SM; from 2 a program
     prefetches its next head and a head's codes slot is refilled one head later);
     ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``auto_barriers``: every

@@ -87,6 +87,16 @@ def check_launch(programs, stages) -> None:
         raise ValueError(f"stages={stages!r} must be a positive integer")
 
 
+def default_programs(units: int, smem_of) -> int:
+    """Programs of a launch over ``units`` tiles or heads: two per SM where two fit in its shared
+    memory (``smem_of(programs)`` bytes each, with the cross-warp reductions' scratch and the
+    per-program reserve), else one (three per SM, with fewer stages, were slower on the H200,
+    ``bench/results``); at most one per unit."""
+    sms = sm_count()
+    per_sm = 2 if 2 * (smem_of(2 * sms) + REDUCTION_SCRATCH + SMEM_RESERVED) <= SMEM_PER_SM else 1
+    return max(1, min(per_sm * sms, units))
+
+
 def lane_params(auto_barriers: bool = True):
     """Compiler parameters of every kernel here: Lane lowering semantics (the layouts above are
     per-thread register layouts; JAX 0.11's default, Warpgroup, infers its own). Without
@@ -116,5 +126,5 @@ def gmem(x):
 
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_LIMIT", "SMEM_PER_SM",
-           "SMEM_RESERVED", "WARPS", "check_launch", "gmem", "lane_params", "resolve_interpret", "rows_layout", "sm_count",
-           "sync"]
+           "SMEM_RESERVED", "WARPS", "check_launch", "default_programs", "gmem", "lane_params", "resolve_interpret",
+           "rows_layout", "sm_count", "sync"]
