@@ -74,9 +74,12 @@ from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 from pallas_kernels._compat import compiler_params, default_interpret, is_pow2, load, pl
 from pallas_kernels.dense_step import dense_step, dense_step_bytes, dense_step_reference
 from pallas_kernels.leapquant_flush import IMPLS as FLUSH_IMPLS
-from pallas_kernels.leapquant_flush import flush_bytes, leapquant_flush, split_fit, split_quantize, split_reconstruct
+from pallas_kernels.leapquant_flush import (
+    flush_bytes, leapquant_flush, split_fit, split_quantize, split_reconstruct, takes_mosaic,
+)
 from pallas_kernels.leapquant_step import check_token, leapquant_step, step_bytes
-from pallas_kernels import mosaic_flush
+from pallas_kernels import mosaic_dense, mosaic_flush
+from pallas_kernels.api import takes_mosaic_dense
 from pallas_kernels.shared import num_parts
 
 
@@ -426,11 +429,12 @@ def impl_flush_bytes(config, dk, dv, kda, impl):
     return flush_bytes(config, dk, dv, kda, impl)
 
 
-def bytes_impl(flush_opts) -> str:
+def bytes_impl(flush_opts, mosaic: bool = False) -> str:
     """The ``flush_bytes`` impl of flush options: every window is full in the timings, where
-    ``auto`` runs the split flush; any other impl (``fused``, ``split``, ``stream``) counts as itself."""
+    ``auto`` runs the split flush, or the Mosaic GPU one where ``mosaic``
+    (``leapquant_flush.takes_mosaic``); any other impl counts as itself."""
     impl = (flush_opts or {}).get("impl", "auto")
-    return "split" if impl == "auto" else impl
+    return ("mosaic" if mosaic else "split") if impl == "auto" else impl
 
 
 def _unique(variants):
@@ -862,12 +866,23 @@ def main(argv=None):
                 rows.append(dict(impl="FLA fp32 fused_recurrent", kind="fla", us=us, bytes=dense_b))
             toks = window_tokens(bsz, h, dk, dv, kda, p)
             for dt, isz in (("float32", 4), ("bfloat16", 2)):
-                s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv).astype(dt)
+                fresh = lambda dt=dt: random_state(jax.random.PRNGKey(3), bsz, h, dk, dv).astype(dt)
+                nb = dense_step_bytes(dk, dv, isz, kda) * bsz * h
+                s = fresh()
+                mosaic = takes_mosaic_dense(s, toks[0])
                 us = time_jax(dense_timer(dt, toks, **best[kda]["dense"]), s, toks, p)
-                rows.append(dict(impl=f"Pallas {dt} dense step", kind=f"dense-{dt}", us=us,
-                                 bytes=dense_step_bytes(dk, dv, isz, kda) * bsz * h))
+                triton = dict(impl=f"Pallas {dt} dense step", kind=f"dense-{dt}", us=us, bytes=nb)
+                if mosaic:
+                    # what the dense methods run on Hopper (api.dense_step); the Triton row beside it
+                    us = time_jax(step_timer(mosaic_dense.dense_step), fresh(), toks, p)
+                    rows.append(dict(impl=f"Pallas {dt} dense step (Mosaic GPU, auto on Hopper)", kind=f"dense-{dt}",
+                                     us=us, bytes=nb))
+                    triton.update(impl=f"Pallas {dt} dense step (Triton)", kind=f"dense-triton-{dt}")
+                rows.append(triton)
             s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
-            flush_impl = bytes_impl(best[kda]["flush"])
+            flush_impl = bytes_impl(best[kda]["flush"],
+                                    takes_mosaic(config, windowed.from_dense(config, s[:1], per_channel_decay=kda),
+                                                 default_interpret()))
             for what in ("window", "steps", "flush"):
                 st = windowed.from_dense(config, s, per_channel_decay=kda)
                 steps = 1 if what == "flush" else p

@@ -122,6 +122,8 @@ from .shared import (
     DIGITS, cholesky_qr_round, digit_scales, int8_digits, load_code_part, load_code_parts, load_rows, num_parts,
     scale_cols_to_unit_max, tile_rows, undigit, window_decay_part, window_decays,
 )
+from . import mosaic_flush
+from .mosaic_shared import interpret_params, on_hopper
 from .support import unsupported_reason
 
 f32 = jnp.float32
@@ -745,7 +747,7 @@ def _group(state) -> int:
     return state.shape[1] // state.key_heads
 
 
-IMPLS = ("auto", "split", "fused", "stream")
+IMPLS = ("auto", "split", "fused", "stream", "mosaic")
 STREAM_NUM_WARPS = 4   # 5.75 ms per GDN flush at batch 512 against 9.16 ms at 8 warps (H200)
 # ``auto`` with ``only_full``: the split flush when at least this fraction of the batch flushes,
 # else the fused one (which pays only for full windows). Break-even points measured on the H200
@@ -753,6 +755,18 @@ STREAM_NUM_WARPS = 4   # 5.75 ms per GDN flush at batch 512 against 9.16 ms at 8
 # 5072 us for GDN, 3061 / 8207 us for KDA; one sequence in 16 full, split 808 / 828 us, fused
 # 311 / 430 us), interpolating both linearly: about 0.22 (GDN) and 0.13 (KDA).
 SPLIT_MIN_FULL_FRACTION = {False: 0.22, True: 0.13}
+# The same on Hopper, where ``auto`` takes the Mosaic GPU flush instead of the split one where it
+# can (``mosaic_flush.unsupported_reason``). It copies in every head whatever the positions, so
+# it costs about as much with few full windows as with all (2379 against 2428 us, GDN,
+# bench/results/mosaic-flush-20261202.md); all full it took 1432 / 1689 us (GDN / KDA,
+# mosaic-flush-20261202-f-rolled), crossing the fused flush's line above at about 0.28 and 0.21.
+MOSAIC_MIN_FULL_FRACTION = {False: 0.28, True: 0.21}
+
+
+def takes_mosaic(config: LeapQuantConfig, state: LeapQuantState, interpret: bool) -> bool:
+    """Whether ``auto`` flushes with the Mosaic GPU flush: compiled on a Hopper GPU, for the
+    configs and states it takes (8 bits, 128 x 128 heads)."""
+    return not interpret and on_hopper() and mosaic_flush.unsupported_reason(config, state) is None
 
 
 def _check(config, state, impl):
@@ -911,25 +925,32 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     state: ``LeapQuantState`` (updated in place when the caller's ``jit`` donates it). Returns
     the state with new checkpoints and ``pos = 0`` for the flushed sequences; the buffer is left
     as it was (no read reaches a slot at or past ``pos``; the module docstring).
-    ``impl``: ``"split"``, ``"fused"``, ``"stream"`` (module docstring) or ``"auto"`` (the split
-    flush for every sequence; with ``only_full``, chosen at run time by the fraction of full
-    windows, ``SPLIT_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split
-    flush's first stage; ``num_warps``: of the per-head kernel (fused, stream, or the split's
-    last stage).
+    ``impl``: ``"split"``, ``"fused"``, ``"stream"`` (module docstring), ``"mosaic"`` (the Mosaic
+    GPU flush, ``mosaic_flush``, with its default options) or ``"auto"``: for every sequence the
+    split flush, or the Mosaic GPU one where ``takes_mosaic``; with ``only_full``, that or the
+    fused flush, chosen at run time by the fraction of full windows (``SPLIT_MIN_FULL_FRACTION``,
+    ``MOSAIC_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split flush's
+    first stage; ``num_warps``: of the per-head kernel (fused, stream, or the split's last stage).
     """
     _check(config, state, impl)
     interpret = default_interpret() if interpret is None else interpret
     kw = dict(only_full=only_full, num_warps=num_warps, interpret=interpret)
+    mosaic = impl == "mosaic" or (impl == "auto" and takes_mosaic(config, state, interpret))
+
+    def whole(s):
+        if mosaic:
+            return mosaic_flush.leapquant_flush(config, s, only_full=only_full, interpret=interpret_params(interpret))
+        return flush_split(config, s, block_v=block_v, **kw)
+
     if impl == "fused":
         return flush_fused(config, state, **kw)
     if impl == "stream":
         return flush_stream(config, state, **kw)
-    if impl == "split" or not only_full:
-        return flush_split(config, state, block_v=block_v, **kw)
+    if impl in ("split", "mosaic") or not only_full:
+        return whole(state)
     frac = jnp.mean((state.pos >= config.window).astype(f32))
-    return jax.lax.cond(frac >= SPLIT_MIN_FULL_FRACTION[state.per_channel_decay],
-                        lambda s: flush_split(config, s, block_v=block_v, **kw),
-                        lambda s: flush_fused(config, s, **kw), state)
+    least = (MOSAIC_MIN_FULL_FRACTION if mosaic else SPLIT_MIN_FULL_FRACTION)[state.per_channel_decay]
+    return jax.lax.cond(frac >= least, whole, lambda s: flush_fused(config, s, **kw), state)
 
 
 def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, impl: str = "split",
@@ -963,6 +984,6 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["IMPLS", "SPLIT_MIN_FULL_FRACTION", "default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split",
+__all__ = ["IMPLS", "MOSAIC_MIN_FULL_FRACTION", "SPLIT_MIN_FULL_FRACTION", "default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split",
            "flush_stream", "leapquant_flush", "leapquant_flush_reference", "split_fit", "split_quantize",
-           "split_reconstruct"]
+           "split_reconstruct", "takes_mosaic"]

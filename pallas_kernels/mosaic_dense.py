@@ -55,7 +55,8 @@ from leapquant_jax.recurrence import Token
 
 from .dense_step import STATE_DTYPES, check_dense_inputs
 from .mosaic_shared import (
-    META_ALIGN, SMEM_LIMIT, Layouts, check_launch, default_programs, gmem, lane_params, resolve_interpret, rows_layout,
+    META_ALIGN, SMEM_LIMIT, Layouts, check_launch, default_programs, fold_vmap, lane_params, resolve_interpret,
+    rows_layout, run_kernel,
 )
 
 f32 = jnp.float32
@@ -217,13 +218,21 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
 def launch(state: jax.Array, token: Token, tile_fn, *, block_v=None, programs=None, stages=DEFAULT_STAGES,
            inplace=True, interleave=True, interpret=None):
     """``dense_step`` with ``tile_fn`` (``_tile_step``'s signature) as each tile's arithmetic: the
-    same pipeline around other arithmetic (``bench.mosaic_dense``'s copy-only variant)."""
+    same pipeline around other arithmetic (``bench.mosaic_dense``'s copy-only variant). Under
+    ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``)."""
     try:
         _check(state, token, block_v or default_block_v(state.dtype))
     except (ValueError, TypeError) as err:
         raise type(err)(f"Mosaic GPU dense_step cannot run: {err}") from None
     check_launch(programs, stages)
     interpret = resolve_interpret(interpret, "the Mosaic GPU dense step")
+    run = functools.partial(_launch, tile_fn=tile_fn, block_v=block_v, programs=programs, stages=stages,
+                            inplace=inplace, interleave=interleave, interpret=interpret)
+    return fold_vmap(run)(state, token)
+
+
+def _launch(state, token, *, tile_fn, block_v, programs, stages, inplace, interleave, interpret):
+    """``launch`` on checked options: the scalars' packing and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     bv = block_v or default_block_v(state.dtype)
     per_channel = token.g.ndim == 3
@@ -257,8 +266,7 @@ def launch(state: jax.Array, token: Token, tile_fn, *, block_v=None, programs=No
     if per_channel:
         arrays["g"] = flat(token.g)
     names = tuple(arrays)
-    refs = {name: gmem(x) for name, x in arrays.items()}
-    refs.update(meta=gmem(meta), o=gmem(jnp.zeros((n, dv), f32)))
+    values = dict(arrays, meta=meta, o=jnp.zeros((n, dv), f32))
     scratch = [plgpu.SMEM((per_pad, 4), f32), plgpu.SMEM((2, bv), f32)]
     if not inplace:
         scratch.append(plgpu.SMEM((2, dk, bv), state.dtype))
@@ -266,13 +274,14 @@ def launch(state: jax.Array, token: Token, tile_fn, *, block_v=None, programs=No
                              stages=stages, per_channel=per_channel, bv=bv, dtype=state.dtype, inplace=inplace,
                              interleave=interleave, interpret=bool(interpret))
 
-    @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
-                 interpret=interpret, name=f"dense_step_mosaic_{'kda' if per_channel else 'gdn'}_{state.dtype}")
-    def dense_step_mosaic():
-        pl.run_scoped(lambda *s: body(refs, s), *scratch)
+    def kernel(refs):
+        @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
+                     interpret=interpret, name=f"dense_step_mosaic_{'kda' if per_channel else 'gdn'}_{state.dtype}")
+        def dense_step_mosaic():
+            pl.run_scoped(lambda *s: body(refs, s), *scratch)
 
-    return jax.freeze(refs["o"]).reshape(bsz, h, dv), jax.freeze(refs["s"]).reshape(state.shape)
-
+    new = run_kernel(kernel, values)
+    return new["o"].reshape(bsz, h, dv), new["s"].reshape(state.shape)
 
 __all__ = ["BLOCKS_V", "DK", "SMEM_LIMIT", "STATE_DTYPES", "default_block_v", "default_programs", "dense_step",
            "launch", "smem_bytes", "unsupported_reason"]

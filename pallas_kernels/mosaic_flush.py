@@ -86,8 +86,8 @@ from leapquant_jax.quantizers import IntTensor, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
-    META_ALIGN, SMEM_LIMIT, WARPS, Layouts, check_launch, default_programs, gmem, lane_params, resolve_interpret,
-    rows_layout,
+    META_ALIGN, SMEM_LIMIT, WARPS, Layouts, check_launch, default_programs, fold_vmap, lane_params, resolve_interpret,
+    rows_layout, run_kernel,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -121,11 +121,22 @@ def _cholesky_qr(cols, rank):
     return [c[0] for c in cols]
 
 
-def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, chunk, qmax, lay):
+def _chunks(n, body, carry, unroll):
+    """``carry = body(k, carry)`` for the chunks ``k < n``: a ``fori_loop`` (one chunk's code,
+    run ``n`` times), or written out ``n`` times with ``unroll`` (static ``k``)."""
+    if unroll:
+        for k in range(n):
+            carry = body(k, carry)
+        return carry
+    return jax.lax.fori_loop(0, n, body, carry)
+
+
+def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, chunk, qmax, unroll, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
     ``s_ref [dk, dv]`` and the fit's rows in ``fit_ref [2, r, dk]``; ``start``: the ref of the
-    fit's first basis ``[r, dk]``."""
+    fit's first basis ``[r, dk]``. Each pass walks the key rows ``chunk`` at a time in a loop
+    (``_chunks``)."""
     CH = rows_layout(chunk)
     CROW = CH.reduce(1)          # [chunk] over the warps and registers: a row's factor
     VCOL = CH.reduce(0)          # [128] over the lanes: a column's factor (or a row of the fit)
@@ -133,6 +144,8 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
     rows = lambda k: pl.ds(k * chunk, chunk)
     along = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (0,)), CH)     # [chunk] -> rows
     across = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (1,)), CH)    # [128] -> columns
+    zeros = lambda: lay.cast(jnp.zeros((chunk, DK), f32), CH)
+    loop = functools.partial(_chunks, nch, unroll=unroll)
 
     def col_sums(acc):
         return [jnp.sum(a, axis=0) for a in acc]
@@ -141,33 +154,32 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
     scale = lay.load(t["scale"], VCOL)
     ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
     ud += [lay.load(t["ru"].at[j], VCOL).astype(f32) for j in range(p)]
-    zacc = [None] * r
-    for k in range(nch):
+
+    def build(k, zacc):
         z = lay.load(t["codes"].at[rows(k)], CH).astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
         s = z * along(lay.load(t["rowfac"].at[rows(k)], CROW)) * across(scale)
         for m, u in enumerate(ud):
             s = s + along(lay.load(t["kd"].at[m, rows(k)], CROW)) * across(u)
         s_ref[rows(k)] = s
-        for c in range(r):
-            term = s * along(lay.load(start.at[c, rows(k)], CROW))
-            zacc[c] = term if zacc[c] is None else zacc[c] + term
+        return tuple(zacc[c] + s * along(lay.load(start.at[c, rows(k)], CROW)) for c in range(r))
+
+    zacc = loop(build, tuple(zeros() for _ in range(r)))
 
     def times_z(zs):
         """``Y = S Z`` for the columns ``zs`` (``r`` vectors ``[dv]``): stored as rows of ``fit_ref[0]``."""
-        for k in range(nch):
+        def chunk_rows(k, carry):
             s = lay.load(s_ref.at[rows(k)], CH)
             for c in range(r):
                 fit_ref[0, c, rows(k)] = jnp.sum(s * across(zs[c]), axis=1)
+            return carry
+        loop(chunk_rows, ())
 
     def times_rows(q_row):
         """``S^T q`` for each row ``q_row(c, k)`` (a ``[chunk]`` CROW vector): ``r`` vectors ``[dv]``."""
-        acc = [None] * r
-        for k in range(nch):
+        def chunk_rows(k, acc):
             s = lay.load(s_ref.at[rows(k)], CH)
-            for c in range(r):
-                term = s * along(q_row(c, k))
-                acc[c] = term if acc[c] is None else acc[c] + term
-        return col_sums(acc)
+            return tuple(acc[c] + s * along(q_row(c, k)) for c in range(r))
+        return col_sums(loop(chunk_rows, tuple(zeros() for _ in range(r))))
 
     if r:
         # 2. Subspace iteration: Y = S Z, orthonormalised; later rounds from the new basis.
@@ -195,8 +207,7 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
     # 4, 5. R = S - K^T U from the rounded factors, the smoothing scales of its rows, R / c and
     # its column maxima (a reciprocal per row and per column: a division per element costs
     # about ten instructions). A chunk's rows are whole, so one pass does both.
-    cmax = None
-    for k in range(nch):
+    def residual(k, cmax):
         s = lay.load(s_ref.at[rows(k)], CH)
         for c in range(r):
             s = s - along(lay.load(fit_ref.at[0, c, rows(k)], CROW)) * across(us[c])
@@ -206,21 +217,25 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
             s = s * along(1.0 / cs)
         if r or smoothing:
             s_ref[rows(k)] = s
-        m = jnp.abs(s)
-        cmax = m if cmax is None else jnp.maximum(cmax, m)
+        return jnp.maximum(cmax, jnp.abs(s))
+
+    cmax = loop(residual, zeros())
     new_scale = jnp.max(cmax, axis=0) / qmax
     outs["scale"][...] = new_scale
     inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
     # 5. The codes, over the input codes.
-    for k in range(nch):
+    def codes(k, carry):
         s = lay.load(s_ref.at[rows(k)], CH)
         q = jnp.clip(jnp.round(s * inv), -qmax, qmax)
         t["codes"][rows(k)] = q.astype(jnp.int32).astype(jnp.int8)
+        return carry
+
+    loop(codes, ())
 
 
 def _program(refs, scratch, *, names, out_names, n, per, stages, r, p, smoothing, fit_iters, warm_start, chunk, qmax,
-             interpret):
+             unroll, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring)."""
     meta_all, start_s, s_ref, fit_ref = scratch[:4]
     slots = dict(zip(out_names, scratch[4:]))
@@ -247,7 +262,7 @@ def _program(refs, scratch, *, names, out_names, n, per, stages, r, p, smoothing
         outs = {name: ref.at[slot] for name, ref in slots.items()}
         start = tile["start"] if warm_start else start_s
         _head_flush(tile, outs, s_ref, fit_ref, start, r=r, p=p, smoothing=smoothing, fit_iters=fit_iters,
-                    chunk=chunk, qmax=qmax, lay=lay)
+                    chunk=chunk, qmax=qmax, unroll=unroll, lay=lay)
         plgpu.commit_smem()
         lay.sync()
 
@@ -305,11 +320,11 @@ def _flat(x, n):
     return x.reshape((n,) + x.shape[2:])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "only_full", "programs", "stages", "chunk", "auto_barriers",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "only_full", "programs", "stages", "chunk", "unroll",
+                                             "auto_barriers", "interpret"))
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
                     programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
-                    auto_barriers: bool = False, interpret=None) -> LeapQuantState:
+                    unroll: bool = False, auto_barriers: bool = False, interpret=None) -> LeapQuantState:
     """Window flush (``leapquant_flush.leapquant_flush``'s contract) on Mosaic GPU.
 
     state: ``LeapQuantState`` (``unsupported_reason`` says which), updated in place when the
@@ -317,10 +332,13 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     flushed sequences. ``programs``: of the launch (``mosaic_shared.default_programs``); ``stages``: heads in
     flight per program (1, the default, lets two programs share an SM; from 2 a program
     prefetches its next head and a head's codes slot is refilled one head later);
-    ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``auto_barriers``: every
-    store to shared memory fenced by warpgroup barriers (``mosaic_shared.lane_params``) instead
-    of the kernel's own barriers where threads exchange data. ``interpret``: ``None``
-    runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``unroll``: each pass's
+    chunks written out one after another instead of a loop over one chunk's code (the earlier
+    form, kept to measure against: its straight-line code misses the instruction cache);
+    ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
+    (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
+    data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
+    elsewhere. Under ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``).
     """
     why = unsupported_reason(config, state)
     if why is not None:
@@ -329,6 +347,13 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if not isinstance(chunk, int) or chunk < WARPS or chunk % WARPS or DK % chunk:
         raise ValueError(f"chunk={chunk!r} must be a multiple of {WARPS} dividing {DK}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
+    run = functools.partial(_launch, config, only_full=only_full, programs=programs, stages=stages, chunk=chunk,
+                            unroll=unroll, auto_barriers=auto_barriers, interpret=interpret)
+    return fold_vmap(run)(state)
+
+
+def _launch(config, state, *, only_full, programs, stages, chunk, unroll, auto_barriers, interpret):
+    """``leapquant_flush`` on checked options: the XLA prologue and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
     p, r = config.window, config.effective_rank
@@ -372,33 +397,31 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
             q0 = q0 + WARM_START_TOPUP * seed * (jnp.linalg.norm(q0, axis=-1, keepdims=True) == 0)
             arrays["start"] = _flat(q0, n)
     names = tuple(arrays)
-    refs = {name: gmem(x) for name, x in arrays.items()}
-    outs = dict(scale=refs["scale"])
+    values = dict(arrays)
     out_shapes = dict(scale=((dv,), f32))
     if config.smoothing:
-        refs["smooth"] = outs["smooth"] = gmem(_flat(ckpt.smooth.astype(f32), n))
+        values["smooth"] = _flat(ckpt.smooth.astype(f32), n)
         out_shapes["smooth"] = ((dk,), f32)
     if r:
-        refs["ck"] = outs["ck"] = gmem(_flat(ckpt.comp_k, n))
-        outs["cu"] = refs["cu"]
+        values["ck"] = _flat(ckpt.comp_k, n)
         out_shapes.update(ck=((r, dk), jnp.float16), cu=((r, dv), jnp.float16))
-    out_names = tuple(outs)
-    refs.update(meta=gmem(meta), seeded_start=gmem(random_start(dk, max(r, 1), config.seed)))
+    out_names = tuple(out_shapes)
+    values.update(meta=meta, seeded_start=random_start(dk, max(r, 1), config.seed))
     scratch = [plgpu.SMEM((per_pad, 4), f32), plgpu.SMEM((max(r, 1), dk), f32), plgpu.SMEM((dk, dv), f32),
                plgpu.SMEM((2, max(r, 1), dk), f32)]
     scratch += [plgpu.SMEM((2,) + out_shapes[name][0], out_shapes[name][1]) for name in out_names]
     body = functools.partial(_program, names=names, out_names=out_names, n=n, per=per, stages=stages, r=r, p=p,
                              smoothing=config.smoothing, fit_iters=config.fit_iters, warm_start=config.warm_start,
-                             chunk=chunk, qmax=qmax_for_bits(config.bits), interpret=bool(interpret))
+                             chunk=chunk, qmax=qmax_for_bits(config.bits), unroll=unroll, interpret=bool(interpret))
 
-    @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(auto_barriers),
-                 interpret=interpret,
-                 name=f"leapquant_flush_mosaic_{'kda' if state.per_channel_decay else 'gdn'}")
-    def leapquant_flush_mosaic():
-        pl.run_scoped(lambda *s: body(refs, s), *scratch)
+    def kernel(refs):
+        @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(auto_barriers),
+                     interpret=interpret,
+                     name=f"leapquant_flush_mosaic_{'kda' if state.per_channel_decay else 'gdn'}")
+        def leapquant_flush_mosaic():
+            pl.run_scoped(lambda *s: body(refs, s), *scratch)
 
-    new = {name: jax.freeze(refs[name]) for name in ("codes", "scale") + (("smooth",) if config.smoothing else ())
-           + (("ck", "cu") if r else ())}
+    new = run_kernel(kernel, values)
     comp_k = new["ck"].reshape(ckpt.comp_k.shape) if r else ckpt.comp_k
     comp_u = new["cu"].reshape(ckpt.comp_u.shape) if r else ckpt.comp_u
     smooth = new["smooth"].reshape(ckpt.smooth.shape).astype(ckpt.smooth.dtype) if config.smoothing else ckpt.smooth

@@ -9,6 +9,7 @@ SM's shared-memory budget and run in the Mosaic GPU interpreter on a machine wit
 from __future__ import annotations
 
 import jax
+from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -70,6 +71,16 @@ def resolve_interpret(interpret, what: str):
     return interpret
 
 
+def interpret_params(interpret: bool):
+    """The Mosaic GPU kernels' ``interpret`` for a Triton kernel's flag: the interpreter where
+    ``interpret`` (an error where this JAX has none), else ``False`` (compiled)."""
+    if not interpret:
+        return False
+    if InterpretGPUParams is None:
+        raise RuntimeError("the Mosaic GPU kernels' interpret mode needs JAX >= 0.10")
+    return InterpretGPUParams()
+
+
 def sm_count() -> int:
     """Streaming multiprocessors of the default device (1 where it does not say)."""
     try:
@@ -120,11 +131,43 @@ def sync(interpret) -> None:
     barrier()
 
 
-def gmem(x):
-    """``x`` as a mutable device-memory ref of a ``core_map`` kernel."""
-    return jax.new_ref(x, memory_space=plgpu.GMEM)
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x), where ``auto`` takes the
+    Mosaic GPU kernels that measured faster (``leapquant_flush``, ``api``)."""
+    if jax.default_backend() != "gpu":
+        return False
+    cc = str(getattr(jax.devices()[0], "compute_capability", "") or "")
+    return cc.split(".")[0] == "9"
+
+
+def fold_vmap(fn):
+    """``fn`` (arrays, or pytrees of them, each ``[B, ...]`` with the same batch axis ``B`` first,
+    independent along it; results likewise) with a batching rule: under ``vmap`` the mapped
+    axis ``V`` is folded into ``B`` (``[V, B, ...]`` -> ``[V B, ...]``, unmapped inputs broadcast)
+    and ``fn`` runs once on the folded batch. Why: a ``core_map`` kernel has no batching rule of
+    its own, and the per-step methods run under ``vmap``."""
+    f = jax.custom_batching.custom_vmap(fn)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, *args):
+        tmap = jax.tree_util.tree_map
+        args = tmap(lambda x, b: x if b else jax.numpy.broadcast_to(x, (axis_size,) + x.shape), args,
+                    tuple(in_batched))
+        out = f(*tmap(lambda x: x.reshape((axis_size * x.shape[1],) + x.shape[2:]), args))
+        out = tmap(lambda x: x.reshape((axis_size, x.shape[0] // axis_size) + x.shape[1:]), out)
+        return out, tmap(lambda _: True, out)
+
+    return f
+
+
+def run_kernel(kernel, values: dict) -> dict:
+    """The final values of the arrays ``values`` (a dict of them) after ``kernel(refs)``, which
+    launches a ``core_map`` reading and writing ``refs``, mutable copies of them (in place
+    where the caller's ``jit`` donates the inputs). Why ``run_state``: its state stays inside,
+    so the launch can sit under ``fold_vmap``'s batching rule."""
+    return pl.run_state(kernel)(values)
 
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_LIMIT", "SMEM_PER_SM",
-           "SMEM_RESERVED", "WARPS", "check_launch", "default_programs", "gmem", "lane_params", "resolve_interpret",
-           "rows_layout", "sm_count", "sync"]
+           "SMEM_RESERVED", "WARPS", "check_launch", "default_programs", "fold_vmap", "interpret_params", "lane_params",
+           "on_hopper", "resolve_interpret", "rows_layout", "run_kernel", "sm_count", "sync"]

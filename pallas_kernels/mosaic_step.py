@@ -60,7 +60,9 @@ from leapquant_jax.quantizers import IntTensor
 from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
-from .mosaic_shared import WARPS, Layouts, check_launch, gmem, lane_params, resolve_interpret, rows_layout, sm_count
+from .mosaic_shared import (
+    WARPS, Layouts, check_launch, fold_vmap, lane_params, resolve_interpret, rows_layout, run_kernel, sm_count,
+)
 from .support import check_token
 
 f32 = jnp.float32
@@ -275,13 +277,21 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
 def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=3, chunk=None,
            interpret=None):
     """``leapquant_step`` with ``head`` (``_head_step``'s signature) as each head's arithmetic:
-    the same pipeline around other arithmetic (``bench.mosaic_step``'s load-only variant)."""
+    the same pipeline around other arithmetic (``bench.mosaic_step``'s load-only variant). Under
+    ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``)."""
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_step cannot run: {why}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU step")
     token = windowed.match_key_heads(token, state.key_heads)
     check_token(state, token)
+    run = functools.partial(_launch, config, head=head, programs=programs, stages=stages, chunk=chunk,
+                            interpret=interpret)
+    return fold_vmap(run)(state, token)
+
+
+def _launch(config, state, token, *, head, programs, stages, chunk, interpret):
+    """``launch`` on checked inputs: the scalars' packing and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     hk = state.key_heads
     ckpt, buf = state.checkpoint, state.buffer
@@ -311,23 +321,23 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
         arrays.update(ck=_flat(ckpt.comp_k, n), cu=_flat(ckpt.comp_u, n))
     arrays.update(rk=_flat(buf.k, bsz * hk), ru=_flat(buf.u, n))
     names = tuple(arrays)
-    refs = {name: gmem(x) for name, x in arrays.items()}
-    refs.update(meta=gmem(meta), bg=gmem(buf.g.reshape(n, p)), o=gmem(jnp.zeros((n, dv), f32)))
+    values = dict(arrays, meta=meta, bg=buf.g.reshape(n, p), o=jnp.zeros((n, dv), f32))
     scratch = [plgpu.SMEM((per, 4), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
                plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype)]
-    params = lane_params()
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
                              dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
                              interpret=bool(interpret))
 
-    @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=params, interpret=interpret,
-                 name="leapquant_step_mosaic")
-    def leapquant_step_mosaic():
-        pl.run_scoped(lambda *s: body(refs, s), *scratch)
+    def kernel(refs):
+        @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
+                     interpret=interpret, name="leapquant_step_mosaic")
+        def leapquant_step_mosaic():
+            pl.run_scoped(lambda *s: body(refs, s), *scratch)
 
-    new_buf = WindowBuffer(k=jax.freeze(refs["rk"]).reshape(buf.k.shape), u=jax.freeze(refs["ru"]).reshape(buf.u.shape),
-                           g=jax.freeze(refs["bg"]).reshape(buf.g.shape))
-    o = jax.freeze(refs["o"]).reshape(bsz, h, dv)
+    new = run_kernel(kernel, values)
+    new_buf = WindowBuffer(k=new["rk"].reshape(buf.k.shape), u=new["ru"].reshape(buf.u.shape),
+                           g=new["bg"].reshape(buf.g.shape))
+    o = new["o"].reshape(bsz, h, dv)
     return o, LeapQuantState(checkpoint=ckpt, buffer=new_buf, pos=state.pos + 1)
 
 

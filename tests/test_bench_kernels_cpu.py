@@ -110,6 +110,7 @@ def test_sweep_variants():
     assert [v["num_warps"] for v in flush if v["impl"] == "stream"] == [4, 8, 2]
     assert (bk.bytes_impl({}), bk.bytes_impl(dict(impl="auto")), bk.bytes_impl(dict(impl="stream"))) == (
         "split", "split", "stream")
+    assert (bk.bytes_impl({}, mosaic=True), bk.bytes_impl(dict(impl="split"), mosaic=True)) == ("mosaic", "split")
 
 
 def timing(mode, kind, us, *, bsz=512, h=32, nbytes=1.0, fla=None, frac=None, **extra):

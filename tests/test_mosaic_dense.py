@@ -83,6 +83,32 @@ def test_mosaic_dense_step_runs_inside_scan():
     assert rel(o_k[-1], o_r) < 1e-5 and rel(s_k, s_r) < 1e-6
 
 
+def test_mosaic_dense_step_under_vmap_folds_the_mapped_axis():
+    # The per-step methods run under vmap: the mapped axis joins the batch, one launch, the same
+    # result as one call per mapped entry (one entry's token unmapped: broadcast).
+    seq = sequence(jax.random.PRNGKey(7), 2, 1, 2, 128, 128, True)
+    tok = token(seq, 0)
+    states = jnp.stack([dense_state(jax.random.PRNGKey(8 + i), 2, 2, 128, 128) for i in range(3)])
+    o_v, s_v = jax.jit(jax.vmap(lambda s: mosaic_dense.dense_step(s, tok, programs=4)))(states)
+    assert o_v.shape == (3, 2, 2, 128) and s_v.shape == states.shape
+    for i in range(3):
+        o_1, s_1 = mosaic_dense.dense_step(jnp.copy(states[i]), tok, programs=4)
+        np.testing.assert_array_equal(o_v[i], o_1)
+        np.testing.assert_array_equal(s_v[i], s_1)
+
+
+def test_auto_takes_the_mosaic_dense_step_on_hopper_only(monkeypatch):
+    from pallas_kernels import api
+
+    seq = sequence(jax.random.PRNGKey(9), 1, 1, 2, 128, 128, False)
+    s = dense_state(jax.random.PRNGKey(10), 1, 2, 128, 128)
+    assert not api.takes_mosaic_dense(s, token(seq, 0))          # no GPU here
+    monkeypatch.setattr(api, "on_hopper", lambda: True)
+    monkeypatch.setattr(api, "default_interpret", lambda: False)
+    assert api.takes_mosaic_dense(s, token(seq, 0))
+    assert not api.takes_mosaic_dense(s[:, :, :64], token(sequence(jax.random.PRNGKey(9), 1, 1, 2, 64, 128, False), 0))
+
+
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mosaic_dense_step_lowers_for_cuda(kda, dtype):

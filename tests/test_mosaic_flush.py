@@ -57,6 +57,57 @@ def test_mosaic_flush_only_full_windows_and_shared_key_records():
         np.testing.assert_array_equal(a, b)
 
 
+def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
+    # The passes' loops over one chunk's code (the default) compute what the written-out chunks
+    # do, up to the interpreter's own fusion of products and sums (a code on a rounding boundary).
+    config = LeapQuantConfig(bits=8, window=8)
+    st, _ = live_state(config, jax.random.PRNGKey(43), 1, 2, 128, 128, False, pos=[8])
+    rolled = mosaic_flush.leapquant_flush(config, copy(st), programs=2)
+    written = mosaic_flush.leapquant_flush(config, copy(st), programs=2, unroll=True)
+    a, b = (np.asarray(x.checkpoint.residual.codes, np.int32) for x in (rolled, written))
+    assert np.abs(a - b).max() <= 1 and np.mean(a != b) < 1e-3
+    for name in ("smooth", "comp_k", "comp_u"):
+        np.testing.assert_allclose(np.asarray(getattr(rolled.checkpoint, name), np.float32),
+                                   np.asarray(getattr(written.checkpoint, name), np.float32), rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(rolled.checkpoint.residual.scale, written.checkpoint.residual.scale, rtol=1e-5)
+    assert np.any(np.asarray(rolled.checkpoint.residual.codes) != np.asarray(st.checkpoint.residual.codes))
+
+
+def test_mosaic_flush_under_vmap_folds_the_mapped_axis():
+    # Under vmap the mapped axis joins the batch: one launch, the same checkpoints as one flush
+    # per mapped entry (only_full: each entry's own full windows).
+    config = LeapQuantConfig(bits=8, window=8)
+    sts = [live_state(config, jax.random.PRNGKey(44 + i), 2, 1, 128, 128, False, pos=pos)[0]
+           for i, pos in enumerate(([8, 3], [2, 8]))]
+    both = jax.tree_util.tree_map(lambda *x: jax.numpy.stack(x), *sts)
+    flush = lambda s: mosaic_flush.leapquant_flush(config, s, only_full=True, programs=2)
+    out = jax.jit(jax.vmap(flush))(both)
+    for i, st in enumerate(sts):
+        one = flush(copy(st))
+        for a, b in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+                lambda x: x[i], out))):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_auto_takes_the_mosaic_flush_on_hopper_only(monkeypatch):
+    from pallas_kernels import leapquant_flush as lf
+
+    config = LeapQuantConfig(bits=8, window=8)
+    st, _ = live_state(config, jax.random.PRNGKey(46), 1, 2, 128, 128, False, pos=[8])
+    assert not lf.takes_mosaic(config, st, interpret=False)                 # no GPU here
+    monkeypatch.setattr(lf, "on_hopper", lambda: True)
+    assert lf.takes_mosaic(config, st, interpret=False) and not lf.takes_mosaic(config, st, interpret=True)
+    c6 = LeapQuantConfig(bits=6, window=8)
+    assert not lf.takes_mosaic(c6, windowed.init_state(c6, 1, 2, 128, 128), interpret=False)
+    # impl="mosaic" through the flushes' front door: the Mosaic GPU flush, interpreted here
+    a = lf.leapquant_flush(config, copy(st), only_full=True, impl="mosaic")
+    b = mosaic_flush.leapquant_flush(config, copy(st), only_full=True)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="8-bit"):
+        lf.leapquant_flush(c6, windowed.init_state(c6, 1, 2, 128, 128), impl="mosaic")
+
+
 def test_mosaic_flush_fully_decayed_heads_and_zero_state():
     config = LeapQuantConfig(bits=8, window=4)
     st, _ = live_state(config, jax.random.PRNGKey(42), 2, 1, 128, 128, True, pos=[4, 2], log_decay=-1e3, zero=True)
@@ -68,16 +119,17 @@ def test_mosaic_flush_fully_decayed_heads_and_zero_state():
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("stages, unroll", [(1, False), (2, False), (1, True)], ids=["one-stage", "two-stages", "unrolled"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_mosaic_flush_lowers_for_cuda(kda, stages):
+def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll):
     # Lowering builds the Mosaic GPU module: every register layout, reduction and copy is checked
     # here without a GPU. The checkpoint's five arrays are written in place, nothing else.
     from jax import export
 
     config = LeapQuantConfig(bits=8, window=16)
     st = windowed.init_state(config, 4, 4, 128, 128, per_channel_decay=kda, key_heads=2)
-    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, stages=stages, interpret=False))
+    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, stages=stages, unroll=unroll,
+                                                              interpret=False))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
     text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
     assert "mosaic_gpu" in text
