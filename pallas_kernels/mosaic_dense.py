@@ -30,11 +30,13 @@ Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic
 the Triton step in the same run: fp32 GDN 561.8 (91% of copy bandwidth; FLA 736.9, Triton
 596.7), fp32 KDA 565.2 (91%; FLA 542.5, 95%: 0.96x FLA; Triton 615.8), bf16 GDN 296.9 and KDA
 302.3 (88% / 87%; Triton 386.8 / 406.7). Nsight Compute puts the KDA kernel at 560 us and 80% of
-peak DRAM bandwidth, FLA's at 529 us and 85%. Not taken by ``auto`` (``api``): ``core_map`` has
-no batching rule, so the kernel does not run under ``vmap``, which the per-step methods must
-(a ``custom_vmap`` around it breaks ``lax.scan``: no state discharge rule); it runs when called
-directly. ``launch`` runs the same pipeline around other arithmetic (``bench.mosaic_dense
---copy-only``: the state copied through unchanged, to measure the pipeline's own ceiling).
+peak DRAM bandwidth, FLA's at 529 us and 85%. ``auto`` takes it on Hopper
+(``api.takes_mosaic_dense``). The per-step methods run under ``vmap``, for which ``core_map`` has
+no rule: ``mosaic_shared.fold_vmap`` folds the mapped axis into the batch, around a launch whose
+state stays inside ``run_state`` (``run_kernel``; a ``custom_vmap`` around refs made by
+``jax.new_ref`` has no state discharge rule). ``launch`` runs the same pipeline around other
+arithmetic (``bench.mosaic_dense --copy-only``: the state copied through unchanged, to measure
+the pipeline's own ceiling).
 
 Bytes moved per step and head: ``dense_step.dense_step_bytes`` (the vectors are copied once per
 value block; blocks after a head's first read them from L2). Tested with JAX 0.10.2 (Mosaic GPU

@@ -50,19 +50,25 @@ reconstruction and of the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` (Mosaic
 reciprocals (a division costs about ten instructions per element); a code on a rounding boundary
 may differ by one step.
 
+Each pass is a ``fori_loop`` over one chunk's code (``_chunks``): written out chunk after chunk
+(``unroll``, the first form) the kernel was about 10,000 instructions per warp and head of
+straight-line code that the instruction cache could not hold, and its warps spent 3.9 of the 6.2
+cycles between their instructions waiting for instructions to be fetched.
+
 Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full (``python -m
-bench.flush_time``, ``bench/results/mosaic-flush-20261202.md``): compiled, it agrees with the
-reference (8 bits: the decoded state's error against the exact state 5.4110e-3 / 5.3684e-3 for
-GDN / KDA, the reference's to five digits; also with a warm start and two fit rounds); 2428 /
-2685 us per flush against the split flush's 2672 / 3033 us in the same run (0.91x / 0.89x its
-time) with two programs per SM; 4313 / 4573 us with one (an earlier run, against 2670 / 3030).
-With one window in 16 full it still copies in every head: 2379 / 2619 us, against the fused
-flush's 317 / 522 (``auto``). Nsight Compute (one program per SM): 4.2 ms at 0.16 instructions
-issued per cycle and scheduler, one warp per scheduler, 232 registers, DRAM 4%: bound by the
-latency of each
-warpgroup's dependent arithmetic, with too few warps per SM to hide it. ``auto`` does not take
-this flush (``core_map`` has no batching rule, so it does not run under ``vmap``; the
-``mosaic_dense`` docstring); it runs when called directly.
+bench.flush_time``, ``bench/results/mosaic-flush-20261202.md``, run ``-f-rolled``): compiled, it
+agrees with the reference (8 bits: the decoded state's error against the exact state 5.4109e-3 /
+5.3684e-3 for GDN / KDA, the reference's 5.4110e-3 / 5.3684e-3; also with a warm start and two
+fit rounds); **1432 / 1689 us per flush** against the written-out form's 2445 / 2703 and the
+split flush's 2672 / 3030 in the same run, with two programs per SM (one per SM: 1923 / 2179;
+chunks of 8 or 32 rows: 1517 / 1470 us for GDN). Nsight Compute (one program per SM): 2.5
+cycles between a warp's instructions (6.2 written out), 208 registers, about 44,600
+warp-instructions per head. It copies in every head whatever the positions (a copy has a static
+size) and stores only the flushed ones, so with few full windows it costs about as much as with
+all (2379 against 2428 us for the written-out form), where the fused flush pays only for the
+full ones: ``auto`` (``leapquant_flush.takes_mosaic``) takes this flush on Hopper in place of
+the split flush, and with ``only_full`` the fused one below ``MOSAIC_MIN_FULL_FRACTION`` of full
+windows. Under ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``).
 
 Bytes per flushed value head: ``mosaic_flush_bytes`` (70 KB for 8-bit GDN at ``p = 16``, 20 KB of
 them the decayed keys written and read back, against the split flush's 266 KB).

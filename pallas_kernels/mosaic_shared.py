@@ -1,5 +1,6 @@
 """Helpers of the Mosaic GPU kernels (``mosaic_step``, ``mosaic_dense``, ``mosaic_flush``):
-register layouts, the interpret-mode shim, barriers, how a launch is sized and run.
+register layouts, the interpret-mode shim, barriers, how a launch is sized and run (inside
+``run_state``, folded under ``vmap``), and whether ``auto`` takes them (``on_hopper``).
 
 Why one module: the kernels walk their tiles in one ``emit_pipeline`` per program, take the
 same register layout (rows over the warps and registers, columns over the lanes), share the

@@ -20,7 +20,7 @@ the arithmetic: a copy has a static size, so this moves ``p - pos`` more records
 the Triton step's masked loads, ``step_bytes``). The output row and the new record (``u``, and
 ``k`` from the first value head of a key group under GVA) are copied out of shared memory as
 they are made, from two alternating slots; the program's record log-decays once at the end.
-The buffer is updated in place (its arrays are the kernel's mutable refs).
+The buffer is updated in place (its arrays are the kernel's refs, ``mosaic_shared.run_kernel``).
 
 Arithmetic, for ``x1 = b`` and ``x2 = exp(g) q``: ``S_l^T x = scale * D0 (Z^T (c x)) + U^T (K (D0
 x)) + sum_j u_j d_j (k_j . x)`` with GDN's scalar decays (``D0 = exp(G_l)``, ``d_j = exp(G_l -
