@@ -65,6 +65,7 @@ f32 = jnp.float32
 DK = 128                 # key rows of a head: the vectors' layout spreads them over the 32 lanes, 4 each
 BLOCKS_V = (32, 64, 128)  # value columns per tile the register layout takes
 DEFAULT_STAGES = 3
+STORES = ("tma", "global")   # how a new state block leaves: copied out of shared memory, or from the registers
 
 
 def default_block_v(dtype) -> int:
@@ -123,8 +124,9 @@ def tile_order(c, i, tiles: int, programs: int, interleave: bool, xp=jnp):
 
 
 def _program(refs, scratch, *, tile_fn, names, tiles, programs, per, nb, stages, per_channel, bv, dtype, inplace,
-             interleave, interpret):
-    """Program ``c``: its tiles in ``tile_order``."""
+             interleave, direct, interpret):
+    """Program ``c``: its tiles in ``tile_order``; ``direct``: the new state block stored from the
+    registers (``store="global"``)."""
     meta_all, o_s = scratch[:2]
     c = jax.lax.axis_index("c")
     count = tile_order(c, 0, tiles, programs, interleave)[1]
@@ -148,16 +150,22 @@ def _program(refs, scratch, *, tile_fn, names, tiles, programs, per, nb, stages,
         # The copies out of tile i - 2 have read their slots (o's; in place, the state's slot of
         # tile i - 2 was already refilled, so this only bounds the groups in flight).
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        s_out = tile["s"] if inplace else scratch[2].at[slot]
         o_s[slot] = o
-        s_out[...] = s_new.astype(dtype)
-        plgpu.commit_smem()
         head, cols = t // nb, pl.ds((t % nb) * bv, bv)
+        if direct:
+            @pl.when(i < count)
+            def _():
+                refs["s"].at[head, :, cols][...] = s_new.astype(dtype)
+        else:
+            s_out = tile["s"] if inplace else scratch[2].at[slot]
+            s_out[...] = s_new.astype(dtype)
+        plgpu.commit_smem()
 
         @pl.when(i < count)
         def _():
             plgpu.copy_smem_to_gmem(o_s.at[slot], refs["o"].at[head, cols], commit_group=False)
-            plgpu.copy_smem_to_gmem(s_out, refs["s"].at[head, :, cols], commit_group=False)
+            if not direct:
+                plgpu.copy_smem_to_gmem(s_out, refs["s"].at[head, :, cols], commit_group=False)
 
         plgpu.commit_smem_to_gmem_group()
         if inplace:
@@ -196,9 +204,11 @@ def unsupported_reason(values: jax.Array, token: Token, block_v: int | None = No
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "programs", "stages", "inplace", "interleave", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "programs", "stages", "inplace", "interleave", "store",
+                                             "interpret"))
 def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, programs: int | None = None,
-               stages: int = DEFAULT_STAGES, inplace: bool = True, interleave: bool = True, interpret=None):
+               stages: int = DEFAULT_STAGES, inplace: bool = True, interleave: bool = True, store: str = "tma",
+               interpret=None):
     """One dense step on a ``[B, H, 128, dv]`` fp32 or bf16 state (``dense_step.dense_step``'s contract).
 
     token: general-form ``Token`` with ``H`` value heads. Returns ``(o [B, H, dv] fp32, state)``,
@@ -208,17 +218,19 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
     its input slot in shared memory and copied out from there (the slot is refilled one tile
     later), instead of through two output slots of its own (which a program of a single tile
     always takes: the delayed refill needs two stages); ``interleave``: which tiles a program
-    takes (``tile_order``). ``interpret``: ``None`` runs compiled on a GPU and
-    in the Mosaic GPU interpreter elsewhere.
+    takes (``tile_order``); ``store``: how the new state block leaves, ``"tma"`` (copied out of
+    shared memory, above) or ``"global"`` (stored from the registers straight to device memory;
+    ``inplace`` then has no effect and the state's slot is refilled at once). ``interpret``:
+    ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
     """
     return launch(state, token, _tile_step, block_v=block_v, programs=programs, stages=stages, inplace=inplace,
-                  interleave=interleave, interpret=interpret)
+                  interleave=interleave, store=store, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tile_fn", "block_v", "programs", "stages", "inplace", "interleave",
-                                             "interpret"))
+                                             "store", "interpret"))
 def launch(state: jax.Array, token: Token, tile_fn, *, block_v=None, programs=None, stages=DEFAULT_STAGES,
-           inplace=True, interleave=True, interpret=None):
+           inplace=True, interleave=True, store="tma", interpret=None):
     """``dense_step`` with ``tile_fn`` (``_tile_step``'s signature) as each tile's arithmetic: the
     same pipeline around other arithmetic (``bench.mosaic_dense``'s copy-only variant). Under
     ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``)."""
@@ -227,13 +239,16 @@ def launch(state: jax.Array, token: Token, tile_fn, *, block_v=None, programs=No
     except (ValueError, TypeError) as err:
         raise type(err)(f"Mosaic GPU dense_step cannot run: {err}") from None
     check_launch(programs, stages)
+    if store not in STORES:
+        raise ValueError(f"store={store!r} must be one of {STORES}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU dense step")
     run = functools.partial(_launch, tile_fn=tile_fn, block_v=block_v, programs=programs, stages=stages,
-                            inplace=inplace, interleave=interleave, interpret=interpret)
+                            inplace=inplace and store == "tma", interleave=interleave, store=store,
+                            interpret=interpret)
     return fold_vmap(run)(state, token)
 
 
-def _launch(state, token, *, tile_fn, block_v, programs, stages, inplace, interleave, interpret):
+def _launch(state, token, *, tile_fn, block_v, programs, stages, inplace, interleave, store, interpret):
     """``launch`` on checked options: the scalars' packing and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     bv = block_v or default_block_v(state.dtype)
@@ -246,7 +261,7 @@ def _launch(state, token, *, tile_fn, block_v, programs, stages, inplace, interl
         per_pad = -(-per // META_ALIGN) * META_ALIGN
         st = min(stages, per)
         inp = inplace and st >= 2
-        return per, per_pad, st, inp, smem_bytes(bv, st, state.dtype, per_channel, per_pad, inp)
+        return per, per_pad, st, inp, smem_bytes(bv, st, state.dtype, per_channel, per_pad, inp or store == "global")
 
     if programs is None:
         programs = default_programs(tiles, lambda p: layout(p)[-1])
@@ -270,11 +285,11 @@ def _launch(state, token, *, tile_fn, block_v, programs, stages, inplace, interl
     names = tuple(arrays)
     values = dict(arrays, meta=meta, o=jnp.zeros((n, dv), f32))
     scratch = [plgpu.SMEM((per_pad, 4), f32), plgpu.SMEM((2, bv), f32)]
-    if not inplace:
+    if not inplace and store == "tma":
         scratch.append(plgpu.SMEM((2, dk, bv), state.dtype))
     body = functools.partial(_program, tile_fn=tile_fn, names=names, tiles=tiles, programs=programs, per=per, nb=nb,
                              stages=stages, per_channel=per_channel, bv=bv, dtype=state.dtype, inplace=inplace,
-                             interleave=interleave, interpret=bool(interpret))
+                             interleave=interleave, direct=store == "global", interpret=bool(interpret))
 
     def kernel(refs):
         @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),

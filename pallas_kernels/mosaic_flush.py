@@ -11,22 +11,27 @@ Same contract as ``leapquant_flush.leapquant_flush`` (``windowed.flush_reference
 ``only_full`` only the sequences at ``pos >= p``, ``windowed.maybe_flush``); the buffer is left as
 it was (no read reaches a slot at or past the reset ``pos``).
 
-Structure: XLA first forms, with the reference's own code (``windowed.window_decays``,
-``record_keys``), the decayed key rows of the reconstruction, ``kd = [D0 K; w_j k_j]``
-(``[r + p, dk]`` fp32 per value head: the Compensator Tokens' keys times the checkpoint's decay,
-then the live records' keys times their decays, zero for dead slots) and the row factors
-``D0 c`` (``[dk]``), so that the kernel's reconstruction is one form for GDN and KDA:
+Structure: ``programs`` programs of one warpgroup (128 threads) take ``per`` consecutive heads of
+the flattened ``[B H]`` heads (past ``B H`` the last head repeats and stores nothing) and walk them
+in an ``emit_pipeline`` (per head: its scalars, which XLA packs with GDN's record log-decays, the
+codes, the column and smoothing scales, the Compensator Tokens, the records' keys, values and
+KDA's log-decays, all as stored). With one stage (the default) a program takes 106 KB of shared
+memory (GDN; KDA 110 KB), so two run on an SM and each one's copies overlap the other's
+arithmetic; with two stages or more a program prefetches its next head itself but takes 132 /
+140 KB, one per SM. Per head:
 
-    S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj,   ud = [U; u]  (the fp16 values as stored).
+0. the reconstruction's decayed key rows ``kd = [D0 K; w_j k_j]`` (``[r + p, dk]`` fp32: the
+   Compensator Tokens' keys times the checkpoint's decay, then the live records' keys times their
+   decays, zero for dead slots) and the row factors ``D0 c``, as ``windowed.window_decays`` and
+   ``record_keys`` make them (log-space running sums of the live records' log-decays, masked
+   before ``exp``), into shared memory that the fit's rows and the output slots take after the
+   reconstruction (``mosaic_shared.smem_union``), so that the reconstruction is one form for GDN
+   and KDA:
 
-``programs`` programs of one warpgroup (128 threads) take ``per`` consecutive heads of the
-flattened ``[B H]`` heads (past ``B H`` the last head repeats and stores nothing) and walk them in
-an ``emit_pipeline`` (per head: the codes, the column and row factors, ``kd``, ``U``, the value
-records). With one stage (the default) a program takes 110 KB of shared memory, so two run on
-an SM and each one's copies overlap the other's arithmetic; with two stages or more a program
-prefetches its next head itself but takes 142 KB, one per SM. Per head, ``chunk`` key rows at a
-time (register layout ``mosaic_shared.rows_layout``: rows over the warps and each thread's
-registers, the 128 value columns over the lanes):
+       S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj,   ud = [U; u]  (the fp16 values as stored);
+
+then ``chunk`` key rows at a time (register layout ``mosaic_shared.rows_layout``: rows over the
+warps and each thread's registers, the 128 value columns over the lanes):
 
 1. ``S`` from the codes and ``kd``/``ud``, stored in shared memory, and ``Z = S^T Q_0`` (the
    seeded start, or the warm start made in XLA as the reference makes it);
@@ -70,8 +75,9 @@ full ones: ``auto`` (``leapquant_flush.takes_mosaic``) takes this flush on Hoppe
 the split flush, and with ``only_full`` the fused one below ``MOSAIC_MIN_FULL_FRACTION`` of full
 windows. Under ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``).
 
-Bytes per flushed value head: ``mosaic_flush_bytes`` (70 KB for 8-bit GDN at ``p = 16``, 20 KB of
-them the decayed keys written and read back, against the split flush's 266 KB).
+Bytes per flushed value head: ``mosaic_flush_bytes`` (46 KB for 8-bit GDN at ``p = 16``, KDA 50 KB,
+against the split flush's 266 KB; 70 / 74 KB when XLA formed the decayed keys and wrote them
+out for the kernel to read).
 
 Tested with JAX 0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled,
 H200).
@@ -86,14 +92,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from leapquant_jax import windowed
 from leapquant_jax.compensators import FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, random_start
 from leapquant_jax.quantizers import IntTensor, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
-    META_ALIGN, SMEM_LIMIT, WARPS, Layouts, check_launch, default_programs, fold_vmap, lane_params, resolve_interpret,
-    rows_layout, run_kernel,
+    SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, default_programs, fold_vmap, lane_params,
+    resolve_interpret, rows_layout, run_kernel, smem_union,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -102,6 +107,7 @@ f32 = jnp.float32
 DK = 128                 # key rows and value columns of a head (the rows layout's 128 columns)
 DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumulators in registers
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
+META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -137,11 +143,44 @@ def _chunks(n, body, carry, unroll):
     return jax.lax.fori_loop(0, n, body, carry)
 
 
-def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, chunk, qmax, unroll, lay):
+def _decayed_keys(meta, t, kd_ref, *, r, p, per_channel, smoothing, lay):
+    """The reconstruction's key rows into ``kd_ref [r + p + 1, dk]``: ``D0 K`` (the Compensator
+    Tokens' keys), ``w_j k_j`` (the records', zero for dead slots) and the row factors ``D0 c``,
+    as ``windowed.window_decays`` and ``record_keys`` make them (log-space running sums of the
+    live records' log-decays, masked before ``exp``). ``meta``: the head's scalars (``pos`` at 1;
+    GDN's record log-decays from ``META_COLS``); KDA's come per channel in ``t["rg"] [p, dk]``.
+    One value per column and thread (the column layout), the same in every warp."""
+    VCOL = rows_layout(WARPS).reduce(0)
+    pos = meta[1]
+    vec = lambda ref: lay.load(ref, VCOL).astype(f32)
+    if per_channel:
+        gs = [jnp.where(j < pos, vec(t["rg"].at[j]), 0.0) for j in range(p)]
+    else:
+        gs = [jnp.where(j < pos, meta[META_COLS + j], 0.0) for j in range(p)]
+    G = [gs[0]]
+    for j in range(1, p):
+        G.append(G[-1] + gs[j])
+    G_l = G[-1]             # dead slots add zero: the sum of the live records' log-decays
+    D0 = jnp.exp(G_l)
+    for c in range(r):
+        kd_ref[c] = D0 * vec(t["ck"].at[c])
+    for j in range(p):
+        w = jnp.exp(jnp.where(j < pos, G_l - G[j], -jnp.inf))
+        kd_ref[r + j] = w * vec(t["rk"].at[j])
+    if smoothing:
+        kd_ref[r + p] = D0 * vec(t["smooth"])
+    else:
+        kd_ref[r + p] = D0 * lay.cast(jnp.ones((DK,), f32), VCOL)
+
+
+def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_channel, smoothing, fit_iters, chunk, qmax,
+                unroll, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
-    ``s_ref [dk, dv]`` and the fit's rows in ``fit_ref [2, r, dk]``; ``start``: the ref of the
-    fit's first basis ``[r, dk]``. Each pass walks the key rows ``chunk`` at a time in a loop
+    ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, r, dk]`` and the reconstruction's key rows
+    and row factors in ``kd_ref [r + p + 1, dk]`` (``_decayed_keys``, from the head's scalars
+    ``meta``; it shares its memory with ``fit_ref`` and ``outs``); ``start``: the ref of the fit's
+    first basis ``[r, dk]``. Each pass walks the key rows ``chunk`` at a time in a loop
     (``_chunks``)."""
     CH = rows_layout(chunk)
     CROW = CH.reduce(1)          # [chunk] over the warps and registers: a row's factor
@@ -156,6 +195,10 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
     def col_sums(acc):
         return [jnp.sum(a, axis=0) for a in acc]
 
+    # 0. The decayed keys and row factors, read by other threads in the rows layout.
+    _decayed_keys(meta, t, kd_ref, r=r, p=p, per_channel=per_channel, smoothing=smoothing, lay=lay)
+    lay.sync()
+
     # 1. S and the first round's Z = S^T Q_0.
     scale = lay.load(t["scale"], VCOL)
     ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
@@ -163,13 +206,14 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
 
     def build(k, zacc):
         z = lay.load(t["codes"].at[rows(k)], CH).astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
-        s = z * along(lay.load(t["rowfac"].at[rows(k)], CROW)) * across(scale)
+        s = z * along(lay.load(kd_ref.at[r + p, rows(k)], CROW)) * across(scale)
         for m, u in enumerate(ud):
-            s = s + along(lay.load(t["kd"].at[m, rows(k)], CROW)) * across(u)
+            s = s + along(lay.load(kd_ref.at[m, rows(k)], CROW)) * across(u)
         s_ref[rows(k)] = s
         return tuple(zacc[c] + s * along(lay.load(start.at[c, rows(k)], CROW)) for c in range(r))
 
     zacc = loop(build, tuple(zeros() for _ in range(r)))
+    lay.sync()      # every thread is past its reads of kd_ref, whose memory the fit's rows take next
 
     def times_z(zs):
         """``Y = S Z`` for the columns ``zs`` (``r`` vectors ``[dv]``): stored as rows of ``fit_ref[0]``."""
@@ -240,42 +284,43 @@ def _head_flush(t, outs, s_ref, fit_ref, start, *, r, p, smoothing, fit_iters, c
     loop(codes, ())
 
 
-def _program(refs, scratch, *, names, out_names, n, per, stages, r, p, smoothing, fit_iters, warm_start, chunk, qmax,
-             unroll, interpret):
-    """Program ``c``: its heads ``c per + [0, per)`` (module docstring)."""
-    meta_all, start_s, s_ref, fit_ref = scratch[:4]
-    slots = dict(zip(out_names, scratch[4:]))
+def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r, p, per_channel, smoothing, fit_iters,
+             warm_start, chunk, qmax, unroll, interpret):
+    """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``keyed``: the inputs read
+    per key head (``hk`` of the ``h`` heads)."""
+    start_s, s_ref, (kd_ref, (fit_ref, slots)) = scratch
+    slots = dict(zip(out_names, slots))
     c = jax.lax.axis_index("c")
     lay = Layouts(interpret)
     delay = min(stages - 1, 1)
 
+    def key_head(t):
+        return (t // h) * hk + (t % h) // (h // hk)
+
     def fetch(bars):
-        plgpu.copy_gmem_to_smem(refs["meta"].at[c], meta_all, bars.at[0])
-        if r and not warm_start:
-            plgpu.copy_gmem_to_smem(refs["seeded_start"], start_s, bars.at[1])
-            plgpu.barrier_wait(bars.at[1])
+        plgpu.copy_gmem_to_smem(refs["seeded_start"], start_s, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
 
-    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=2))
+    if r and not warm_start:
+        pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=1))
 
     def body(idx, *tiles):
         i = idx[0]
         t = c * per + i
         tile = dict(zip(names, tiles))
-        slot = i % 2
-        # The copies out of head i - 2 have read this slot.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        outs = {name: ref.at[slot] for name, ref in slots.items()}
+        # The copies out of the earlier heads have read the output slots, whose memory the
+        # decayed keys take (with one stage they ended with the last head's body).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         start = tile["start"] if warm_start else start_s
-        _head_flush(tile, outs, s_ref, fit_ref, start, r=r, p=p, smoothing=smoothing, fit_iters=fit_iters,
-                    chunk=chunk, qmax=qmax, unroll=unroll, lay=lay)
+        _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, start, r=r, p=p, per_channel=per_channel,
+                    smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, qmax=qmax, unroll=unroll, lay=lay)
         plgpu.commit_smem()
         lay.sync()
 
-        @pl.when((t < n) & (meta_all[i, 0] > 0))
+        @pl.when((t < n) & (tile["meta"][0] > 0))
         def _():
             plgpu.copy_smem_to_gmem(tile["codes"], refs["codes"].at[t], commit_group=False)
-            for name, ref in outs.items():
+            for name, ref in slots.items():
                 plgpu.copy_smem_to_gmem(ref, refs[name].at[t], commit_group=False)
 
         plgpu.commit_smem_to_gmem_group()
@@ -286,7 +331,8 @@ def _program(refs, scratch, *, names, out_names, n, per, stages, r, p, smoothing
 
     def spec(name, x):
         zeros = (0,) * (x.ndim - 1)
-        return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (jnp.minimum(c * per + i, n - 1),) + zeros,
+        head = key_head if name in keyed else (lambda t: t)
+        return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (head(jnp.minimum(c * per + i, n - 1)),) + zeros,
                                delay_release=delay if name == "codes" else 0)
 
     ins = [refs[name] for name in names]
@@ -312,14 +358,25 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     return None
 
 
-def smem_bytes(config: LeapQuantConfig, stages: int, per_pad: int) -> int:
-    """Shared memory of one program: ``stages`` sets of a head's inputs, the fp32 state, the fit's
-    rows, two slots of outputs besides the codes, the start and the scalars."""
+def meta_cols(p: int, per_channel: bool) -> int:
+    """Columns of a head's row of scalars: ``META_COLS``, then GDN's ``p`` record log-decays, in
+    whole 128-byte units (a copy moves a multiple of 128 bytes)."""
+    return -(-(META_COLS + (0 if per_channel else p)) // 32) * 32
+
+
+def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool) -> int:
+    """Shared memory of one program (each buffer from a 1 KB boundary, ``mosaic_shared.aligned``):
+    ``stages`` of each of a head's inputs, the fp32 state, the decayed keys or (sharing their
+    memory) the fit's rows and the output slots besides the codes, the start and the scalars."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
-    head = DK * DK + 4 * 2 * DK + 4 * (r + p) * DK + 2 * r * DK + e * p * DK + (4 * r * DK if config.warm_start else 0)
-    outs = 4 * DK * (1 + config.smoothing) + 2 * 2 * r * DK
-    return stages * head + 4 * DK * DK + 2 * 4 * r * DK + 2 * outs + 4 * r * DK + 16 * per_pad
+    comps = [2 * r * DK] * 2 if r else []
+    inputs = [4 * meta_cols(p, per_channel), DK * DK, 4 * DK, e * p * DK, e * p * DK] + comps
+    inputs += ([4 * DK] if config.smoothing else []) + ([e * p * DK] if per_channel else [])
+    inputs += [4 * r * DK] if config.warm_start else []
+    later = aligned(2 * 4 * max(r, 1) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
+    return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later)
+            + aligned(4 * DK * DK, 4 * max(r, 1) * DK))
 
 
 def _flat(x, n):
@@ -365,36 +422,38 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, auto_b
     p, r = config.window, config.effective_rank
     n = bsz * h
 
-    def layout(programs):   # (heads per program, padded to whole scalar runs; stages; bytes)
+    def layout(programs):   # (heads per program, stages, bytes)
         per = -(-n // programs)
-        per_pad = -(-per // META_ALIGN) * META_ALIGN
         st = min(stages, per)
-        return per, per_pad, st, smem_bytes(config, st, per_pad)
+        return per, st, smem_bytes(config, st, state.per_channel_decay)
 
     if programs is None:
         programs = default_programs(n, lambda q: layout(q)[-1])
     programs = min(programs, n)
-    per, per_pad, stages, need = layout(programs)
+    per, stages, need = layout(programs)
     programs = -(-n // per)
     if need > SMEM_LIMIT:
         raise ValueError(f"stages={stages} needs {need} bytes of shared memory per program (at most {SMEM_LIMIT})")
 
-    # The reconstruction's decayed keys and row factors, from the reference's own code.
-    G_l, w = windowed.window_decays(buf, state.pos, dk)                        # [B, H, dk], [B, H, p, dk]
-    D0 = jnp.exp(G_l)
-    kd = w * windowed.record_keys(buf)                                          # [B, H, p, dk]
-    if r:
-        kd = jnp.concatenate([D0[:, :, None, :] * ckpt.comp_k.astype(f32), kd], axis=2)
-    rowfac = D0 * ckpt.smooth.astype(f32) if config.smoothing else D0
+    # Each head's scalars, a row of its own copied in with its tiles: (flushed or not, pos, 0, 0),
+    # then GDN's record log-decays, padded to whole 128-byte units.
     flush = (state.pos >= p) if only_full else jnp.ones((bsz,), bool)
-    # Each program's heads' scalars (flushed or not, 0, 0, 0), padded to whole 128-byte runs.
-    flags = jnp.pad(jnp.broadcast_to(flush[:, None], (bsz, h)).astype(f32).reshape(n), (0, programs * per - n))
-    meta = jnp.pad(flags.reshape(programs, per, 1), ((0, 0), (0, per_pad - per), (0, 3)))
+    cols = meta_cols(p, state.per_channel_decay)
+    head = lambda x: jnp.broadcast_to(x[:, None], (bsz, h)).astype(f32).reshape(n, 1)
+    meta = [head(flush), head(state.pos), jnp.zeros((n, META_COLS - 2), f32)]
+    if not state.per_channel_decay:
+        meta.append(buf.g.astype(f32).reshape(n, p))
+    meta = jnp.concatenate(meta, axis=1)
+    meta = jnp.pad(meta, ((0, 0), (0, cols - meta.shape[1])))
 
-    arrays = dict(codes=_flat(ckpt.residual.codes, n), scale=_flat(ckpt.residual.scale.astype(f32), n),
-                  rowfac=_flat(rowfac, n), kd=_flat(kd, n), ru=_flat(buf.u, n))
+    arrays = dict(meta=meta, codes=_flat(ckpt.residual.codes, n), scale=_flat(ckpt.residual.scale.astype(f32), n),
+                  rk=_flat(buf.k, bsz * state.key_heads), ru=_flat(buf.u, n))
+    if state.per_channel_decay:
+        arrays["rg"] = _flat(buf.g, n)
+    if config.smoothing:
+        arrays["smooth"] = _flat(ckpt.smooth.astype(f32), n)
     if r:
-        arrays["cu"] = _flat(ckpt.comp_u, n)
+        arrays.update(ck=_flat(ckpt.comp_k, n), cu=_flat(ckpt.comp_u, n))
         if config.warm_start:
             # The warm start as the reference makes it (subspace_basis): the old K, a zero row
             # topped up from the seeded start.
@@ -406,19 +465,21 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, auto_b
     values = dict(arrays)
     out_shapes = dict(scale=((dv,), f32))
     if config.smoothing:
-        values["smooth"] = _flat(ckpt.smooth.astype(f32), n)
         out_shapes["smooth"] = ((dk,), f32)
     if r:
-        values["ck"] = _flat(ckpt.comp_k, n)
         out_shapes.update(ck=((r, dk), jnp.float16), cu=((r, dv), jnp.float16))
     out_names = tuple(out_shapes)
-    values.update(meta=meta, seeded_start=random_start(dk, max(r, 1), config.seed))
-    scratch = [plgpu.SMEM((per_pad, 4), f32), plgpu.SMEM((max(r, 1), dk), f32), plgpu.SMEM((dk, dv), f32),
-               plgpu.SMEM((2, max(r, 1), dk), f32)]
-    scratch += [plgpu.SMEM((2,) + out_shapes[name][0], out_shapes[name][1]) for name in out_names]
-    body = functools.partial(_program, names=names, out_names=out_names, n=n, per=per, stages=stages, r=r, p=p,
-                             smoothing=config.smoothing, fit_iters=config.fit_iters, warm_start=config.warm_start,
-                             chunk=chunk, qmax=qmax_for_bits(config.bits), unroll=unroll, interpret=bool(interpret))
+    values.update(seeded_start=random_start(dk, max(r, 1), config.seed))
+    # The decayed keys (read by the reconstruction only) share their memory with the fit's rows
+    # and the output slots (written after it).
+    later = (plgpu.SMEM((2, max(r, 1), dk), f32), [plgpu.SMEM(*out_shapes[name]) for name in out_names])
+    scratch = [plgpu.SMEM((max(r, 1), dk), f32), plgpu.SMEM((dk, dv), f32),
+               smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later)]
+    body = functools.partial(_program, names=names, keyed=("rk",), out_names=out_names, n=n, h=h,
+                             hk=state.key_heads, per=per, stages=stages, r=r, p=p,
+                             per_channel=state.per_channel_decay, smoothing=config.smoothing,
+                             fit_iters=config.fit_iters, warm_start=config.warm_start, chunk=chunk,
+                             qmax=qmax_for_bits(config.bits), unroll=unroll, interpret=bool(interpret))
 
     def kernel(refs):
         @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(auto_barriers),
@@ -440,17 +501,16 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, auto_b
 
 
 def mosaic_flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, group: int = 1) -> float:
-    """Bytes one flushed value head moves: the XLA prologue (the records' keys and log-decays
-    read, ``kd`` written) and the kernel (the checkpoint and ``kd`` and the value records read,
-    the checkpoint written). ``group``: value heads per key head (GVA)."""
+    """Bytes one flushed value head moves: the checkpoint read and written, the records read
+    (keys once per key group of ``group`` value heads, GVA), and the head's scalars, which XLA
+    packs (GDN's record log-decays among them) and the kernel reads."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     ckpt = dk * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
-    prologue = e * p * dk / group + e * p * (dk if per_channel else 1) + 2 * r * dk + 4 * (r + p) * dk \
-        + (2 * 4 * dk if config.smoothing else 4 * dk)
-    kernel = 2 * ckpt + 4 * (r + p) * dk + e * p * dv + 4 * dk
-    return prologue + kernel
+    records = e * p * (dk / group + dv + (dk if per_channel else 0))
+    scalars = (e * p if not per_channel else 0) + 4 + 2 * 4 * meta_cols(p, per_channel)
+    return 2 * ckpt + records + scalars
 
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "default_programs", "leapquant_flush", "mosaic_flush_bytes",
-           "smem_bytes", "unsupported_reason"]
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "META_COLS", "default_programs", "leapquant_flush", "meta_cols",
+           "mosaic_flush_bytes", "smem_bytes", "unsupported_reason"]

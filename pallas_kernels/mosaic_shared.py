@@ -25,6 +25,7 @@ META_ALIGN = 8       # rows of packed per-program scalars (4 fp32 each) per 128-
 SMEM_LIMIT = 232448  # bytes of shared memory a Hopper program may take (227 KB)
 SMEM_PER_SM = 233472  # and an SM holds (228 KB),
 SMEM_RESERVED = 1024  # 1 KB of it reserved per resident program
+SMEM_ALIGN = 1024    # Mosaic GPU starts each shared-memory buffer at a multiple of this
 REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes   # what a program adds for cross-warp sums
 
 
@@ -99,6 +100,18 @@ def check_launch(programs, stages) -> None:
         raise ValueError(f"stages={stages!r} must be a positive integer")
 
 
+def aligned(*sizes: int) -> int:
+    """Bytes of shared memory that buffers of ``sizes`` bytes take, each from a ``SMEM_ALIGN`` boundary."""
+    return sum(-(-x // SMEM_ALIGN) * SMEM_ALIGN for x in sizes)
+
+
+def smem_union(interpret, *trees):
+    """Shared memory for trees of buffers (``plgpu.SMEM``) whose lifetimes are disjoint: one region
+    (``plgpu.RefUnion``) compiled, separate buffers in the Mosaic GPU interpreter (which has no
+    aliased refs). Either way the kernel receives the trees as given."""
+    return tuple(trees) if interpret else plgpu.RefUnion(*trees)
+
+
 def default_programs(units: int, smem_of) -> int:
     """Programs of a launch over ``units`` tiles or heads: two per SM where two fit in its shared
     memory (``smem_of(programs)`` bytes each, with the cross-warp reductions' scratch and the
@@ -169,6 +182,7 @@ def run_kernel(kernel, values: dict) -> dict:
     return pl.run_state(kernel)(values)
 
 
-__all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_LIMIT", "SMEM_PER_SM",
-           "SMEM_RESERVED", "WARPS", "check_launch", "default_programs", "fold_vmap", "interpret_params", "lane_params",
-           "on_hopper", "resolve_interpret", "rows_layout", "run_kernel", "sm_count", "sync"]
+__all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
+           "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "default_programs", "fold_vmap",
+           "interpret_params", "lane_params", "on_hopper", "resolve_interpret", "rows_layout", "run_kernel", "sm_count",
+           "smem_union", "sync"]

@@ -51,7 +51,8 @@ def test_mosaic_dense_step_matches_reference(kda, dtype):
     dict(block_v=128, programs=2, stages=2),
     dict(block_v=64, programs=3, inplace=False),                 # two output slots of its own
     dict(block_v=64, programs=12),                               # one tile per program: no delayed refill
-], ids=["runs", "whole-heads", "out-of-place", "one-tile-each"])
+    dict(block_v=64, programs=3, store="global"),                # from the registers to device memory
+], ids=["runs", "whole-heads", "out-of-place", "one-tile-each", "global-stores"])
 def test_mosaic_dense_step_launch_options(opts):
     check_steps(True, "float32", 3, 2, 256 if opts["block_v"] == 32 else 128, **opts)
 
@@ -109,16 +110,17 @@ def test_auto_takes_the_mosaic_dense_step_on_hopper_only(monkeypatch):
     assert not api.takes_mosaic_dense(s[:, :, :64], token(sequence(jax.random.PRNGKey(9), 1, 1, 2, 64, 128, False), 0))
 
 
-@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mosaic_dense_step_lowers_for_cuda(kda, dtype):
+@pytest.mark.parametrize("kda, dtype, store", [(False, "float32", "tma"), (True, "float32", "tma"),
+                                               (False, "bfloat16", "tma"), (True, "bfloat16", "tma"),
+                                               (True, "float32", "global"), (False, "bfloat16", "global")])
+def test_mosaic_dense_step_lowers_for_cuda(kda, dtype, store):
     from jax import export
 
     bsz, h = 4, 4
     z = lambda *shape: jnp.zeros(shape)
     tok = delta_rule_token(q=z(bsz, h, 128), k=z(bsz, h, 128), v=z(bsz, h, 128),
                            g=z(bsz, h, 128) if kda else z(bsz, h), beta=z(bsz, h))
-    f = jax.jit(lambda s, t: mosaic_dense.dense_step(s, t, programs=3, interpret=False))
+    f = jax.jit(lambda s, t: mosaic_dense.dense_step(s, t, programs=3, store=store, interpret=False))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     (jnp.zeros((bsz, h, 128, 128), dtype), tok))
     text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
@@ -143,6 +145,8 @@ def test_mosaic_dense_step_rejects_what_it_cannot_run():
         mosaic_dense.dense_step(s, tok, block_v=128, stages=4)
     with pytest.raises(ValueError, match="stages=0"):
         mosaic_dense.dense_step(s, tok, stages=0)
+    with pytest.raises(ValueError, match="store='smem'"):
+        mosaic_dense.dense_step(s, tok, store="smem")
     assert mosaic_dense.unsupported_reason(s, tok) is None
     assert "dk=64" in mosaic_dense.unsupported_reason(jnp.zeros((2, 2, 64, 128)), tok)
 
