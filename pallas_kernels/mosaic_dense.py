@@ -66,6 +66,7 @@ DK = 128                 # key rows of a head: the vectors' layout spreads them 
 BLOCKS_V = (32, 64, 128)  # value columns per tile the register layout takes
 DEFAULT_STAGES = 3
 STORES = ("tma", "global")   # how a new state block leaves: copied out of shared memory, or from the registers
+DEFAULT_STORE = "global"     # 1-2% faster on the H200 (bench/results/mosaic-dense-20261203-*)
 
 
 def default_block_v(dtype) -> int:
@@ -207,8 +208,8 @@ def unsupported_reason(values: jax.Array, token: Token, block_v: int | None = No
 @functools.partial(jax.jit, static_argnames=("block_v", "programs", "stages", "inplace", "interleave", "store",
                                              "interpret"))
 def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, programs: int | None = None,
-               stages: int = DEFAULT_STAGES, inplace: bool = True, interleave: bool = True, store: str = "tma",
-               interpret=None):
+               stages: int = DEFAULT_STAGES, inplace: bool = True, interleave: bool = True,
+               store: str = DEFAULT_STORE, interpret=None):
     """One dense step on a ``[B, H, 128, dv]`` fp32 or bf16 state (``dense_step.dense_step``'s contract).
 
     token: general-form ``Token`` with ``H`` value heads. Returns ``(o [B, H, dv] fp32, state)``,
@@ -218,9 +219,9 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
     its input slot in shared memory and copied out from there (the slot is refilled one tile
     later), instead of through two output slots of its own (which a program of a single tile
     always takes: the delayed refill needs two stages); ``interleave``: which tiles a program
-    takes (``tile_order``); ``store``: how the new state block leaves, ``"tma"`` (copied out of
-    shared memory, above) or ``"global"`` (stored from the registers straight to device memory;
-    ``inplace`` then has no effect and the state's slot is refilled at once). ``interpret``:
+    takes (``tile_order``); ``store``: how the new state block leaves, ``"global"`` (the default:
+    stored from the registers straight to device memory, the state's slot refilled at once;
+    ``inplace`` then has no effect) or ``"tma"`` (written to shared memory and copied out by TMA). ``interpret``:
     ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
     """
     return launch(state, token, _tile_step, block_v=block_v, programs=programs, stages=stages, inplace=inplace,
@@ -230,7 +231,7 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
 @functools.partial(jax.jit, static_argnames=("tile_fn", "block_v", "programs", "stages", "inplace", "interleave",
                                              "store", "interpret"))
 def launch(state: jax.Array, token: Token, tile_fn, *, block_v=None, programs=None, stages=DEFAULT_STAGES,
-           inplace=True, interleave=True, store="tma", interpret=None):
+           inplace=True, interleave=True, store=DEFAULT_STORE, interpret=None):
     """``dense_step`` with ``tile_fn`` (``_tile_step``'s signature) as each tile's arithmetic: the
     same pipeline around other arithmetic (``bench.mosaic_dense``'s copy-only variant). Under
     ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``)."""
@@ -300,5 +301,5 @@ def _launch(state, token, *, tile_fn, block_v, programs, stages, inplace, interl
     new = run_kernel(kernel, values)
     return new["o"].reshape(bsz, h, dv), new["s"].reshape(state.shape)
 
-__all__ = ["BLOCKS_V", "DK", "SMEM_LIMIT", "STATE_DTYPES", "default_block_v", "default_programs", "dense_step",
-           "launch", "smem_bytes", "unsupported_reason"]
+__all__ = ["BLOCKS_V", "DEFAULT_STORE", "DK", "SMEM_LIMIT", "STATE_DTYPES", "STORES", "default_block_v",
+           "default_programs", "dense_step", "launch", "smem_bytes", "unsupported_reason"]

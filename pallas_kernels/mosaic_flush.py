@@ -98,7 +98,7 @@ from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
     SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, default_programs, fold_vmap, lane_params,
-    resolve_interpret, rows_layout, run_kernel, smem_union,
+    resolve_interpret, row_sums_layout, rows_layout, run_kernel, smem_union,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -107,6 +107,7 @@ f32 = jnp.float32
 DK = 128                 # key rows and value columns of a head (the rows layout's 128 columns)
 DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumulators in registers
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
+DEFAULT_SUM_LANES = 8    # lanes a row of S spans where the flush sums along rows (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 
 
@@ -174,7 +175,7 @@ def _decayed_keys(meta, t, kd_ref, *, r, p, per_channel, smoothing, lay):
 
 
 def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_channel, smoothing, fit_iters, chunk, qmax,
-                unroll, lay):
+                unroll, sum_lanes, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
     ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, r, dk]`` and the reconstruction's key rows
@@ -216,11 +217,24 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
     lay.sync()      # every thread is past its reads of kd_ref, whose memory the fit's rows take next
 
     def times_z(zs):
-        """``Y = S Z`` for the columns ``zs`` (``r`` vectors ``[dv]``): stored as rows of ``fit_ref[0]``."""
-        def chunk_rows(k, carry):
-            s = lay.load(s_ref.at[rows(k)], CH)
+        """``Y = S Z`` for the columns ``zs`` (``r`` vectors ``[dv]``): stored as rows of ``fit_ref[0]``.
+        With ``sum_lanes = 8`` the rows of ``S`` are read in ``row_sums_layout`` (a row's sums cross 8
+        lanes, not 32) and ``zs`` pass through ``fit_ref[1]`` (free until the new basis) into its
+        column layout."""
+        YL, y_across = CH, across
+        if sum_lanes == 8:
+            YL = row_sums_layout(chunk)
+            lay.sync()      # the last round's basis in fit_ref[1] has been read
             for c in range(r):
-                fit_ref[0, c, rows(k)] = jnp.sum(s * across(zs[c]), axis=1)
+                fit_ref[1, c] = zs[c]
+            lay.sync()
+            zs = [lay.load(fit_ref.at[1, c], YL.reduce(0)) for c in range(r)]
+            y_across = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (1,)), YL)
+
+        def chunk_rows(k, carry):
+            s = lay.load(s_ref.at[rows(k)], YL)
+            for c in range(r):
+                fit_ref[0, c, rows(k)] = jnp.sum(s * y_across(zs[c]), axis=1)
             return carry
         loop(chunk_rows, ())
 
@@ -257,26 +271,36 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
     # 4, 5. R = S - K^T U from the rounded factors, the smoothing scales of its rows, R / c and
     # its column maxima (a reciprocal per row and per column: a division per element costs
     # about ten instructions). A chunk's rows are whole, so one pass does both.
+    # With sum_lanes = 8 these two passes read S in row_sums_layout (the rounded U from its slot,
+    # in that layout's columns).
+    RL, r_along, r_across, r_zeros = CH, along, across, zeros
+    if sum_lanes == 8:
+        RL = row_sums_layout(chunk)
+        r_along = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (0,)), RL)
+        r_across = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (1,)), RL)
+        r_zeros = lambda: lay.cast(jnp.zeros((chunk, DK), f32), RL)
+        us = [lay.load(outs["cu"].at[c], RL.reduce(0)).astype(f32) for c in range(r)]
+
     def residual(k, cmax):
-        s = lay.load(s_ref.at[rows(k)], CH)
+        s = lay.load(s_ref.at[rows(k)], RL)
         for c in range(r):
-            s = s - along(lay.load(fit_ref.at[0, c, rows(k)], CROW)) * across(us[c])
+            s = s - r_along(lay.load(fit_ref.at[0, c, rows(k)], RL.reduce(1))) * r_across(us[c])
         if smoothing:
             cs = jnp.maximum(_sqrt(jnp.sum(jnp.abs(s), axis=1) / DK), SMOOTH_FLOOR)
             outs["smooth"][rows(k)] = cs
-            s = s * along(1.0 / cs)
+            s = s * r_along(1.0 / cs)
         if r or smoothing:
             s_ref[rows(k)] = s
         return jnp.maximum(cmax, jnp.abs(s))
 
-    cmax = loop(residual, zeros())
+    cmax = loop(residual, r_zeros())
     new_scale = jnp.max(cmax, axis=0) / qmax
     outs["scale"][...] = new_scale
-    inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
+    inv = r_across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
     # 5. The codes, over the input codes.
     def codes(k, carry):
-        s = lay.load(s_ref.at[rows(k)], CH)
+        s = lay.load(s_ref.at[rows(k)], RL)
         q = jnp.clip(jnp.round(s * inv), -qmax, qmax)
         t["codes"][rows(k)] = q.astype(jnp.int32).astype(jnp.int8)
         return carry
@@ -285,7 +309,7 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
 
 
 def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r, p, per_channel, smoothing, fit_iters,
-             warm_start, chunk, qmax, unroll, interpret):
+             warm_start, chunk, qmax, unroll, sum_lanes, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``keyed``: the inputs read
     per key head (``hk`` of the ``h`` heads)."""
     start_s, s_ref, (kd_ref, (fit_ref, slots)) = scratch
@@ -313,7 +337,8 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         start = tile["start"] if warm_start else start_s
         _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, start, r=r, p=p, per_channel=per_channel,
-                    smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, qmax=qmax, unroll=unroll, lay=lay)
+                    smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, qmax=qmax, unroll=unroll,
+                    sum_lanes=sum_lanes, lay=lay)
         plgpu.commit_smem()
         lay.sync()
 
@@ -384,10 +409,11 @@ def _flat(x, n):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "only_full", "programs", "stages", "chunk", "unroll",
-                                             "auto_barriers", "interpret"))
+                                             "sum_lanes", "auto_barriers", "interpret"))
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
                     programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
-                    unroll: bool = False, auto_barriers: bool = False, interpret=None) -> LeapQuantState:
+                    unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, auto_barriers: bool = False,
+                    interpret=None) -> LeapQuantState:
     """Window flush (``leapquant_flush.leapquant_flush``'s contract) on Mosaic GPU.
 
     state: ``LeapQuantState`` (``unsupported_reason`` says which), updated in place when the
@@ -398,6 +424,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``unroll``: each pass's
     chunks written out one after another instead of a loop over one chunk's code (the earlier
     form, kept to measure against: its straight-line code misses the instruction cache);
+    ``sum_lanes``: lanes a row of ``S`` spans in the passes that sum along its rows (the fit's
+    ``Y = S Z``; the residual, its smoothing sums, and the codes): 8 (``mosaic_shared.row_sums_layout``,
+    ``chunk`` a multiple of 16) or 32 (the rows layout of the other passes);
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -409,13 +438,16 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     check_launch(programs, stages)
     if not isinstance(chunk, int) or chunk < WARPS or chunk % WARPS or DK % chunk:
         raise ValueError(f"chunk={chunk!r} must be a multiple of {WARPS} dividing {DK}")
+    if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
+        raise ValueError(f"sum_lanes={sum_lanes!r} must be 32, or 8 with chunk a multiple of 16 (chunk={chunk}; "
+                         "the default sum_lanes is 8)")
     interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
     run = functools.partial(_launch, config, only_full=only_full, programs=programs, stages=stages, chunk=chunk,
-                            unroll=unroll, auto_barriers=auto_barriers, interpret=interpret)
+                            unroll=unroll, sum_lanes=sum_lanes, auto_barriers=auto_barriers, interpret=interpret)
     return fold_vmap(run)(state)
 
 
-def _launch(config, state, *, only_full, programs, stages, chunk, unroll, auto_barriers, interpret):
+def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_lanes, auto_barriers, interpret):
     """``leapquant_flush`` on checked options: the XLA prologue and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
@@ -479,7 +511,8 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, auto_b
                              hk=state.key_heads, per=per, stages=stages, r=r, p=p,
                              per_channel=state.per_channel_decay, smoothing=config.smoothing,
                              fit_iters=config.fit_iters, warm_start=config.warm_start, chunk=chunk,
-                             qmax=qmax_for_bits(config.bits), unroll=unroll, interpret=bool(interpret))
+                             qmax=qmax_for_bits(config.bits), unroll=unroll, sum_lanes=sum_lanes,
+                             interpret=bool(interpret))
 
     def kernel(refs):
         @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(auto_barriers),
@@ -512,5 +545,5 @@ def mosaic_flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: b
     return 2 * ckpt + records + scalars
 
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "META_COLS", "default_programs", "leapquant_flush", "meta_cols",
-           "mosaic_flush_bytes", "smem_bytes", "unsupported_reason"]
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "DEFAULT_SUM_LANES", "META_COLS", "default_programs", "leapquant_flush",
+           "meta_cols", "mosaic_flush_bytes", "smem_bytes", "unsupported_reason"]

@@ -41,6 +41,19 @@ def rows_layout(n: int, cols: int = 128):
     return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
 
 
+def row_sums_layout(n: int):
+    """The register layout of a tile ``[n, 128]`` (``n`` a multiple of 16) for sums along its rows:
+    rows over the 4 warps, then over 4 lanes and each thread's registers; the columns over the
+    other 8 lanes, 16 per thread in 4 runs of 4 (32 apart). A row's sum crosses 8 lanes instead
+    of the rows layout's 32, and each quarter of a warp still reads 128 contiguous bytes."""
+    if n % (4 * WARPS):
+        raise ValueError(f"n={n}: the row-sums layout takes rows in multiples of {4 * WARPS}")
+    fa = mgpu.fragmented_array
+    raw = fa.TiledLayout(fa.Tiling(((n, 128), (n // WARPS, 128), (4, LANES), (1, 4))), warp_dims=(-8,),
+                         lane_dims=(-4, -3), vector_dim=-1, _check_canonical=False).canonicalize()
+    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
+
+
 class Layouts:
     """Register layouts where the Mosaic GPU lowering needs them; in interpret mode (which has no
     layouts) plain loads and no casts, so that the same body runs there."""
@@ -184,5 +197,5 @@ def run_kernel(kernel, values: dict) -> dict:
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
            "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "default_programs", "fold_vmap",
-           "interpret_params", "lane_params", "on_hopper", "resolve_interpret", "rows_layout", "run_kernel", "sm_count",
-           "smem_union", "sync"]
+           "interpret_params", "lane_params", "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout",
+           "run_kernel", "sm_count", "smem_union", "sync"]

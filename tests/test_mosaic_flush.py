@@ -73,6 +73,17 @@ def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
     assert np.any(np.asarray(rolled.checkpoint.residual.codes) != np.asarray(st.checkpoint.residual.codes))
 
 
+def test_mosaic_flush_sums_over_8_or_32_lanes_alike():
+    # The row sums' layout (compiled only; the interpreter has none) moves the fit's columns and
+    # the rounded U through shared memory: both rounds of a two-round fit come out the same.
+    config = LeapQuantConfig(bits=8, window=8, warm_start=True, fit_iters=2)
+    st, _ = live_state(config, jax.random.PRNGKey(47), 1, 2, 128, 128, True, pos=[8])
+    a, _ = check_flush(config, st, flush=mosaic(programs=2, sum_lanes=8))
+    b = mosaic_flush.leapquant_flush(config, copy(st), programs=2, sum_lanes=32)
+    for x, y in zip(jax.tree_util.tree_leaves(a.checkpoint), jax.tree_util.tree_leaves(b.checkpoint)):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_mosaic_flush_under_vmap_folds_the_mapped_axis():
     # Under vmap the mapped axis joins the batch: one launch, the same checkpoints as one flush
     # per mapped entry (only_full: each entry's own full windows).
@@ -119,9 +130,10 @@ def test_mosaic_flush_fully_decayed_heads_and_zero_state():
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-@pytest.mark.parametrize("stages, unroll", [(1, False), (2, False), (1, True)], ids=["one-stage", "two-stages", "unrolled"])
+@pytest.mark.parametrize("stages, unroll, sum_lanes", [(1, False, 8), (2, False, 8), (1, True, 8), (1, False, 32)],
+                         ids=["one-stage", "two-stages", "unrolled", "sums-over-32-lanes"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll):
+def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes):
     # Lowering builds the Mosaic GPU module: every register layout, reduction and copy is checked
     # here without a GPU. The checkpoint's five arrays are written in place, nothing else.
     from jax import export
@@ -129,7 +141,7 @@ def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll):
     config = LeapQuantConfig(bits=8, window=16)
     st = windowed.init_state(config, 4, 4, 128, 128, per_channel_decay=kda, key_heads=2)
     f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, stages=stages, unroll=unroll,
-                                                              interpret=False))
+                                                       sum_lanes=sum_lanes, interpret=False))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
     text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
     assert "mosaic_gpu" in text
@@ -151,7 +163,8 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
         with pytest.raises(ValueError, match=match):
             mosaic_flush.leapquant_flush(config, st)
     st = windowed.init_state(c8, 8, 2, 128, 128)
-    for opts, match in [(dict(chunk=24), "chunk=24"), (dict(stages=0), "stages=0"), (dict(programs=0), "programs=0"),
+    for opts, match in [(dict(chunk=24), "chunk=24"), (dict(chunk=8), "sum_lanes=8"), (dict(sum_lanes=16), "sum_lanes=16"),
+                        (dict(stages=0), "stages=0"), (dict(programs=0), "programs=0"),
                         (dict(stages=8, programs=1), "shared memory")]:
         with pytest.raises(ValueError, match=match):
             mosaic_flush.leapquant_flush(c8, st, **opts)
