@@ -107,7 +107,7 @@ f32 = jnp.float32
 DK = 128                 # key rows and value columns of a head (the rows layout's 128 columns)
 DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumulators in registers
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
-DEFAULT_SUM_LANES = 8    # lanes a row of S spans where the flush sums along rows (mosaic_shared.row_sums_layout)
+DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 
 
@@ -271,36 +271,26 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
     # 4, 5. R = S - K^T U from the rounded factors, the smoothing scales of its rows, R / c and
     # its column maxima (a reciprocal per row and per column: a division per element costs
     # about ten instructions). A chunk's rows are whole, so one pass does both.
-    # With sum_lanes = 8 these two passes read S in row_sums_layout (the rounded U from its slot,
-    # in that layout's columns).
-    RL, r_along, r_across, r_zeros = CH, along, across, zeros
-    if sum_lanes == 8:
-        RL = row_sums_layout(chunk)
-        r_along = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (0,)), RL)
-        r_across = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (1,)), RL)
-        r_zeros = lambda: lay.cast(jnp.zeros((chunk, DK), f32), RL)
-        us = [lay.load(outs["cu"].at[c], RL.reduce(0)).astype(f32) for c in range(r)]
-
     def residual(k, cmax):
-        s = lay.load(s_ref.at[rows(k)], RL)
+        s = lay.load(s_ref.at[rows(k)], CH)
         for c in range(r):
-            s = s - r_along(lay.load(fit_ref.at[0, c, rows(k)], RL.reduce(1))) * r_across(us[c])
+            s = s - along(lay.load(fit_ref.at[0, c, rows(k)], CROW)) * across(us[c])
         if smoothing:
             cs = jnp.maximum(_sqrt(jnp.sum(jnp.abs(s), axis=1) / DK), SMOOTH_FLOOR)
             outs["smooth"][rows(k)] = cs
-            s = s * r_along(1.0 / cs)
+            s = s * along(1.0 / cs)
         if r or smoothing:
             s_ref[rows(k)] = s
         return jnp.maximum(cmax, jnp.abs(s))
 
-    cmax = loop(residual, r_zeros())
+    cmax = loop(residual, zeros())
     new_scale = jnp.max(cmax, axis=0) / qmax
     outs["scale"][...] = new_scale
-    inv = r_across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
+    inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
     # 5. The codes, over the input codes.
     def codes(k, carry):
-        s = lay.load(s_ref.at[rows(k)], RL)
+        s = lay.load(s_ref.at[rows(k)], CH)
         q = jnp.clip(jnp.round(s * inv), -qmax, qmax)
         t["codes"][rows(k)] = q.astype(jnp.int32).astype(jnp.int8)
         return carry
@@ -424,9 +414,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``unroll``: each pass's
     chunks written out one after another instead of a loop over one chunk's code (the earlier
     form, kept to measure against: its straight-line code misses the instruction cache);
-    ``sum_lanes``: lanes a row of ``S`` spans in the passes that sum along its rows (the fit's
-    ``Y = S Z``; the residual, its smoothing sums, and the codes): 8 (``mosaic_shared.row_sums_layout``,
-    ``chunk`` a multiple of 16) or 32 (the rows layout of the other passes);
+    ``sum_lanes``: lanes a row of ``S`` spans in the fit's ``Y = S Z``, which sums along rows: 8
+    (``mosaic_shared.row_sums_layout``, ``chunk`` a multiple of 16) or 32 (the rows layout of the
+    other passes);
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter

@@ -74,8 +74,8 @@ def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
 
 
 def test_mosaic_flush_sums_over_8_or_32_lanes_alike():
-    # The row sums' layout (compiled only; the interpreter has none) moves the fit's columns and
-    # the rounded U through shared memory: both rounds of a two-round fit come out the same.
+    # The fit's row sums over 8 lanes (their layout is compiled only; the interpreter has none)
+    # take its columns through shared memory: both rounds of a two-round fit come out the same.
     config = LeapQuantConfig(bits=8, window=8, warm_start=True, fit_iters=2)
     st, _ = live_state(config, jax.random.PRNGKey(47), 1, 2, 128, 128, True, pos=[8])
     a, _ = check_flush(config, st, flush=mosaic(programs=2, sum_lanes=8))
