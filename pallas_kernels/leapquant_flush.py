@@ -758,9 +758,9 @@ SPLIT_MIN_FULL_FRACTION = {False: 0.22, True: 0.13}
 # The same on Hopper, where ``auto`` takes the Mosaic GPU flush instead of the split one where it
 # can (``mosaic_flush.unsupported_reason``). It copies in every head whatever the positions, so
 # it costs about as much with few full windows as with all (2379 against 2428 us, GDN,
-# bench/results/mosaic-flush-20261202.md); all full it took 1432 / 1689 us (GDN / KDA,
-# mosaic-flush-20261202-f-rolled), crossing the fused flush's line above at about 0.28 and 0.21.
-MOSAIC_MIN_FULL_FRACTION = {False: 0.28, True: 0.21}
+# bench/results/mosaic-flush-20261202.md); all full it takes 1289 / 1346 us (GDN / KDA,
+# mosaic-flush-20261203-d-final), crossing the fused flush's line above at about 0.25 and 0.16.
+MOSAIC_MIN_FULL_FRACTION = {False: 0.25, True: 0.16}
 
 
 def takes_mosaic(config: LeapQuantConfig, state: LeapQuantState, interpret: bool) -> bool:

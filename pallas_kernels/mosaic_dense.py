@@ -19,9 +19,10 @@ Structure: the ``[B H]`` heads' value blocks of ``BV`` columns are ``T = B H dv 
 (``tile_order``; or a run of consecutive tiles). A program copies in its tiles' scalars (``g``
 for GDN, ``beta``; packed by XLA) once, then walks its tiles in an ``emit_pipeline``: per tile
 the state block and the token's vectors (``q``, ``b``, ``w``, the block of ``v``; KDA's ``g``).
-The new state block is written over its input slot in shared memory and leaves from there by
-TMA (the state's block spec delays the slot's refill by one tile), the output block through two
-alternating slots of its own. Register layout (``mosaic_shared.rows_layout``): key rows over
+The new state block is stored from the registers straight to device memory (``store="global"``,
+the default), or written over its input slot in shared memory and copied out from there by TMA
+(``store="tma"``; the state's block spec then delays the slot's refill by one tile); the output
+block leaves through two alternating slots of its own. Register layout (``mosaic_shared.rows_layout``): key rows over
 the warps and each thread's registers, the ``BV`` columns over the lanes; the two column sums
 reduce over a thread's rows, then once across the 4 warps.
 
@@ -29,7 +30,10 @@ Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic
 ``bench/results/mosaic-dense-20261201.md``), µs per step with FLA's fp32 ``fused_recurrent`` and
 the Triton step in the same run: fp32 GDN 561.8 (91% of copy bandwidth; FLA 736.9, Triton
 596.7), fp32 KDA 565.2 (91%; FLA 542.5, 95%: 0.96x FLA; Triton 615.8), bf16 GDN 296.9 and KDA
-302.3 (88% / 87%; Triton 386.8 / 406.7). Nsight Compute puts the KDA kernel at 560 us and 80% of
+302.3 (88% / 87%; Triton 386.8 / 406.7), all with ``store="tma"``; the stores from the
+registers are 1-2% faster (``bench/results/mosaic-dense-20261203-112115.md``, ``-112953.md``:
+fp32 GDN / KDA 555.5 / 559.3 against 562.1 / 565.7, FLA's KDA 542.0; bf16 291.4 / 295.9 against
+296.5 / 301.7). Nsight Compute puts the KDA kernel at 560 us and 80% of
 peak DRAM bandwidth, FLA's at 529 us and 85%. ``auto`` takes it on Hopper
 (``api.takes_mosaic_dense``). The per-step methods run under ``vmap``, for which ``core_map`` has
 no rule: ``mosaic_shared.fold_vmap`` folds the mapped axis into the batch, around a launch whose

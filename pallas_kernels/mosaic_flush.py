@@ -42,12 +42,14 @@ warps and each thread's registers, the 128 value columns over the lanes):
    at ``SMOOTH_FLOOR``, and ``R / c`` (over ``S``) with its column maxima, the scales (one pass:
    a chunk's rows are whole);
 5. the codes (round half to even, clipped), written over the head's input codes in shared memory
-   and copied out from there; the factors and scales through two slots of their own.
+   and copied out from there; the factors and scales through slots of their own.
 
-The kernel places its own warpgroup barriers where threads exchange data through shared memory
-(the fit's rows, the outputs before their copies) instead of the two that Mosaic GPU puts around
-every store by default (``auto_barriers``); every pass over ``S`` reads what the same thread
-wrote, in the same layout.
+The fit's ``Y = S Z`` reads ``S`` in ``mosaic_shared.row_sums_layout`` (``sum_lanes = 8``: a row
+over 8 lanes, so that its sums cross 8 lanes instead of 32); the other passes take the rows
+layout. The kernel places its own warpgroup barriers where threads exchange data through shared
+memory (the decayed keys, ``S`` between the two layouts, the fit's rows, the outputs before
+their copies) instead of the two that Mosaic GPU puts around every store by default
+(``auto_barriers``).
 
 Rounding: fp32 throughout, in the reference's order except the summation order of the
 reconstruction and of the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` (Mosaic GPU lowers no
@@ -61,13 +63,15 @@ straight-line code that the instruction cache could not hold, and its warps spen
 cycles between their instructions waiting for instructions to be fetched.
 
 Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full (``python -m
-bench.flush_time``, ``bench/results/mosaic-flush-20261202.md``, run ``-f-rolled``): compiled, it
+bench.flush_time``, ``bench/results/mosaic-flush-20261203.md``, run ``-d-final``): compiled, it
 agrees with the reference (8 bits: the decoded state's error against the exact state 5.4109e-3 /
-5.3684e-3 for GDN / KDA, the reference's 5.4110e-3 / 5.3684e-3; also with a warm start and two
-fit rounds); **1432 / 1689 us per flush** against the written-out form's 2445 / 2703 and the
-split flush's 2672 / 3030 in the same run, with two programs per SM (one per SM: 1923 / 2179;
-chunks of 8 or 32 rows: 1517 / 1470 us for GDN). Nsight Compute (one program per SM): 2.5
-cycles between a warp's instructions (6.2 written out), 208 registers, about 44,600
+5.3684e-3 for GDN / KDA, as the reference's to five digits; also with a warm start and two fit
+rounds); **1289 / 1346 us per flush** against the split flush's 2674 / 3033 in the same run
+(1414 / 1471 with ``sum_lanes = 32``; the decayed keys made in XLA, run ``-a``'s baseline from
+``mosaic-flush-20261202``: 1432 / 1689), with two programs per SM. Earlier forms
+(``mosaic-flush-20261202``, run ``-f-rolled``): written out 2445 / 2703; one program per SM
+1923 / 2179; chunks of 8 or 32 rows 1517 / 1470 us for GDN; Nsight Compute (one program per
+SM): 2.5 cycles between a warp's instructions (6.2 written out), 208 registers, about 44,600
 warp-instructions per head. It copies in every head whatever the positions (a copy has a static
 size) and stores only the flushed ones, so with few full windows it costs about as much as with
 all (2379 against 2428 us for the written-out form), where the fused flush pays only for the
@@ -75,9 +79,9 @@ full ones: ``auto`` (``leapquant_flush.takes_mosaic``) takes this flush on Hoppe
 the split flush, and with ``only_full`` the fused one below ``MOSAIC_MIN_FULL_FRACTION`` of full
 windows. Under ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``).
 
-Bytes per flushed value head: ``mosaic_flush_bytes`` (46 KB for 8-bit GDN at ``p = 16``, KDA 50 KB,
-against the split flush's 266 KB; 70 / 74 KB when XLA formed the decayed keys and wrote them
-out for the kernel to read).
+Bytes per flushed value head: ``mosaic_flush_bytes`` (47.4 / 51.5 KB, 10^3 B, for 8-bit GDN / KDA
+at ``p = 16``, against the split flush's 266 KB; 70 / 74 KB when XLA formed the decayed keys
+and wrote them out for the kernel to read).
 
 Tested with JAX 0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled,
 H200).
