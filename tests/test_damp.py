@@ -18,6 +18,9 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.recurrence import delta_rule_token, recurrent_step_general
 from helpers import numpy_reference, random_inputs, rel
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("damp")
+
 CKPTS = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
 
 

@@ -17,6 +17,9 @@ import pytest
 from leapquant_jax.cli import ArgumentParser, run_parser
 from models.demo import DEFAULT_CHECKPOINT, add_subcommand, read_file_list, stdlib_heldout
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("demo")
+
 CKPT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
 CONTEXT = 32
 

@@ -17,6 +17,9 @@ from leapquant_jax.cli import main
 from models.evaluate import (EvalConfig, build_methods, greedy_match, load_data, next_token_metrics, replay_states,
                              segment_rows)
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("eval")
+
 CKPT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
 # Two rows (disjoint segments) of 64 tokens; the state every 24 decoded tokens (24, 48, then the end).
 CONTEXT, GREEDY, BATCH, EVERY = 64, 8, 2, 24

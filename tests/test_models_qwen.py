@@ -17,6 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("models_qwen")
+
 sys.path.insert(0, str(Path(__file__).parent))
 import model_helpers as mh  # noqa: E402
 

@@ -16,6 +16,9 @@ from leapquant_jax.cli import ArgumentParser, run_parser
 from leapquant_jax.methods import make_method
 from models.recall import METRICS, RecallConfig, add_subcommand, build_recall_rows, format_recall_table, recall_probe
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("recall")
+
 CKPT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
 # 4 rows x (2 x 16 + 16) = 192 of the snippet's 256 tokens. The snippet is English prose (a
 # module docstring), hard for this small code model: at gap 64 (2 rows, the most that fits) it

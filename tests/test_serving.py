@@ -35,6 +35,9 @@ from models.decode import PROMPT_BUCKET, generate, to_device
 from models.serving import DecodePool, PoolConfig, serve
 from models.training.model import hf_config, init_params
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serving")
+
 VOCAB = 64
 MAX_NEW = 24
 MAX_LEN = PROMPT_BUCKET + MAX_NEW

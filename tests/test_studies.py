@@ -21,6 +21,9 @@ from leapquant_jax.studies.errors import (
 from leapquant_jax.studies.freeze import format_freeze_table, run_freeze_study
 from leapquant_jax.studies.memory import MemoryQuery, measure_memory
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("studies")
+
 # dk != dv and three heads, so a transposed shape or a position not shared by the heads shows.
 # Every method compiles once; the sequence is as short as the measurement allows.
 TINY = ErrorStudyConfig(tokens=32, heads=3, seeds=1, dk=16, dv=24, every=16, window=8)
