@@ -984,6 +984,6 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["IMPLS", "MOSAIC_MIN_FULL_FRACTION", "SPLIT_MIN_FULL_FRACTION", "default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split",
-           "flush_stream", "leapquant_flush", "leapquant_flush_reference", "split_fit", "split_quantize",
-           "split_reconstruct", "takes_mosaic"]
+__all__ = ["IMPLS", "MOSAIC_MIN_FULL_FRACTION", "SPLIT_MIN_FULL_FRACTION", "default_reconstruct_block", "flush_bytes",
+           "flush_fused", "flush_split", "flush_stream", "leapquant_flush", "leapquant_flush_reference", "split_fit",
+           "split_quantize", "split_reconstruct", "takes_mosaic"]

@@ -66,18 +66,17 @@ Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full (``pyt
 bench.flush_time``, ``bench/results/mosaic-flush-20261203.md``, run ``-d-final``): compiled, it
 agrees with the reference (8 bits: the decoded state's error against the exact state 5.4109e-3 /
 5.3684e-3 for GDN / KDA, as the reference's to five digits; also with a warm start and two fit
-rounds); **1289 / 1346 us per flush** against the split flush's 2674 / 3033 in the same run
-(1414 / 1471 with ``sum_lanes = 32``; the decayed keys made in XLA, run ``-a``'s baseline from
-``mosaic-flush-20261202``: 1432 / 1689), with two programs per SM. Earlier forms
-(``mosaic-flush-20261202``, run ``-f-rolled``): written out 2445 / 2703; one program per SM
-1923 / 2179; chunks of 8 or 32 rows 1517 / 1470 us for GDN; Nsight Compute (one program per
+rounds); **1289 / 1346 us per flush** against the split flush's 2674 / 3033 in the same run (1414 /
+1471 with ``sum_lanes = 32``), with two programs per SM. Earlier forms (``mosaic-flush-20261202``,
+run ``-f-rolled``, the decayed keys made in XLA): 1432 / 1689; written out 2445 / 2703; one program
+per SM 1923 / 2179; chunks of 8 or 32 rows 1517 / 1470 us for GDN; Nsight Compute (one program per
 SM): 2.5 cycles between a warp's instructions (6.2 written out), 208 registers, about 44,600
 warp-instructions per head. It copies in every head whatever the positions (a copy has a static
-size) and stores only the flushed ones, so with few full windows it costs about as much as with
-all (2379 against 2428 us for the written-out form), where the fused flush pays only for the
-full ones: ``auto`` (``leapquant_flush.takes_mosaic``) takes this flush on Hopper in place of
-the split flush, and with ``only_full`` the fused one below ``MOSAIC_MIN_FULL_FRACTION`` of full
-windows. Under ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``).
+size) and stores only the flushed ones, so with few full windows it costs about as much as with all
+(2379 against 2428 us for the written-out form), where the fused flush pays only for the full ones:
+``auto`` (``leapquant_flush.takes_mosaic``) takes this flush on Hopper in place of the split flush,
+and with ``only_full`` the fused one below ``MOSAIC_MIN_FULL_FRACTION`` of full windows. Under
+``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``).
 
 Bytes per flushed value head: ``mosaic_flush_bytes`` (47.4 / 51.5 KB, 10^3 B, for 8-bit GDN / KDA
 at ``p = 16``, against the split flush's 266 KB; 70 / 74 KB when XLA formed the decayed keys

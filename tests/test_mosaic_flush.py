@@ -163,8 +163,9 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
         with pytest.raises(ValueError, match=match):
             mosaic_flush.leapquant_flush(config, st)
     st = windowed.init_state(c8, 8, 2, 128, 128)
-    for opts, match in [(dict(chunk=24), "chunk=24"), (dict(chunk=8), "sum_lanes=8"), (dict(sum_lanes=16), "sum_lanes=16"),
-                        (dict(stages=0), "stages=0"), (dict(programs=0), "programs=0"),
+    for opts, match in [(dict(chunk=24), "chunk=24"), (dict(chunk=8), "sum_lanes=8"),
+                        (dict(sum_lanes=16), "sum_lanes=16"), (dict(stages=0), "stages=0"),
+                        (dict(programs=0), "programs=0"),
                         (dict(stages=8, programs=1), "shared memory")]:
         with pytest.raises(ValueError, match=match):
             mosaic_flush.leapquant_flush(c8, st, **opts)
