@@ -22,9 +22,10 @@ the state block and the token's vectors (``q``, ``b``, ``w``, the block of ``v``
 The new state block is stored from the registers straight to device memory (``store="global"``,
 the default), or written over its input slot in shared memory and copied out from there by TMA
 (``store="tma"``; the state's block spec then delays the slot's refill by one tile); the output
-block leaves through two alternating slots of its own. Register layout (``mosaic_shared.rows_layout``): key rows over
-the warps and each thread's registers, the ``BV`` columns over the lanes; the two column sums
-reduce over a thread's rows, then once across the 4 warps.
+block leaves through two alternating slots of its own. Register layout
+(``mosaic_shared.rows_layout``): key rows over the warps and each thread's registers, the ``BV``
+columns over the lanes; the two column sums reduce over a thread's rows, then once across the 4
+warps.
 
 Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic_dense``,
 ``bench/results/mosaic-dense-20261201.md``), µs per step with FLA's fp32 ``fused_recurrent`` and
@@ -61,7 +62,7 @@ from leapquant_jax.recurrence import Token
 
 from .dense_step import STATE_DTYPES, check_dense_inputs
 from .mosaic_shared import (
-    META_ALIGN, SMEM_LIMIT, Layouts, check_launch, default_programs, fold_vmap, lane_params, resolve_interpret,
+    META_ALIGN, SMEM_LIMIT, Layouts, aligned, check_launch, default_programs, fold_vmap, lane_params, resolve_interpret,
     rows_layout, run_kernel,
 )
 
@@ -79,12 +80,14 @@ def default_block_v(dtype) -> int:
     return 128 if jnp.dtype(dtype).itemsize == 2 else 64
 
 
-def smem_bytes(block_v: int, stages: int, dtype, per_channel: bool, per_pad: int, inplace: bool) -> int:
-    """Shared memory of one program: ``stages`` sets of input tiles, two output slots (the output
-    row's only, ``inplace``), the scalars."""
+def smem_bytes(block_v: int, stages: int, dtype, per_channel: bool, per_pad: int, state_slots: bool) -> int:
+    """Shared memory of one program (each buffer from a 1 KB boundary, ``mosaic_shared.aligned``):
+    ``stages`` of each input tile, the output row's two slots, the scalars, and where
+    ``state_slots`` (copied out through TMA, not in place) two state blocks."""
     tile = DK * block_v * jnp.dtype(dtype).itemsize
-    inputs = tile + 4 * (3 * DK + block_v + (DK if per_channel else 0))
-    return stages * inputs + 2 * ((0 if inplace else tile) + 4 * block_v) + 16 * per_pad
+    inputs = [tile, 4 * DK, 4 * DK, 4 * DK, 4 * block_v] + ([4 * DK] if per_channel else [])
+    return (aligned(*(stages * x for x in inputs)) + aligned(2 * 4 * block_v, 16 * per_pad)
+            + (aligned(2 * tile) if state_slots else 0))
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -225,8 +228,9 @@ def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, pr
     always takes: the delayed refill needs two stages); ``interleave``: which tiles a program
     takes (``tile_order``); ``store``: how the new state block leaves, ``"global"`` (the default:
     stored from the registers straight to device memory, the state's slot refilled at once;
-    ``inplace`` then has no effect) or ``"tma"`` (written to shared memory and copied out by TMA). ``interpret``:
-    ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    ``inplace`` then has no effect) or ``"tma"`` (written to shared memory and copied out by
+    TMA). ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
+    elsewhere.
     """
     return launch(state, token, _tile_step, block_v=block_v, programs=programs, stages=stages, inplace=inplace,
                   interleave=interleave, store=store, interpret=interpret)
@@ -266,7 +270,8 @@ def _launch(state, token, *, tile_fn, block_v, programs, stages, inplace, interl
         per_pad = -(-per // META_ALIGN) * META_ALIGN
         st = min(stages, per)
         inp = inplace and st >= 2
-        return per, per_pad, st, inp, smem_bytes(bv, st, state.dtype, per_channel, per_pad, inp or store == "global")
+        return per, per_pad, st, inp, smem_bytes(bv, st, state.dtype, per_channel, per_pad,
+                                                 store == "tma" and not inp)
 
     if programs is None:
         programs = default_programs(tiles, lambda p: layout(p)[-1])

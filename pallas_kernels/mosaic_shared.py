@@ -29,16 +29,22 @@ SMEM_ALIGN = 1024    # Mosaic GPU starts each shared-memory buffer at a multiple
 REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes   # what a program adds for cross-warp sums
 
 
+def _tiled(tiles, *, warp_dims, lane_dims):
+    """The Pallas register layout of Mosaic GPU's ``TiledLayout`` over ``tiles`` (the innermost
+    dimension the vector), in canonical form."""
+    fa = mgpu.fragmented_array
+    raw = fa.TiledLayout(fa.Tiling(tiles), warp_dims=warp_dims, lane_dims=lane_dims, vector_dim=-1,
+                         _check_canonical=False).canonicalize()
+    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
+
+
 def rows_layout(n: int, cols: int = 128):
     """The register layout of a tile ``[n, cols]`` (``n`` a multiple of 4, ``cols`` 32, 64 or 128):
     rows over the 4 warps and each thread's registers, the columns over the 32 lanes,
     ``cols / 32`` per lane (a warp reads one whole row of a tile per load)."""
     if cols % LANES or cols // LANES not in (1, 2, 4):
         raise ValueError(f"cols={cols}: a rows layout spreads 32, 64 or 128 columns over the lanes")
-    fa = mgpu.fragmented_array
-    raw = fa.TiledLayout(fa.Tiling(((n, cols), (n // WARPS, cols), (1, cols // LANES))), warp_dims=(-6,),
-                         lane_dims=(-3,), vector_dim=-1, _check_canonical=False).canonicalize()
-    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
+    return _tiled(((n, cols), (n // WARPS, cols), (1, cols // LANES)), warp_dims=(-6,), lane_dims=(-3,))
 
 
 def row_sums_layout(n: int):
@@ -48,10 +54,7 @@ def row_sums_layout(n: int):
     of the rows layout's 32, and each quarter of a warp still reads 128 contiguous bytes."""
     if n % (4 * WARPS):
         raise ValueError(f"n={n}: the row-sums layout takes rows in multiples of {4 * WARPS}")
-    fa = mgpu.fragmented_array
-    raw = fa.TiledLayout(fa.Tiling(((n, 128), (n // WARPS, 128), (4, LANES), (1, 4))), warp_dims=(-8,),
-                         lane_dims=(-4, -3), vector_dim=-1, _check_canonical=False).canonicalize()
-    return plgpu.Layout.TILED(raw.tiling, warp_dims=raw.warp_dims, lane_dims=raw.lane_dims, vector_dim=raw.vector_dim)
+    return _tiled(((n, 128), (n // WARPS, 128), (4, LANES), (1, 4)), warp_dims=(-8,), lane_dims=(-4, -3))
 
 
 class Layouts:
