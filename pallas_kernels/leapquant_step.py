@@ -42,20 +42,26 @@ new record's key side is stored from the loaded vectors. With several chunks per
 loop iteration loads its chunk's codes and key side first, and a pre-pass over the whole key
 range gives the digit scales (summing KDA's decays once more).
 
-The two code reads (``reduce="dot"``, the default where a chunk is at least 32 rows) run on
-the int8 tensor cores: each vector is split into three balanced int8 digits of one fixed-point
-scale (``2**-22 max|x|``), so ``[digits of x1; digits of x2] @ Z`` is one int8 dot with exact
-int32 sums, recombined in fp32 (about fp32's accuracy: the digit rounding is about
-``2**-23 max|x|`` per element). ``reduce="lanes"`` accumulates fp32 products elementwise
-and sums across threads once after the loop. Record and Compensator-Token products are
-elementwise in both. Only live records (slot < pos) are loaded: masked loads fetch nothing
+The two code reads (``reduce="dot"`` or ``"dot_cols"``, the defaults where a chunk is at least 32
+rows) run on the int8 tensor cores: each vector is split into three balanced int8 digits of one
+fixed-point scale (``2**-22 max|x|``), so ``[digits of x1; digits of x2] @ Z`` is one int8 dot with
+exact int32 sums, recombined in fp32 (about fp32's accuracy: the digit rounding is about
+``2**-23 max|x|`` per element). ``dot_cols`` makes the same sums as ``Z^T [digits ...]^T``: the
+digits are the columns of the right operand, so the recombination sums along the accumulator's
+rows (across 4 lanes) instead of down its columns (across 8), and the codes are transposed for
+the mma in registers rather than read back from shared memory a byte at a time (Nsight Compute,
+GDN at 8 bits: 4,758 against 5,620 warp-instructions per head, but more registers: 12.5% of
+the warps an SM can hold, against 31%). Which is faster depends on the mode and the bits
+(``default_reduce``); both give the same outputs. ``reduce="lanes"`` accumulates fp32 products
+elementwise and sums across threads once after the loop. Record and Compensator-Token products
+are elementwise in all three. Only live records (slot < pos) are loaded: masked loads fetch nothing
 for dead slots. The new record is stored into the buffer (``k``, ``u``, ``g`` are aliased
 inputs/outputs, so in place when the caller's ``jit`` donates the state), ``k`` and ``g`` by the
 value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference``); a sequence at
 ``pos >= p`` writes nothing (no out-of-bounds store) and its output is unspecified.
 
-Fastest on the H200 at batch 512 (``bench/results``): ``reduce="dot"``, the whole part per
-chunk, ``BV = dv``, 2 warps for GDN and for KDA 1 at 8 bits, 2 at 4 and 4 at 6
+Fastest on the H200 at batch 512 (``bench/results``): the int8 dots (``default_reduce``), the
+whole part per chunk, ``BV = dv``, 2 warps for GDN and for KDA 1 at 8 bits, 2 at 4 and 4 at 6
 (``default_num_warps``), one head per program (two heads, their
 loads in flight together, hold twice the registers: 266.8 against 212.7 µs per step for GDN at
 2 warps in ``bench/results/kernels-20261130-225439``).
@@ -137,11 +143,30 @@ def undigit(acc, v):
     return combine_digits([jnp.sum(jnp.where(rows == DIGITS * v + i, acc, 0), axis=0) for i in range(DIGITS)])
 
 
+def digit_cols(vectors, invs, n):
+    """The int8 dot operand ``[n, DOT_ROWS]`` of ``reduce="dot_cols"``: ``DIGITS`` columns per
+    vector, zero right of them (``digit_rows`` transposed)."""
+    cols = jnp.arange(DOT_ROWS)[None, :]
+    out = jnp.zeros((n, DOT_ROWS), jnp.int32)
+    for v, (x, inv) in enumerate(zip(vectors, invs)):
+        for i, d in enumerate(int8_digits(x, inv)):
+            out = jnp.where(cols == DIGITS * v + i, d[:, None], out)
+    return out.astype(jnp.int8)
+
+
+def undigit_cols(acc, v):
+    """Vector ``v``'s ``x^T Z`` from the int32 result ``acc [BV, DOT_ROWS]`` of ``Z^T`` times
+    ``digit_cols`` (before ``1 / inv``): its sums run along a row of the mma's accumulator,
+    across 4 lanes, where ``undigit``'s run down a column, across 8."""
+    cols = jnp.arange(DOT_ROWS)[None, :]
+    return combine_digits([jnp.sum(jnp.where(cols == DIGITS * v + i, acc, 0), axis=1) for i in range(DIGITS)])
+
+
 # ----------------------------------------------------------------------------- kernel
 
 
-def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot, heads, group,
-                 key_block):
+def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot, dot_cols, heads,
+                 group, key_block):
     it = iter(refs)
     pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(7))
     codes_ref, scale_ref = next(it), next(it)
@@ -311,7 +336,11 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
             k1, k2, c1, c2, kq = key_sums(k1, k2, c1, c2, kq)
         scales = digit_scales()
         for (y1, y2), codes in zip(digit_vectors, unpack_codes(code_bytes, bits, jnp.int8 if use_dot else f32)):
-            if use_dot:
+            if use_dot and dot_cols:
+                digits = digit_cols([y1, y2], [scales[0][0], scales[1][0]], ch)
+                acc1 = acc1 + jax.lax.dot_general(codes, digits, (((0,), (0,)), ((), ())),
+                                                  preferred_element_type=jnp.int32)
+            elif use_dot:
                 acc1 = acc1 + jax.lax.dot(digit_rows([y1, y2], [scales[0][0], scales[1][0]], ch), codes,
                                           preferred_element_type=jnp.int32)
             else:
@@ -330,7 +359,8 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
         ub = vs["ub"].astype(f32)                                                     # [p, BV]
         if use_dot:
             (_, back1), (_, back2) = scales
-            z1, z2 = undigit(acc1, 0) * back1, undigit(acc1, 1) * back2
+            recombine = undigit_cols if dot_cols else undigit
+            z1, z2 = recombine(acc1, 0) * back1, recombine(acc1, 1) * back2
             if not per_channel:
                 z1, z2 = vs["D0"] * z1, (vs["D0"] * vs["a_new"]) * z2
         else:
@@ -378,7 +408,7 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
         c0 = jnp.zeros((rank, ch), f32)
     else:
         c0 = tuple(jnp.zeros((ch,), f32) for _ in range(rank))
-    acc0 = ((jnp.zeros((DOT_ROWS, bv), jnp.int32), None) if use_dot
+    acc0 = ((jnp.zeros((bv, DOT_ROWS) if dot_cols else (DOT_ROWS, bv), jnp.int32), None) if use_dot
             else (jnp.zeros((ch, bv), f32), jnp.zeros((ch, bv), f32)))
     init = acc0 + (jnp.zeros((window, ch), f32), jnp.zeros((window, ch), f32), c0, c0, jnp.zeros((ch,), f32))
 
@@ -435,13 +465,22 @@ def default_num_warps(per_channel: bool, bits: int = 8) -> int:
     return {8: 1, 4: 2, 6: 4}[bits]
 
 
-REDUCES = ("dot", "lanes")
+REDUCES = ("dot", "dot_cols", "lanes")
 MIN_DOT_ROWS = 32   # the int8 mma's K
 
 
-def default_reduce(chunk: int) -> str:
-    """``dot`` (int8 tensor cores) where a chunk is a whole int8 mma deep, else ``lanes``."""
-    return "dot" if chunk >= MIN_DOT_ROWS else "lanes"
+DOT_COLS_FASTER = frozenset({(False, 8), (True, 6), (True, 4)})   # (per_channel, bits)
+
+
+def default_reduce(chunk: int, per_channel: bool = False, bits: int = 8) -> str:
+    """The int8 tensor cores where a chunk is a whole int8 mma deep, else ``lanes``: ``dot_cols``
+    where it was the faster orientation on the H200 at batch 512 (``DOT_COLS_FASTER``: GDN at 8
+    bits 212.6 against 218.1 us per step, KDA at 6 bits 679.8 against 729.3, at 4 bits 364.1
+    against 401.1), ``dot`` elsewhere (KDA at 8 bits 260.5 against 284.4 at its best warps, GDN at
+    6 bits 281.2 against 341.2, at 4 bits 259.5 against 268.4; ``bench/results/step-dot-cols-20261203``)."""
+    if chunk < MIN_DOT_ROWS:
+        return "lanes"
+    return "dot_cols" if (per_channel, bits) in DOT_COLS_FASTER else "dot"
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_v", "chunk", "reduce", "num_warps", "num_stages",
@@ -455,9 +494,10 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     the buffer's ``Hk`` key heads: ``windowed.match_key_heads``). The buffer is
     updated in place when the caller's ``jit`` donates the state (or it is dead after the call
     inside one); otherwise XLA copies it first. Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
-    ``reduce``: how the code reads are summed, ``"dot"`` (int8 digits on the tensor cores;
-    needs ``chunk >= 32``) or ``"lanes"`` (fp32 products summed across threads); the default
-    takes ``dot`` where it can. ``heads_per_program``: consecutive heads of one sequence per
+    ``reduce``: how the code reads are summed, ``"dot"`` or ``"dot_cols"`` (int8 digits on the
+    tensor cores as the left or the right operand; need ``chunk >= 32``) or ``"lanes"`` (fp32
+    products summed across threads); the default (``default_reduce``) takes the faster dot where
+    it can. ``heads_per_program``: consecutive heads of one sequence per
     program (a power of two dividing ``H``; default 1), their code and key-side loads issued
     together before any head is computed; with GVA (``H = n Hk``) it must divide ``n`` or be a
     multiple of it, so that a program's heads read whole key heads.
@@ -483,12 +523,12 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
         raise ValueError(f"heads_per_program={hp} must divide or be a multiple of the {group} value heads per key "
                          f"head ({h} value heads, {state.key_heads} key heads)")
     kb = max(hp // group, 1)                           # key heads per program
-    reduce = default_reduce(ch) if reduce is None else reduce
+    reduce = default_reduce(ch, state.per_channel_decay, config.bits) if reduce is None else reduce
     num_warps = default_num_warps(state.per_channel_decay, config.bits) if num_warps is None else num_warps
     if reduce not in REDUCES:
         raise ValueError(f"reduce={reduce!r}: expected one of {REDUCES}")
-    if reduce == "dot" and ch < MIN_DOT_ROWS:
-        raise ValueError(f"reduce='dot' needs chunk >= {MIN_DOT_ROWS} (the int8 mma depth), got chunk={ch}")
+    if reduce != "lanes" and ch < MIN_DOT_ROWS:
+        raise ValueError(f"reduce={reduce!r} needs chunk >= {MIN_DOT_ROWS} (the int8 mma depth), got chunk={ch}")
     ckpt, buf = state.checkpoint, state.buffer
     per_channel = state.per_channel_decay
     p, r = config.window, config.effective_rank
@@ -528,7 +568,8 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
 
     kernel = functools.partial(
         _step_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=per_channel,
-        smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch, use_dot=reduce == "dot",
+        smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch, use_dot=reduce != "lanes",
+        dot_cols=reduce == "dot_cols",
         heads=hp, group=group, key_block=kb)
     o, bk, bu, bg = pl.pallas_call(
         kernel,

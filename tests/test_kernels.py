@@ -187,12 +187,23 @@ def test_step_kernel_matches_reference(bits, dk, kda):
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("reduce, chunk", [("lanes", 16), ("dot", 32)])
+@pytest.mark.parametrize("reduce, chunk", [("lanes", 16), ("dot", 32), ("dot_cols", 32)])
 def test_step_kernel_reductions_and_key_chunks(reduce, chunk, kda):
-    # a rolled loop over key chunks, either way of summing the code reads
+    # a rolled loop over key chunks, each way of summing the code reads
     config = LeapQuantConfig(bits=8, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(40 + kda), 2, 2, 64, 64, kda, pos=[2, 6])
     check_step(config, st, tok, reduce=reduce, chunk=chunk)
+
+
+@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (4, True)])
+def test_step_kernel_dot_orientations_agree(bits, kda):
+    # the digits as the dot's left or right operand: the same int32 sums, recombined in the same
+    # order, so the same outputs (each default takes one of them)
+    config = LeapQuantConfig(bits=bits, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(45 + bits + kda), 2, 2, 64, 64, kda, pos=[3, 7])
+    o_rows, _ = check_step(config, st, tok, reduce="dot")
+    o_cols, _ = check_step(config, st, tok, reduce="dot_cols")
+    np.testing.assert_array_equal(o_rows, o_cols)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -526,7 +537,9 @@ def test_kernels_lower_to_triton(bits, kda):
         jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
 
     lower(functools.partial(leapquant_step, config, interpret=False), st, tok)
-    lower(functools.partial(leapquant_step, config, reduce="lanes", interpret=False), st, tok)
+    # 6 bits at dk = 64: 16-row code parts, too few for the int8 mma (the lanes sums only)
+    for reduce in ("lanes",) if bits == 6 else ("dot", "dot_cols", "lanes"):
+        lower(functools.partial(leapquant_step, config, reduce=reduce, interpret=False), st, tok)
     lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
     lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
     lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
