@@ -61,8 +61,8 @@ value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference`
 ``pos >= p`` writes nothing (no out-of-bounds store) and its output is unspecified.
 
 Fastest on the H200 at batch 512 (``bench/results``): the int8 dots (``default_reduce``), the
-whole part per chunk, ``BV = dv``, 2 warps for GDN and for KDA 1 at 8 bits, 2 at 4 and 4 at 6
-(``default_num_warps``), one head per program (two heads, their
+whole part per chunk, ``BV = dv``, 2 warps for GDN (1 at 4 bits) and for KDA 1 at 8 bits, 2 at 4
+and 4 at 6 (``default_num_warps``), one head per program (two heads, their
 loads in flight together, hold twice the registers: 266.8 against 212.7 µs per step for GDN at
 2 warps in ``bench/results/kernels-20261130-225439``).
 
@@ -456,12 +456,14 @@ def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
     return dk // num_parts(bits)
 
 
-def default_num_warps(per_channel: bool, bits: int = 8) -> int:
-    """Warps per program, the fastest on the H200 at batch 512: 2 for GDN; for KDA 1 at 8 bits,
-    2 at 4 and 4 at 6 (µs per step 258, 399, 721; with one warp 494 at 4 bits and 1400 at 6,
-    where 255 registers spill 1.4-1.7 KB per thread; ``bench/results/step-warps-20261201``)."""
+def default_num_warps(per_channel: bool, bits: int = 8, reduce: str = "dot") -> int:
+    """Warps per program, the fastest on the H200 at batch 512 for ``reduce``: GDN 2, but 1 with
+    ``dot_cols`` at 4 bits (213.9 against 257.1 us per step with ``dot`` on 2 warps,
+    ``bench/results/step-dot-cols-20261203``); KDA 1 at 8 bits, 2 at 4 and 4 at 6 (µs per step 258,
+    399, 721 with ``dot``; with one warp 494 at 4 bits and 1400 at 6, where 255 registers spill
+    1.4-1.7 KB per thread; ``bench/results/step-warps-20261201``)."""
     if not per_channel:
-        return 2
+        return 1 if (reduce, bits) == ("dot_cols", 4) else 2
     return {8: 1, 4: 2, 6: 4}[bits]
 
 
@@ -469,15 +471,16 @@ REDUCES = ("dot", "dot_cols", "lanes")
 MIN_DOT_ROWS = 32   # the int8 mma's K
 
 
-DOT_COLS_FASTER = frozenset({(False, 8), (True, 6), (True, 4)})   # (per_channel, bits)
+DOT_COLS_FASTER = frozenset({(False, 8), (False, 4), (True, 6), (True, 4)})   # (per_channel, bits)
 
 
 def default_reduce(chunk: int, per_channel: bool = False, bits: int = 8) -> str:
     """The int8 tensor cores where a chunk is a whole int8 mma deep, else ``lanes``: ``dot_cols``
-    where it was the faster orientation on the H200 at batch 512 (``DOT_COLS_FASTER``: GDN at 8
-    bits 212.6 against 218.1 us per step, KDA at 6 bits 679.8 against 729.3, at 4 bits 364.1
-    against 401.1), ``dot`` elsewhere (KDA at 8 bits 260.5 against 284.4 at its best warps, GDN at
-    6 bits 281.2 against 341.2, at 4 bits 259.5 against 268.4; ``bench/results/step-dot-cols-20261203``)."""
+    where it was the faster orientation on the H200 at batch 512, each at its best warps
+    (``default_num_warps``; ``DOT_COLS_FASTER``: GDN at 8 bits 212.6 against 218.1 us per step, at 4
+    bits 213.9 against 257.1, KDA at 6 bits 679.8 against 729.3, at 4 bits 364.1 against 401.1),
+    ``dot`` elsewhere (KDA at 8 bits 260.5 against 277.9, GDN at 6 bits 277.6 against 288.3;
+    ``bench/results/step-dot-cols-20261203``)."""
     if chunk < MIN_DOT_ROWS:
         return "lanes"
     return "dot_cols" if (per_channel, bits) in DOT_COLS_FASTER else "dot"
@@ -524,7 +527,8 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
                          f"head ({h} value heads, {state.key_heads} key heads)")
     kb = max(hp // group, 1)                           # key heads per program
     reduce = default_reduce(ch, state.per_channel_decay, config.bits) if reduce is None else reduce
-    num_warps = default_num_warps(state.per_channel_decay, config.bits) if num_warps is None else num_warps
+    if num_warps is None:
+        num_warps = default_num_warps(state.per_channel_decay, config.bits, reduce)
     if reduce not in REDUCES:
         raise ValueError(f"reduce={reduce!r}: expected one of {REDUCES}")
     if reduce != "lanes" and ch < MIN_DOT_ROWS:
