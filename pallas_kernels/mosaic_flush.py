@@ -57,6 +57,13 @@ reconstruction and of the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` (Mosaic
 reciprocals (a division costs about ten instructions per element); a code on a rounding boundary
 may differ by one step.
 
+With ``recon="wgmma"`` the reconstruction's rank-(r + p) part is one fp16 ``wgmma`` (``_rank_part``:
+the decayed keys scaled per head and split into two fp16 pieces, the fp16 values as stored, the
+operands staged in the state's memory before it is written), and the chunk loop adds the codes'
+term to it. Correct compiled (the decoded state's error as the reference's to five digits) but
+slower on the H200: 1717 / 1817 us per flush against 1291 / 1352 (``bench/results/mosaic-flush-20261203.md``,
+run ``-e-wgmma``), so the CUDA cores' ``"fma"`` stays the default.
+
 Each pass is a ``fori_loop`` over one chunk's code (``_chunks``): written out chunk after chunk
 (``unroll``, the first form) the kernel was about 10,000 instructions per warp and head of
 straight-line code that the instruction cache could not hold, and its warps spent 3.9 of the 6.2
@@ -112,6 +119,11 @@ DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumu
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
+RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
+DEFAULT_RECON = "fma"
+MM_ROWS = 32             # rows of each fp16 piece of the wgmma reconstruction's operands (r + p, zero-padded)
+MM_SCALE = 2.0 ** 14     # the decayed keys' largest magnitude after scaling, well inside fp16's range
+MM_SWIZZLE = 128         # bytes: the operands' shared-memory swizzle (K a multiple of 64 fp16 elements)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -177,8 +189,70 @@ def _decayed_keys(meta, t, kd_ref, *, r, p, per_channel, smoothing, lay):
         kd_ref[r + p] = D0 * lay.cast(jnp.ones((DK,), f32), VCOL)
 
 
+def mm_operands():
+    """The wgmma reconstruction's shared memory (it shares the fp32 state's, free until the state
+    is written): a staging tile ``[2 MM_ROWS, dk]`` fp32 and the two fp16 operands, tiled and
+    swizzled for ``wgmma`` (the keys' pieces ``[2 MM_ROWS, dk]``, the values twice ``[2 MM_ROWS, dv]``)."""
+    tr = (plgpu.TilingTransform((8, MM_SWIZZLE // 2)), plgpu.SwizzleTransform(MM_SWIZZLE))
+    return (plgpu.SMEM((2 * MM_ROWS, DK), f32), plgpu.SMEM((2 * MM_ROWS, DK), jnp.float16, transforms=tr),
+            plgpu.SMEM((2 * MM_ROWS, DK), jnp.float16, transforms=tr))
+
+
+def _rank_part(t, kd_ref, s_ref, mm, *, r, p, lay):
+    """``sum_m kd_mi ud_mj`` (the reconstruction's rank-(r + p) part) into ``s_ref [dk, dv]`` on the
+    tensor cores: one fp16 ``wgmma`` of depth ``2 MM_ROWS`` over ``[hi; lo]`` of the decayed keys
+    (``kd_ref``'s first ``r + p`` rows, scaled by one factor per head to a largest magnitude of
+    ``MM_SCALE``, so that fp16 neither overflows nor loses the small ones, and split into two fp16
+    pieces, about 22 bits) against ``[ud; ud]`` (the fp16 values as stored, exact), zero rows padding
+    each piece to ``MM_ROWS``; ``ud`` is the Compensator Tokens' ``U`` then the records' ``u``. The
+    products are exact and summed in fp32 by the tensor cores, then scaled back.
+    The interpreter (no transposed ``wgmma`` operand there) takes the same pieces through ``jnp.dot``."""
+    stage, a16, b16 = mm
+    m = r + p
+    VCOL = rows_layout(WARPS).reduce(0)
+    WG = plgpu.Layout.WGMMA
+    interpret = lay.interpret
+    zero = lay.cast(jnp.zeros((DK,), f32), VCOL)
+    ud_rows = [t["cu"].at[c] for c in range(r)] + [t["ru"].at[j] for j in range(p)]
+
+    def staged(row):
+        """``[row(j) for j < m; zeros up to MM_ROWS]``, twice, loaded back as one ``[2 MM_ROWS, 128]`` tile."""
+        for j in range(MM_ROWS):
+            v = row(j) if j < m else zero
+            stage[j] = v
+            stage[MM_ROWS + j] = v
+        lay.sync()
+        x = stage[...] if interpret else plgpu.load(stage, (), layout=WG, optimized=False)
+        lay.sync()          # every thread has read the stage before it is written again
+        return x
+
+    b = staged(lambda j: lay.load(ud_rows[j], VCOL).astype(f32)).astype(jnp.float16)
+    x = staged(lambda j: lay.load(kd_ref.at[j], VCOL))
+    mx = jnp.maximum(jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0), 2.0 ** -100)
+    xs = x * (MM_SCALE / mx)
+    hi = xs.astype(jnp.float16)
+    lo = (xs - hi.astype(f32)).astype(jnp.float16)
+    if interpret:
+        rows = jax.lax.broadcasted_iota(jnp.int32, (2 * MM_ROWS, DK), 0)
+        a = jnp.where(rows < MM_ROWS, hi, lo)
+        acc = jnp.dot(a.T.astype(f32), b.astype(f32), precision=jax.lax.Precision.HIGHEST)
+    else:
+        rows = plgpu.broadcasted_iota(jnp.int32, (2 * MM_ROWS, DK), 0, layout=WG)
+        a16[...] = jnp.where(rows < MM_ROWS, hi, lo)
+        b16[...] = b
+        plgpu.commit_smem()     # the generic-proxy stores are seen by the tensor cores' reads
+        lay.sync()
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(a16, (1, 0)), b16)
+            return acc_ref[...]
+        acc = pl.run_scoped(product, plgpu.ACC((DK, DK), f32))
+    s_ref[...] = acc * (mx / MM_SCALE)   # over the operands' memory: the product has read them
+    lay.sync()
+
+
 def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_channel, smoothing, fit_iters, chunk, qmax,
-                unroll, sum_lanes, lay):
+                unroll, sum_lanes, recon, mm, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
     ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, r, dk]`` and the reconstruction's key rows
@@ -205,12 +279,18 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
 
     # 1. S and the first round's Z = S^T Q_0.
     scale = lay.load(t["scale"], VCOL)
-    ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
-    ud += [lay.load(t["ru"].at[j], VCOL).astype(f32) for j in range(p)]
+    if recon == "wgmma":
+        _rank_part(t, kd_ref, s_ref, mm, r=r, p=p, lay=lay)
+        ud = []
+    else:
+        ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
+        ud += [lay.load(t["ru"].at[j], VCOL).astype(f32) for j in range(p)]
 
     def build(k, zacc):
         z = lay.load(t["codes"].at[rows(k)], CH).astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
         s = z * along(lay.load(kd_ref.at[r + p, rows(k)], CROW)) * across(scale)
+        if recon == "wgmma":
+            s = lay.load(s_ref.at[rows(k)], CH) + s
         for m, u in enumerate(ud):
             s = s + along(lay.load(kd_ref.at[m, rows(k)], CROW)) * across(u)
         s_ref[rows(k)] = s
@@ -302,10 +382,11 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
 
 
 def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r, p, per_channel, smoothing, fit_iters,
-             warm_start, chunk, qmax, unroll, sum_lanes, interpret):
+             warm_start, chunk, qmax, unroll, sum_lanes, recon, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``keyed``: the inputs read
     per key head (``hk`` of the ``h`` heads)."""
     start_s, s_ref, (kd_ref, (fit_ref, slots)) = scratch
+    s_ref, mm = s_ref if recon == "wgmma" else (s_ref, None)
     slots = dict(zip(out_names, slots))
     c = jax.lax.axis_index("c")
     lay = Layouts(interpret)
@@ -331,7 +412,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         start = tile["start"] if warm_start else start_s
         _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, start, r=r, p=p, per_channel=per_channel,
                     smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, qmax=qmax, unroll=unroll,
-                    sum_lanes=sum_lanes, lay=lay)
+                    sum_lanes=sum_lanes, recon=recon, mm=mm, lay=lay)
         plgpu.commit_smem()
         lay.sync()
 
@@ -402,10 +483,11 @@ def _flat(x, n):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "only_full", "programs", "stages", "chunk", "unroll",
-                                             "sum_lanes", "auto_barriers", "interpret"))
+                                             "sum_lanes", "recon", "auto_barriers", "interpret"))
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
                     programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
-                    unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, auto_barriers: bool = False,
+                    unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, recon: str = DEFAULT_RECON,
+                    auto_barriers: bool = False,
                     interpret=None) -> LeapQuantState:
     """Window flush (``leapquant_flush.leapquant_flush``'s contract) on Mosaic GPU.
 
@@ -420,6 +502,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``sum_lanes``: lanes a row of ``S`` spans in the fit's ``Y = S Z``, which sums along rows: 8
     (``mosaic_shared.row_sums_layout``, ``chunk`` a multiple of 16) or 32 (the rows layout of the
     other passes);
+    ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``, the
+    default) or the tensor cores (``"wgmma"``, ``_rank_part``: float16 records and ``r + p <= 32``);
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -434,13 +518,20 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
         raise ValueError(f"sum_lanes={sum_lanes!r} must be 32, or 8 with chunk a multiple of 16 (chunk={chunk}; "
                          "the default sum_lanes is 8)")
+    if recon not in RECONS:
+        raise ValueError(f"recon={recon!r}: expected one of {RECONS}")
+    if recon == "wgmma" and (config.record_dtype != "float16" or config.effective_rank + config.window > MM_ROWS):
+        raise ValueError(f"recon='wgmma' takes float16 records (exact as fp16 operands) and rank + window <= {MM_ROWS}; "
+                         f"got record_dtype={config.record_dtype!r}, rank {config.effective_rank}, window "
+                         f"{config.window}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
     run = functools.partial(_launch, config, only_full=only_full, programs=programs, stages=stages, chunk=chunk,
-                            unroll=unroll, sum_lanes=sum_lanes, auto_barriers=auto_barriers, interpret=interpret)
+                            unroll=unroll, sum_lanes=sum_lanes, recon=recon, auto_barriers=auto_barriers,
+                            interpret=interpret)
     return fold_vmap(run)(state)
 
 
-def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_lanes, auto_barriers, interpret):
+def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_lanes, recon, auto_barriers, interpret):
     """``leapquant_flush`` on checked options: the XLA prologue and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
@@ -498,13 +589,16 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     # The decayed keys (read by the reconstruction only) share their memory with the fit's rows
     # and the output slots (written after it).
     later = (plgpu.SMEM((2, max(r, 1), dk), f32), [plgpu.SMEM(*out_shapes[name]) for name in out_names])
-    scratch = [plgpu.SMEM((max(r, 1), dk), f32), plgpu.SMEM((dk, dv), f32),
+    state_smem = plgpu.SMEM((dk, dv), f32)
+    if recon == "wgmma":    # the reconstruction's operands take the state's memory until it is written
+        state_smem = smem_union(interpret, state_smem, mm_operands())
+    scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem,
                smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later)]
     body = functools.partial(_program, names=names, keyed=("rk",), out_names=out_names, n=n, h=h,
                              hk=state.key_heads, per=per, stages=stages, r=r, p=p,
                              per_channel=state.per_channel_decay, smoothing=config.smoothing,
                              fit_iters=config.fit_iters, warm_start=config.warm_start, chunk=chunk,
-                             qmax=qmax_for_bits(config.bits), unroll=unroll, sum_lanes=sum_lanes,
+                             qmax=qmax_for_bits(config.bits), unroll=unroll, sum_lanes=sum_lanes, recon=recon,
                              interpret=bool(interpret))
 
     def kernel(refs):

@@ -148,6 +148,23 @@ def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes):
     assert text.count("stablehlo.output_operand_alias<") == 5
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_mosaic_flush_tensor_core_reconstruction(kda):
+    # recon="wgmma": the rank-(r + p) part on the tensor cores from fp16 pieces of the scaled
+    # decayed keys. In the interpreter the same pieces meet through jnp.dot (one head, dead
+    # slots); lowered, the wgmma and its swizzled operands in the state's memory
+    from jax import export
+
+    config = LeapQuantConfig(bits=8, window=16)
+    if not kda:
+        st, _ = live_state(config, jax.random.PRNGKey(60), 1, 1, 128, 128, kda, pos=[11])
+        check_flush(config, st, flush=mosaic(programs=1, recon="wgmma"))
+    st = windowed.init_state(config, 2, 2, 128, 128, per_channel_decay=kda)
+    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, recon="wgmma", interpret=False))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+    assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
+
+
 def test_mosaic_flush_rejects_what_it_cannot_run():
     def state(config, dk=128, dv=128):
         return windowed.init_state(config, 2, 2, dk, dv)
@@ -166,9 +183,12 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
     for opts, match in [(dict(chunk=24), "chunk=24"), (dict(chunk=8), "sum_lanes=8"),
                         (dict(sum_lanes=16), "sum_lanes=16"), (dict(stages=0), "stages=0"),
                         (dict(programs=0), "programs=0"),
-                        (dict(stages=8, programs=1), "shared memory")]:
+                        (dict(stages=8, programs=1), "shared memory"), (dict(recon="mma"), "recon='mma'")]:
         with pytest.raises(ValueError, match=match):
             mosaic_flush.leapquant_flush(c8, st, **opts)
+    for config in (LeapQuantConfig(bits=8, window=8, record_dtype="bfloat16"), LeapQuantConfig(bits=8, window=32)):
+        with pytest.raises(ValueError, match="float16 records"):
+            mosaic_flush.leapquant_flush(config, windowed.init_state(config, 2, 2, 128, 128), recon="wgmma")
 
 
 def test_mosaic_flush_bytes_read_the_checkpoint_once():
