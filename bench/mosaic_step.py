@@ -7,7 +7,7 @@ split flush and the same pipeline with its arithmetic left out (``--load-only``)
     python -m bench.mosaic_step --ncu JSON    # only run that variant 4 times, for Nsight Compute
 
 ``--variants`` is a JSON list of option dicts for ``mosaic_step.leapquant_step`` (``programs``,
-``stages``, ``chunk``); the default is its defaults. GDN, 8 bits, 128 x 128, window 16. Writes
+``stages``, ``chunk``, ``dot``); the default is its defaults. GDN, 8 bits, 128 x 128, window 16. Writes
 ``mosaic-step-<UTC time>.json`` and ``.log`` under ``--out`` (default ``bench/results``). Bandwidth
 is counted with ``step_bytes`` (the Triton step's masked loads) for the Triton rows and with
 ``mosaic_step_bytes`` (every record slot) for the Mosaic rows.

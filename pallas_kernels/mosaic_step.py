@@ -11,8 +11,8 @@ a sequence at ``pos >= p`` writes nothing and its output is unspecified).
 
 Structure: ``programs`` programs of one warpgroup (128 threads) each take ``per`` consecutive
 heads of the flattened ``[B H]`` heads (the last program's heads past ``B H`` repeat head
-``B H - 1`` and store nothing). A program first copies in its heads' scalars (``g``, ``beta``,
-``pos``, packed by XLA) and record log-decays (a head's ``p`` of them are too few bytes for a
+``B H - 1`` and store nothing). A program first copies in its heads' scalars and records' decays
+(``g``, ``beta``, ``pos``, ``D0``, ``exp(g)``, ``d_j``, packed by XLA) and record log-decays (a head's ``p`` of them are too few bytes for a
 copy of their own: ``GROUP_HEADS`` heads per copy), then walks its heads in an
 ``emit_pipeline``: per head the token's vectors, the codes ``[dk, 128]``, the column and
 smoothing scales, the Compensator Tokens and all ``p`` record slots (dead slots are masked in
@@ -24,10 +24,12 @@ The buffer is updated in place (its arrays are the kernel's refs, ``mosaic_share
 
 Arithmetic, for ``x1 = b`` and ``x2 = exp(g) q``: ``S_l^T x = scale * D0 (Z^T (c x)) + U^T (K (D0
 x)) + sum_j u_j d_j (k_j . x)`` with GDN's scalar decays (``D0 = exp(G_l)``, ``d_j = exp(G_l -
-G_j)``, log-space sums of the live records, masked before ``exp``, never divided). The codes are
-read in fp32 on the CUDA cores, ``chunk`` key rows at a time (converted int8 -> bf16 -> fp32,
-exact for codes, cheaper than int8 -> fp32): products summed over rows in registers, then once
-across the 4 warps. Register layouts (``rows_layout``): rows over the warps and each thread's
+G_j)``), made by XLA as the reference makes them (``windowed.window_decays``: log-space sums of
+the live records, masked before ``exp``, never divided). The code sums ``Z^T (c x)`` run on the
+tensor cores (``dot="wgmma"``, the default: ``_code_sums_wgmma``, one bf16 ``wgmma`` of the codes
+against three exact bf16 pieces of each vector) or on the CUDA cores (``dot="fma"``:
+``_code_sums_fma``, ``chunk`` key rows at a time, products summed over rows in registers, then
+once across the 4 warps). Register layouts (``rows_layout``): rows over the warps and each thread's
 registers, the 128 value columns over the 32 lanes, 4 per lane. Rounding: fp32 throughout; the
 record is rounded to the record dtype when stored (as the reference does).
 
@@ -41,6 +43,15 @@ Compute: 7,900 warp-instructions per head at 2.0 per cycle per SM (8 warps per S
 memory limiting), 38% of them fp32 arithmetic (half of that multiplies and adds left unfused):
 the step is bound by its instruction count. ``auto`` therefore keeps the Triton step; this
 kernel runs when called directly.
+
+The tensor-core code sums and the decays made by XLA (``bench/results/mosaic-step-20261204.md``,
+the same command) cut the instructions by a third, 7,863 to 5,354 warp-instructions per head,
+but the step only by 3%: 261.6 us against 269.2 for ``dot="fma"`` (the Triton step 208.1 in the
+same run). Nsight Compute's stall samples put the limit on the latency of dependent chains, not on
+the instruction count: at two warps per scheduler (188 registers, 103 KB of shared memory per
+program) the warps mostly wait on shared-memory and shuffle results (short scoreboard, 9,245 of
+27,000 samples), fixed-latency dependencies (5,005) and barriers (3,109); 4.85 cycles between a
+warp's instructions.
 
 Bytes moved per step and value head: ``mosaic_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU
 interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
@@ -68,51 +79,120 @@ from .support import check_token
 f32 = jnp.float32
 RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
 GROUP_HEADS = 8      # heads whose scalars and record log-decays move in one copy
+META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos, D0, exp(g), 0, 0, 0
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
+DOTS = ("fma", "wgmma")   # the code sums on the CUDA cores or the tensor cores
+DEFAULT_DOT = "wgmma"     # 2-3% faster on the H200 (bench/results/mosaic-step-20261204.md)
+PIECE_ROWS = 8       # the wgmma's N: three bf16 pieces of each of the two vectors, two zero rows
+MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 
 
 # ----------------------------------------------------------------------------- kernel
 
 
-def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay):
-    """Head ``i`` of the program from its tiles ``t`` (a dict of shared-memory refs):
-    ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout."""
-    RECS = rows_layout(p)
-    VCOL = RECS.reduce(0)        # [128] over lanes: a value column's vector (or a record column's)
-    PROW = RECS.reduce(1)        # [p] over warps and registers
-    g_new, beta, pos = meta_all[i, 0], meta_all[i, 1], meta_all[i, 2]
-
-    # GDN's scalar decays from the record log-decays: running sums of the live ones (scalars).
-    gs = [jnp.where(j < pos, rg_all[i, j].astype(f32), 0.0) for j in range(p)]
-    G = [gs[0]]
-    for j in range(1, p):
-        G.append(G[-1] + gs[j])
-    G_l = G[-1]
-    D0 = jnp.exp(G_l)
-    iota = lay.iota(p, PROW)
-    dvec = lay.cast(jnp.zeros((p,), f32), PROW)
-    for j in range(p):
-        dvec = jnp.where(iota == j, jnp.where(j < pos, jnp.exp(G_l - G[j]), 0.0), dvec)
-    a_new = jnp.exp(g_new)
-
-    # Code reads: C folded into the vectors, the scalar decays applied after; chunk products
-    # summed elementwise over the chunks, then across the rows once.
+def _code_sums_fma(t, *, dk, smoothing, chunk, lay):
+    """``(Z^T (c b), Z^T (c q))`` (``[128]`` each, value-column layout; ``c`` the smoothing scales or
+    1) on the CUDA cores: the codes read ``chunk`` key rows at a time (int8 -> bf16 -> fp32, exact
+    for codes, cheaper than int8 -> fp32), products summed elementwise over the chunks, then
+    across the rows once."""
     CH = rows_layout(chunk)
     CROW = CH.reduce(1)
     bcast_rows = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, LANES_COLS), (0,)), CH)
     acc1 = acc2 = None
     for k in range(dk // chunk):
         rows = pl.ds(k * chunk, chunk)
-        z = lay.load(t["codes"].at[rows], CH).astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
+        z = lay.load(t["codes"].at[rows], CH).astype(jnp.bfloat16).astype(f32)
         y1, y2 = lay.load(t["b"].at[rows], CROW), lay.load(t["q"].at[rows], CROW)
         if smoothing:
             sm = lay.load(t["smooth"].at[rows], CROW)
             y1, y2 = sm * y1, sm * y2
         t1, t2 = z * bcast_rows(y1), z * bcast_rows(y2)
         acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
+    return jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
+
+
+def _bf16_pieces(y):
+    """``(hi, mid, lo)``: three bf16 arrays whose sum is the fp32 ``y`` exactly (8 significant bits
+    each; every remainder is exact in fp32)."""
+    hi = y.astype(jnp.bfloat16)
+    rest = y - hi.astype(f32)
+    mid = rest.astype(jnp.bfloat16)
+    return hi, mid, (rest - mid.astype(f32)).astype(jnp.bfloat16)
+
+
+def _code_sums_wgmma(t, mm, *, dk, smoothing, lay):
+    """``_code_sums_fma``'s sums on the tensor cores: one bf16 ``wgmma`` ``[128 v, dk] x [dk, 8]``.
+
+    Left: the codes, converted to bf16 (exact) into ``mm``'s tile ``[dk, 128]`` and read
+    transposed. Right: the vectors ``c b`` and ``c q`` as three bf16 pieces each (``_bf16_pieces``,
+    exact), the rows of ``mm``'s ``[PIECE_ROWS, dk]`` (two rows zero). Each product of a code and
+    a piece is exact in fp32 and the tensor cores sum them in fp32; a vector's three columns are
+    added afterwards. The sums go through ``mm``'s ``[2, 128]`` fp32 rows into the value-column
+    layout. The interpreter (no transposed ``wgmma`` operand there) takes the same pieces through
+    ``jnp.dot``."""
+    a16, b16, sv = mm
+    VCOL = rows_layout(WARPS).reduce(0)
+    P = rows_layout(PIECE_ROWS)
+    y1, y2 = lay.load(t["b"], VCOL), lay.load(t["q"], VCOL)
+    if smoothing:
+        sm = lay.load(t["smooth"], VCOL)
+        y1, y2 = sm * y1, sm * y2
+    along = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (PIECE_ROWS, dk), (1,)), P)
+    if lay.interpret:
+        row = jax.lax.broadcasted_iota(jnp.int32, (PIECE_ROWS, dk), 0)
+    else:
+        row = plgpu.broadcasted_iota(jnp.int32, (PIECE_ROWS, dk), 0, layout=P)
+    hi, mid, lo = _bf16_pieces(jnp.where(row < 3, along(y1), along(y2)))
+    part = row % 3
+    pieces = jnp.where(part == 0, hi, jnp.where(part == 1, mid, lo))
+    pieces = jnp.where(row < 6, pieces, jnp.zeros_like(pieces))
+    if lay.interpret:
+        z = t["codes"][...].astype(f32)
+        acc = jnp.dot(z.T, pieces.astype(f32).T, precision=jax.lax.Precision.HIGHEST)     # [128, PIECE_ROWS]
+        s1, s2 = jnp.sum(acc[:, :3], axis=1), jnp.sum(acc[:, 3:6], axis=1)
+        return s1, s2
+    a16[...] = lay.load(t["codes"], rows_layout(dk)).astype(jnp.bfloat16)
+    b16[...] = pieces
+    plgpu.commit_smem()        # the generic-proxy stores are seen by the tensor cores' reads
+    lay.sync()
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(a16, (1, 0)), plgpu.transpose_ref(b16, (1, 0)))
+        return acc_ref[...]
+
+    acc = pl.run_scoped(product, plgpu.ACC((LANES_COLS, PIECE_ROWS), f32))
+    col = plgpu.broadcasted_iota(jnp.int32, (LANES_COLS, PIECE_ROWS), 1, layout=plgpu.Layout.WGMMA)
+    sv[0] = jnp.sum(jnp.where(col < 3, acc, 0.0), axis=1)
+    sv[1] = jnp.sum(jnp.where((col >= 3) & (col < 6), acc, 0.0), axis=1)
+    lay.sync()
+    return lay.load(sv.at[0], VCOL), lay.load(sv.at[1], VCOL)
+
+
+def mm_scratch(dk: int):
+    """The tensor-core code sums' shared memory: the bf16 codes ``[dk, 128]`` and pieces
+    ``[PIECE_ROWS, dk]``, tiled and swizzled for ``wgmma``, and the sums ``[2, 128]`` fp32."""
+    tr = (plgpu.TilingTransform((8, MM_SWIZZLE // 2)), plgpu.SwizzleTransform(MM_SWIZZLE))
+    return (plgpu.SMEM((dk, LANES_COLS), jnp.bfloat16, transforms=tr),
+            plgpu.SMEM((PIECE_ROWS, dk), jnp.bfloat16, transforms=tr), plgpu.SMEM((2, LANES_COLS), f32))
+
+
+def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, mm=None):
+    """Head ``i`` of the program from its tiles ``t`` (a dict of shared-memory refs):
+    ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout. ``mm``: the
+    tensor-core code sums' scratch (``mm_scratch``), or ``None`` for the CUDA cores' FMAs."""
+    RECS = rows_layout(p)
+    VCOL = RECS.reduce(0)        # [128] over lanes: a value column's vector (or a record column's)
+    PROW = RECS.reduce(1)        # [p] over warps and registers
+    beta, D0, a_new = meta_all[i, 1], meta_all[i, 3], meta_all[i, 4]
+    dvec = lay.load(meta_all.at[i, pl.ds(META_COLS, p)], PROW)    # the records' decays d_j, 0 past pos
+
+    if mm is None:
+        s1, s2 = _code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
+    else:
+        s1, s2 = _code_sums_wgmma(t, mm, dk=dk, smoothing=smoothing, lay=lay)
     scale = lay.load(t["scale"], VCOL)
-    r1 = (D0 * scale) * jnp.sum(acc1, axis=0)                                      # [128] VCOL
-    r2 = ((D0 * a_new) * scale) * jnp.sum(acc2, axis=0)
+    r1 = (D0 * scale) * s1                                                         # [128] VCOL
+    r2 = ((D0 * a_new) * scale) * s2
 
     # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
     x1 = lay.load(t["b"], VCOL)
@@ -144,7 +224,8 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
     GMEM refs by name; ``keyed``: the names read per key head; ``head``: a head's arithmetic
     (``_head_step``)."""
-    meta_all, rg_all, o_s, u_s, k_s = scratch
+    meta_all, rg_all, o_s, u_s, k_s, *mm = scratch
+    mm = tuple(mm) or None
     bg, bk, bu, o_gmem = refs["bg"], refs["rk"], refs["ru"], refs["o"]
     c = jax.lax.axis_index("c")
     lay = Layouts(interpret)
@@ -170,7 +251,7 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
         i = idx[0]
         t = c * per + i
         o, u, w = head(i, meta_all, rg_all, dict(zip(names, tiles)), dk=dk, p=p, r=r, smoothing=smoothing,
-                       chunk=chunk, lay=lay)
+                       chunk=chunk, lay=lay, mm=mm)
         pos = meta_all[i, 2].astype(jnp.int32)
         real = t < n
         live = (pos < p) & real
@@ -257,49 +338,57 @@ def _flat(x, n):
     return x.reshape((n,) + x.shape[2:])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "programs", "stages", "chunk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "programs", "stages", "chunk", "dot", "interpret"))
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, programs: int | None = None,
-                   stages: int = 3, chunk: int | None = None, interpret=None):
+                   stages: int | None = None, chunk: int | None = None, dot: str = DEFAULT_DOT, interpret=None):
     """One in-window decode step (``windowed.step_reference``'s contract) on Mosaic GPU.
 
     state: ``LeapQuantState`` (``unsupported_reason`` says which); token: ``Token`` with
     ``[B, H, ...]`` fields (``w`` may come at the buffer's ``Hk`` key heads). Returns
     ``(o [B, H, 128] fp32, state with pos + 1)``; the buffer is updated in place when the
     caller's ``jit`` donates the state. ``programs``: programs of the launch (default
-    ``default_programs``); ``stages``: heads in flight per program (3); ``chunk``: key rows per
-    code read (default ``dk``, whole tiles; 32 took fewer registers but ran slower).
-    ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    ``default_programs``); ``stages``: heads in flight per program (default 3, 2 with
+    ``dot="wgmma"``, whose bf16 tile would otherwise leave one program per SM); ``chunk``: key rows
+    per code read with ``dot="fma"`` (default ``dk``, whole tiles; 32 took fewer registers but ran
+    slower); ``dot``: the code sums on the CUDA cores (``"fma"``) or the tensor cores
+    (``"wgmma"``, ``_code_sums_wgmma``). ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
     """
-    return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, interpret=interpret)
+    return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, dot=dot,
+                  interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "head", "programs", "stages", "chunk", "interpret"))
-def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=3, chunk=None,
-           interpret=None):
+@functools.partial(jax.jit, static_argnames=("config", "head", "programs", "stages", "chunk", "dot", "interpret"))
+def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=None, chunk=None,
+           dot=DEFAULT_DOT, interpret=None):
     """``leapquant_step`` with ``head`` (``_head_step``'s signature) as each head's arithmetic:
     the same pipeline around other arithmetic (``bench.mosaic_step``'s load-only variant). Under
     ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``)."""
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_step cannot run: {why}")
+    if dot not in DOTS:
+        raise ValueError(f"dot={dot!r}: choose one of {DOTS}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU step")
     token = windowed.match_key_heads(token, state.key_heads)
     check_token(state, token)
-    run = functools.partial(_launch, config, head=head, programs=programs, stages=stages, chunk=chunk,
+    run = functools.partial(_launch, config, head=head, programs=programs, stages=stages, chunk=chunk, dot=dot,
                             interpret=interpret)
     return fold_vmap(run)(state, token)
 
 
-def _launch(config, state, token, *, head, programs, stages, chunk, interpret):
+def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpret):
     """``launch`` on checked inputs: the scalars' packing and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     hk = state.key_heads
     ckpt, buf = state.checkpoint, state.buffer
     p, r = config.window, config.effective_rank
+    if dot != "fma" and chunk is not None:
+        raise ValueError(f"chunk={chunk}: only dot='fma' reads the codes in chunks (dot={dot!r})")
     chunk = dk if chunk is None else chunk
     if chunk % WARPS or dk % chunk:
         raise ValueError(f"chunk={chunk} must be a multiple of {WARPS} dividing dk={dk}")
     n = bsz * h
+    stages = (2 if dot == "wgmma" else 3) if stages is None else stages
     check_launch(programs, stages)
     programs = default_programs(n) if programs is None else programs
     per = -(-n // programs)
@@ -307,11 +396,15 @@ def _launch(config, state, token, *, head, programs, stages, chunk, interpret):
     programs = -(-n // per)
     stages = min(stages, per)
 
-    # The scalars of every head, padded to whole programs: (g, beta, pos, 0).
-    meta = jnp.stack([token.g.astype(f32), token.beta.astype(f32),
-                      jnp.broadcast_to(state.pos[:, None], (bsz, h)).astype(f32), jnp.zeros((bsz, h), f32)],
-                     axis=-1).reshape(n, 4)
-    meta = jnp.pad(meta, ((0, programs * per - n), (0, 0))).reshape(programs, per, 4)
+    # The scalars of every head and its records' decays (as the reference makes them), padded to
+    # whole programs: (g, beta, pos, D0, exp(g), 0, 0, 0, d_0 .. d_{p-1}).
+    G_l, d = windowed.window_decays(buf, state.pos, 1)
+    zero = jnp.zeros((bsz, h), f32)
+    meta = jnp.concatenate([jnp.stack([token.g.astype(f32), token.beta.astype(f32),
+                                       jnp.broadcast_to(state.pos[:, None], (bsz, h)).astype(f32),
+                                       jnp.exp(G_l[..., 0]), jnp.exp(token.g.astype(f32)), zero, zero, zero], axis=-1),
+                            d[..., 0]], axis=-1).reshape(n, META_COLS + p)
+    meta = jnp.pad(meta, ((0, programs * per - n), (0, 0))).reshape(programs, per, META_COLS + p)
     arrays = dict(q=_flat(token.q.astype(f32), n), w=_flat(token.w.astype(f32), bsz * hk),
                   b=_flat(token.b.astype(f32), n), v=_flat(token.v.astype(f32), n),
                   codes=_flat(ckpt.residual.codes, n), scale=_flat(ckpt.residual.scale.astype(f32), n))
@@ -322,8 +415,10 @@ def _launch(config, state, token, *, head, programs, stages, chunk, interpret):
     arrays.update(rk=_flat(buf.k, bsz * hk), ru=_flat(buf.u, n))
     names = tuple(arrays)
     values = dict(arrays, meta=meta, bg=buf.g.reshape(n, p), o=jnp.zeros((n, dv), f32))
-    scratch = [plgpu.SMEM((per, 4), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
+    scratch = [plgpu.SMEM((per, META_COLS + p), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
                plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype)]
+    if dot == "wgmma":
+        scratch += list(mm_scratch(dk))
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
                              dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
                              interpret=bool(interpret))
@@ -348,7 +443,7 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1)
     p, r = config.window, config.effective_rank
     n = dk * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)   # checkpoint
     n += p * e * dv + 2 * p * e                                  # value records; log-decays in and out
-    n += 4 * (2 * dk + dv) + 16                                  # q, b, v; the scalars
+    n += 4 * (2 * dk + dv) + 4 * (META_COLS + p)                 # q, b, v; the scalars and record decays
     n += 4 * dv + e * dv                                         # output; the u record
     keys = p * e * dk + 4 * dk + e * dk                          # key records, w, the key record
     return n + keys / group

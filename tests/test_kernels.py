@@ -616,23 +616,25 @@ def test_the_kernels_package_imports_one_way():
 # ----------------------------------------------------------------------------- Mosaic GPU step
 
 
-@pytest.mark.parametrize("bsz, h, key_heads, opts", [
-    (6, 4, None, dict()),                      # the last program's heads past B H repeat and store nothing
-    (4, 4, 2, dict(record_dtype="bfloat16")),                # GVA: one key record per key head
-    (2, 4, None, dict(compensators=False, smoothing=False)),
-], ids=["ragged-programs", "gva-bf16", "no-ct-no-smoothing"])
-def test_mosaic_step_matches_reference(bsz, h, key_heads, opts):
+@pytest.mark.parametrize("bsz, h, key_heads, opts, dot", [
+    (6, 4, None, dict(), "wgmma"),             # the last program's heads past B H repeat and store nothing
+    (6, 4, None, dict(), "fma"),
+    (4, 4, 2, dict(record_dtype="bfloat16"), "wgmma"),       # GVA: one key record per key head
+    (2, 4, None, dict(compensators=False, smoothing=False), "wgmma"),
+], ids=["ragged-programs", "ragged-programs-fma", "gva-bf16", "no-ct-no-smoothing"])
+def test_mosaic_step_matches_reference(bsz, h, key_heads, opts, dot):
     config = LeapQuantConfig(bits=8, window=8, **opts)
     pos = [(3 * b + 1) % 8 for b in range(bsz - 1)] + [7]          # ragged, one at the last slot
     st, tok = live_state(config, jax.random.PRNGKey(bsz), bsz, h, 128, 128, False, pos=pos, key_heads=key_heads)
-    check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=2)
+    check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=2, dot=dot)
 
 
 def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end():
     config = LeapQuantConfig(bits=8, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(8), 2, 4, 128, 128, False, pos=[5, 2], log_decay=-1e3, zero=True)
-    o_k, _ = check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, chunk=16)
-    assert np.all(np.isfinite(o_k))
+    for opts in (dict(dot="fma", chunk=16), dict(dot="wgmma")):
+        o_k, _ = check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, **opts)
+        assert np.all(np.isfinite(o_k))
     # pos == p breaks the step's precondition: that sequence writes nothing, the others are unaffected.
     st, tok = live_state(config, jax.random.PRNGKey(9), 2, 4, 128, 128, False, pos=[8, 3])
     o_r, _ = leapquant_step_reference(config, st, tok)
@@ -651,11 +653,12 @@ def test_mosaic_step_lowers_for_cuda():
     st = windowed.init_state(config, 4, 4, 128, 128, key_heads=2)
     tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
                            g=jnp.zeros((4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
-    f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, interpret=False))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
-    text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
-    assert "mosaic_gpu" in text
-    assert text.count("stablehlo.output_operand_alias<") == 4
+    for dot in mosaic_step.DOTS:
+        f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, dot=dot, interpret=False))
+        text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
+        assert "mosaic_gpu" in text
+        assert text.count("stablehlo.output_operand_alias<") == 4
 
 
 def test_mosaic_step_rejects_what_it_cannot_run():
@@ -681,6 +684,10 @@ def test_mosaic_step_rejects_what_it_cannot_run():
     tok = delta_rule_token(q=jnp.zeros((2, 4, 128)), k=jnp.zeros((2, 4, 128)), v=jnp.zeros((2, 4, 128)),
                            g=jnp.zeros((2, 4)), beta=jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match="chunk=24"):
-        mosaic_step.leapquant_step(c8, st, tok, chunk=24)
+        mosaic_step.leapquant_step(c8, st, tok, dot="fma", chunk=24)
+    with pytest.raises(ValueError, match="only dot='fma'"):
+        mosaic_step.leapquant_step(c8, st, tok, dot="wgmma", chunk=32)
+    with pytest.raises(ValueError, match="dot='tensor'"):
+        mosaic_step.leapquant_step(c8, st, tok, dot="tensor")
     with pytest.raises(ValueError, match="token.v"):
         mosaic_step.leapquant_step(c8, st, tok.replace(v=jnp.zeros((2, 4, 64))))
