@@ -1,9 +1,11 @@
 """The Mosaic GPU step (``pallas_kernels.mosaic_step``) against the Triton step, in one process:
 compiled correctness against the reference at ragged window positions, then µs per step over a
 window (``p`` steps from position 0, the state donated), and optionally a whole window with the
-split flush and the same pipeline with its arithmetic left out (``--load-only``).
+split flush, the same pipeline with its arithmetic left out (``--load-only``) and with the code
+sums alone (``--codes-only``).
 
-    python -m bench.mosaic_step [--batch 512] [--heads 32] [--variants JSON] [--window] [--load-only] [--out DIR]
+    python -m bench.mosaic_step [--batch 512] [--heads 32] [--variants JSON] [--window] [--load-only]
+                                [--codes-only] [--out DIR]
     python -m bench.mosaic_step --ncu JSON    # only run that variant 4 times, for Nsight Compute
 
 ``--variants`` is a JSON list of option dicts for ``mosaic_step.leapquant_step`` (``programs``,
@@ -67,6 +69,17 @@ def load_only_head(i, meta_all, rg_all, tiles, *, lay, **_):
     return v, v, lay.load(tiles["w"], vcol)
 
 
+def codes_only_head(i, meta_all, rg_all, tiles, *, dk, smoothing, chunk, lay, mm, **_):
+    """A head's arithmetic with the records and Compensator Tokens left out: the code sums alone
+    (on the tensor cores or the CUDA cores, as ``dot`` chose), what the step would cost were the
+    other dots free."""
+    if mm is None:
+        s1, s2 = mosaic_step.code_sums_fma(tiles, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
+    else:
+        s1, s2 = mosaic_step.code_sums_wgmma(tiles, mm, dk=dk, smoothing=smoothing, lay=lay)
+    return s1, s2, lay.load(tiles["w"], mosaic_shared.rows_layout(16).reduce(0))
+
+
 def label(opts) -> str:
     return "mosaic " + (" ".join(f"{k}={v}" for k, v in opts.items()) or "defaults")
 
@@ -78,6 +91,8 @@ def main(argv=None):
     ap.add_argument("--variants", default="[{}]", help="JSON list of option dicts for mosaic_step.leapquant_step")
     ap.add_argument("--window", action="store_true", help="also time whole windows with the split flush")
     ap.add_argument("--load-only", action="store_true", help="also time the pipeline without the arithmetic")
+    ap.add_argument("--codes-only", action="store_true",
+                    help="also time the pipeline with the code sums alone (no records, no Compensator Tokens)")
     ap.add_argument("--ncu", default=None, help="JSON options: only run that variant 4 times (for Nsight Compute)")
     ap.add_argument("--skip-steps", action="store_true", help="time only the --window and --load-only rows")
     ap.add_argument("--out", default="bench/results")
@@ -149,6 +164,10 @@ def main(argv=None):
         for opts in ok:
             timed(label(opts) + " LOAD-ONLY",
                   lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, load_only_head, **o), mosaic_bytes)
+    if a.codes_only:
+        for opts in ok:
+            timed(label(opts) + " CODES-ONLY",
+                  lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, codes_only_head, **o), mosaic_bytes)
     json.dump(dict(jax=jax.__version__, commit=git_commit(), copy_bw=copy_bw, batch=bsz, heads=h, rows=rows),
               open(base + ".json", "w"), indent=1)
     return 0

@@ -26,9 +26,9 @@ Arithmetic, for ``x1 = b`` and ``x2 = exp(g) q``: ``S_l^T x = scale * D0 (Z^T (c
 x)) + sum_j u_j d_j (k_j . x)`` with GDN's scalar decays (``D0 = exp(G_l)``, ``d_j = exp(G_l -
 G_j)``), made by XLA as the reference makes them (``windowed.window_decays``: log-space sums of
 the live records, masked before ``exp``, never divided). The code sums ``Z^T (c x)`` run on the
-tensor cores (``dot="wgmma"``, the default: ``_code_sums_wgmma``, one bf16 ``wgmma`` of the codes
+tensor cores (``dot="wgmma"``, the default: ``code_sums_wgmma``, one bf16 ``wgmma`` of the codes
 against three exact bf16 pieces of each vector) or on the CUDA cores (``dot="fma"``:
-``_code_sums_fma``, ``chunk`` key rows at a time, products summed over rows in registers, then
+``code_sums_fma``, ``chunk`` key rows at a time, products summed over rows in registers, then
 once across the 4 warps). Register layouts (``rows_layout``): rows over the warps and each thread's
 registers, the 128 value columns over the 32 lanes, 4 per lane. Rounding: fp32 throughout; the
 record is rounded to the record dtype when stored (as the reference does).
@@ -90,7 +90,7 @@ MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 # ----------------------------------------------------------------------------- kernel
 
 
-def _code_sums_fma(t, *, dk, smoothing, chunk, lay):
+def code_sums_fma(t, *, dk, smoothing, chunk, lay):
     """``(Z^T (c b), Z^T (c q))`` (``[128]`` each, value-column layout; ``c`` the smoothing scales or
     1) on the CUDA cores: the codes read ``chunk`` key rows at a time (int8 -> bf16 -> fp32, exact
     for codes, cheaper than int8 -> fp32), products summed elementwise over the chunks, then
@@ -120,8 +120,8 @@ def _bf16_pieces(y):
     return hi, mid, (rest - mid.astype(f32)).astype(jnp.bfloat16)
 
 
-def _code_sums_wgmma(t, mm, *, dk, smoothing, lay):
-    """``_code_sums_fma``'s sums on the tensor cores: one bf16 ``wgmma`` ``[128 v, dk] x [dk, 8]``.
+def code_sums_wgmma(t, mm, *, dk, smoothing, lay):
+    """``code_sums_fma``'s sums on the tensor cores: one bf16 ``wgmma`` ``[128 v, dk] x [dk, 8]``.
 
     Left: the codes, converted to bf16 (exact) into ``mm``'s tile ``[dk, 128]`` and read
     transposed. Right: the vectors ``c b`` and ``c q`` as three bf16 pieces each (``_bf16_pieces``,
@@ -187,9 +187,9 @@ def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, mm=No
     dvec = lay.load(meta_all.at[i, pl.ds(META_COLS, p)], PROW)    # the records' decays d_j, 0 past pos
 
     if mm is None:
-        s1, s2 = _code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
+        s1, s2 = code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
     else:
-        s1, s2 = _code_sums_wgmma(t, mm, dk=dk, smoothing=smoothing, lay=lay)
+        s1, s2 = code_sums_wgmma(t, mm, dk=dk, smoothing=smoothing, lay=lay)
     scale = lay.load(t["scale"], VCOL)
     r1 = (D0 * scale) * s1                                                         # [128] VCOL
     r2 = ((D0 * a_new) * scale) * s2
@@ -351,7 +351,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ``dot="wgmma"``, whose bf16 tile would otherwise leave one program per SM); ``chunk``: key rows
     per code read with ``dot="fma"`` (default ``dk``, whole tiles; 32 took fewer registers but ran
     slower); ``dot``: the code sums on the CUDA cores (``"fma"``) or the tensor cores
-    (``"wgmma"``, ``_code_sums_wgmma``). ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    (``"wgmma"``, ``code_sums_wgmma``). ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
     """
     return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, dot=dot,
                   interpret=interpret)
@@ -449,5 +449,5 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1)
     return n + keys / group
 
 
-__all__ = ["GROUP_HEADS", "default_programs", "launch", "leapquant_step", "mosaic_step_bytes",
-           "unsupported_reason"]
+__all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_sums_fma", "code_sums_wgmma", "default_programs", "launch",
+           "leapquant_step", "mm_scratch", "mosaic_step_bytes", "unsupported_reason"]

@@ -211,6 +211,27 @@ def test_mosaic_load_only_pipeline_delivers_every_head():
     assert mosaic_step.mosaic_step_bytes(config, 128, 128) > step_bytes(config, 128, 128, config.window - 1, False)
 
 
+def test_mosaic_codes_only_head_returns_the_code_sums():
+    # bench.mosaic_step's codes-only variant: the pipeline around the code sums alone. Its output
+    # row is Z^T (c b) and its value record Z^T (c q), for both ways of summing.
+    from bench import mosaic_step as bm
+    from pallas_kernels import mosaic_step
+
+    config = LeapQuantConfig(bits=8, window=8)
+    st = filled_state(config, 2, 4, 128, 128, False, [2, 5])
+    tok = bk.token_at(bk.random_sequence(jax.random.PRNGKey(6), 2, 1, 4, 128, 128, False), 0)
+    z = np.asarray(st.checkpoint.residual.codes, np.float64)
+    c = np.asarray(st.checkpoint.smooth, np.float64)
+    want_b = np.einsum("bhkv,bhk->bhv", z, c * np.asarray(tok.b, np.float64))
+    want_q = np.einsum("bhkv,bhk->bhv", z, c * np.asarray(tok.q, np.float64))
+    for dot in mosaic_step.DOTS:
+        o, new = mosaic_step.launch(config, st, tok, bm.codes_only_head, programs=1, dot=dot)
+        o = np.asarray(o, np.float64)
+        assert np.linalg.norm(o - want_b) <= 1e-6 * np.linalg.norm(want_b), dot
+        u = np.stack([np.asarray(new.buffer.u[b, :, pos], np.float64) for b, pos in enumerate([2, 5])])
+        assert np.all(np.abs(u - want_q) <= 2.0 ** -10 * np.abs(want_q) + 1e-6), dot
+
+
 def test_mosaic_dense_bench_checks_and_writes_its_tables(tmp_path):
     # bench.mosaic_dense on the CPU: the compiled-correctness rows (interpreter, Triton interpret
     # mode) land in the JSON and the Markdown, with no timing rows (no GPU to time on); the
