@@ -10,8 +10,9 @@ In this order:
 1. Correctness of the compiled kernels on one step and one flush from the same state (ragged
    positions), against ``windowed``'s reference.
 2. ``--sweep``: at the largest batch, block/warp/stage variants of the Pallas fp32 dense step,
-   the LeapQuant step (``heads_per_program`` too) and the flush (``fused``, ``split``, ``stream``,
-   ``auto``); the timings below use the fastest of each. A variant the kernels do not (yet)
+   the LeapQuant step (``heads_per_program`` too; on Hopper the Mosaic GPU step, with the Triton
+   step's defaults timed beside it when it is the fastest) and the flush (``fused``, ``split``,
+   ``stream``, ``auto``); the timings below use the fastest of each. A variant the kernels do not (yet)
    accept is reported with its error, not fatal.
    ``--load-only`` (on with ``--sweep``): a Pallas Triton kernel that reads exactly the bytes the
    LeapQuant step reads (``step_bytes``) and does only a trivial reduction of each, at 1, 2 and
@@ -78,8 +79,9 @@ from pallas_kernels.leapquant_flush import (
     flush_bytes, leapquant_flush, split_fit, split_quantize, split_reconstruct, takes_mosaic,
 )
 from pallas_kernels.leapquant_step import check_token, leapquant_step, step_bytes
-from pallas_kernels import mosaic_dense, mosaic_flush
+from pallas_kernels import mosaic_dense, mosaic_flush, mosaic_step
 from pallas_kernels.api import takes_mosaic_dense
+from pallas_kernels.mosaic_shared import on_hopper
 from pallas_kernels.shared import num_parts
 
 
@@ -393,15 +395,19 @@ def dense_accepts(option: str) -> bool:
 
 def leapquant_window_timer(config, mode, step_opts=None, flush_opts=None):
     """mode: 'window' (p steps + flush of full windows), 'steps' (p steps), 'flush' (flush only),
-    'flush-1/16' (flush with one sequence in 16 full, as in a batch at spread-out positions)."""
+    'flush-1/16' (flush with one sequence in 16 full, as in a batch at spread-out positions).
+    ``step_opts``: the Triton step's options, or ``{"kernel": "mosaic", ...}`` for the Mosaic GPU
+    step's."""
     p = config.window
+    opts = dict(step_opts or {})
+    step = mosaic_step.leapquant_step if opts.pop("kernel", None) == "mosaic" else leapquant_step
 
     def run(state, toks):
         o = jnp.zeros(())
         if mode in ("window", "steps"):
             state = state.replace(pos=jnp.zeros_like(state.pos))
             for tok in toks:
-                o, state = leapquant_step(config, state, tok, **(step_opts or {}))
+                o, state = step(config, state, tok, **opts)
         if mode in ("window", "flush", "flush-1/16"):
             if mode == "flush":
                 state = state.replace(pos=jnp.full_like(state.pos, p))
@@ -455,13 +461,16 @@ def dense_variants(dv):
     return _unique(base)
 
 
-def step_variants(config, dk, dv):
+def step_variants(config, dk, dv, mosaic=False):
     """Sweep options of the LeapQuant step: whole-part int8 dots at several warps and value blocks,
-    the lanes reduction, and two heads per program (``heads_per_program=2``, 2 and 4 warps)."""
+    the lanes reduction, and two heads per program (``heads_per_program=2``, 2 and 4 warps); with
+    ``mosaic``, the Mosaic GPU step too (``kernel="mosaic"``, what ``auto`` runs on Hopper)."""
     n = dk // num_parts(config.bits)
     out = [dict(reduce="dot", chunk=n, block_v=min(bv, dv), num_warps=nw) for bv, nw in ((128, 4), (128, 2), (128, 1), (64, 1))]
     out.append(dict(reduce="lanes", chunk=16, block_v=min(128, dv), num_warps=4))
     out += [dict(reduce="dot", chunk=n, block_v=dv, num_warps=nw, heads_per_program=2) for nw in (2, 4)]
+    if mosaic:
+        out.append(dict(kernel="mosaic"))
     return _unique(out)
 
 
@@ -844,7 +853,9 @@ def main(argv=None):
 
             best[kda]["dense"] = sweep("pallas fp32 dense step", dense_variants(dv), dense_state,
                                        lambda o, toks=toks: dense_timer("float32", toks, **o), p) or best[kda]["dense"]
-            best[kda]["step"] = sweep(f"leapquant int{args.bits} step (no flush)", step_variants(config, dk, dv),
+            probe = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), 8, h, dk, dv), per_channel_decay=kda)
+            mosaic = on_hopper() and not default_interpret() and mosaic_step.unsupported_reason(config, probe) is None
+            best[kda]["step"] = sweep(f"leapquant int{args.bits} step (no flush)", step_variants(config, dk, dv, mosaic),
                                       lq_state, lambda o: leapquant_window_timer(config, "steps", o), p) or {}
             best[kda]["flush"] = sweep(f"leapquant int{args.bits} flush (per flush)", flush_variants(kda, dv), lq_state,
                                        lambda o: leapquant_window_timer(config, "flush", flush_opts=o), 1) or {}
@@ -883,20 +894,28 @@ def main(argv=None):
             flush_impl = bytes_impl(best[kda]["flush"],
                                     takes_mosaic(config, windowed.from_dense(config, s[:1], per_channel_decay=kda),
                                                  default_interpret()))
-            for what in ("window", "steps", "flush"):
+            step_opts = best[kda]["step"]
+            mosaic_step_row = step_opts.get("kernel") == "mosaic"     # the sweep's fastest step
+            step_kernel = " (Mosaic GPU step)" if mosaic_step_row else ""
+            for what in ("window", "steps", "flush") + (("steps-triton",) if mosaic_step_row else ()):
                 st = windowed.from_dense(config, s, per_channel_decay=kda)
                 steps = 1 if what == "flush" else p
                 err = None
                 try:
-                    us = time_jax(leapquant_window_timer(config, what, best[kda]["step"], best[kda]["flush"]), st, toks, steps)
+                    timer = (leapquant_window_timer(config, "steps", {}) if what == "steps-triton" else
+                             leapquant_window_timer(config, what, step_opts, best[kda]["flush"]))
+                    us = time_jax(timer, st, toks, steps)
                 except Exception as e:   # a kernel being changed must not cost the FLA and dense rows
                     us, err = float("nan"), f"{type(e).__name__}: {str(e)[:300]}"
                 if what == "window":
                     nb = leapquant_bytes_per_step(config, dk, dv, kda, flush_impl) * bsz * h
-                    name = f"LeapQuant int{args.bits} p={p} (steps + flush, per step)"
+                    name = f"LeapQuant int{args.bits} p={p} (steps + flush, per step)" + step_kernel
                 elif what == "steps":
                     nb = sum(step_bytes(config, dk, dv, i, kda) for i in range(p)) / p * bsz * h
-                    name = f"LeapQuant int{args.bits} step only (mean over window)"
+                    name = f"LeapQuant int{args.bits} step only (mean over window)" + step_kernel
+                elif what == "steps-triton":      # the Triton step beside the Mosaic GPU one
+                    nb = sum(step_bytes(config, dk, dv, i, kda) for i in range(p)) / p * bsz * h
+                    name = f"LeapQuant int{args.bits} Triton step (mean over window)"
                 else:
                     nb = impl_flush_bytes(config, dk, dv, kda, flush_impl) * bsz * h
                     name = f"LeapQuant int{args.bits} flush (per flush)"
@@ -934,6 +953,8 @@ def main(argv=None):
                 try:
                     # the step options of the main bit width, where they fit this one's code parts
                     opts = dict(best[kda]["step"])
+                    if opts.get("kernel") == "mosaic":
+                        opts = {}                  # the Mosaic GPU step reads 8 bits only: the Triton step's defaults
                     if "chunk" in opts:
                         opts["chunk"] = min(opts["chunk"], dk // num_parts(bits))
                         if opts.get("reduce") == "dot" and opts["chunk"] < 32:

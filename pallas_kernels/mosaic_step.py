@@ -12,8 +12,9 @@ a sequence at ``pos >= p`` writes nothing and its output is unspecified).
 Structure: ``programs`` programs of one warpgroup (128 threads) each take ``per`` consecutive
 heads of the flattened ``[B H]`` heads (the last program's heads past ``B H`` repeat head
 ``B H - 1`` and store nothing). A program first copies in its heads' scalars and records' decays
-(``g``, ``beta``, ``pos``, ``D0``, ``exp(g)``, ``d_j``, packed by XLA) and record log-decays (a head's ``p`` of them are too few bytes for a
-copy of their own: ``GROUP_HEADS`` heads per copy), then walks its heads in an
+(``g``, ``beta``, ``pos``, ``D0``, ``exp(g)``, ``d_j``, packed by XLA) and record log-decays (a
+head's ``p`` of them are too few bytes for a copy of their own: ``GROUP_HEADS`` heads per copy),
+then walks its heads in an
 ``emit_pipeline``: per head the token's vectors, the codes ``[dk, 128]``, the column and
 smoothing scales, the Compensator Tokens and all ``p`` record slots (dead slots are masked in
 the arithmetic: a copy has a static size, so this moves ``p - pos`` more records per head than
@@ -29,29 +30,31 @@ the live records, masked before ``exp``, never divided). The code sums ``Z^T (c 
 tensor cores (``dot="wgmma"``, the default: ``code_sums_wgmma``, one bf16 ``wgmma`` of the codes
 against three exact bf16 pieces of each vector) or on the CUDA cores (``dot="fma"``:
 ``code_sums_fma``, ``chunk`` key rows at a time, products summed over rows in registers, then
-once across the 4 warps). Register layouts (``rows_layout``): rows over the warps and each thread's
-registers, the 128 value columns over the 32 lanes, 4 per lane. Rounding: fp32 throughout; the
-record is rounded to the record dtype when stored (as the reference does).
+once across the 4 warps). The records and Compensator Tokens go four rows at a time, one per
+warp, and the warps' partial sums meet once per head (``_head_step``). Register layouts
+(``rows_layout``): rows over the warps and each thread's registers, the 128 value columns over
+the 32 lanes, 4 per lane. Rounding: fp32 throughout; the record is rounded to the record dtype
+when stored (as the reference does).
 
-Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic_step``,
-``bench/results/mosaic-step-20261201.md``): correct compiled (output error against the
-reference 1.6e-7; the Triton step's 3.1e-7) but slower than the Triton step: 257 us per step
+Measured on the H200 at batch 512, 32 heads, 128 x 128 in its first form (``python -m
+bench.mosaic_step``, ``bench/results/mosaic-step-20261201.md``): correct compiled (output error
+against the reference 1.6e-7; the Triton step's 3.1e-7) but slower than the Triton step: 257 us per step
 with the defaults against 214 us (249-258 us over the variants at 2 programs per SM; slower
 with more, 285 us at 3 per SM, or fewer, 360 us at 1.5 and 390 us at 1). With the arithmetic
 left out the same pipeline takes 125 us (95% of copy bandwidth on the bytes it moves). Nsight
 Compute: 7,900 warp-instructions per head at 2.0 per cycle per SM (8 warps per SM, shared
-memory limiting), 38% of them fp32 arithmetic (half of that multiplies and adds left unfused):
-the step is bound by its instruction count. ``auto`` therefore keeps the Triton step; this
-kernel runs when called directly.
+memory limiting), 38% of them fp32 arithmetic (half of that multiplies and adds left unfused).
+That count was not the limit: a third fewer instructions made it 3% faster; the latency of
+dependent chains at two warps per scheduler was.
 
-The tensor-core code sums and the decays made by XLA (``bench/results/mosaic-step-20261204.md``,
-the same command) cut the instructions by a third, 7,863 to 5,354 warp-instructions per head,
-but the step only by 3%: 261.6 us against 269.2 for ``dot="fma"`` (the Triton step 208.1 in the
-same run). Nsight Compute's stall samples put the limit on the latency of dependent chains, not on
-the instruction count: at two warps per scheduler (188 registers, 103 KB of shared memory per
-program) the warps mostly wait on shared-memory and shuffle results (short scoreboard, 9,245 of
-27,000 samples), fixed-latency dependencies (5,005) and barriers (3,109); 4.85 cycles between a
-warp's instructions.
+Since then (``bench/results/mosaic-step-20261204.md``, same command): the code sums on the tensor
+cores (``dot="wgmma"``), the decays made by XLA and the records' and Compensator Tokens' sums met
+across the warps once per head (``_head_step``) instead of through four generic cross-warp
+reductions (each a barrier pair around 16-way bank-conflicted reads) make it **199.7 us per step
+against the Triton step's 208.8** in the same run (``dot="fma"``: 211.0; windows of 16 steps with
+the split flush 279.4 against 288.5), output error 1.6e-7. ``auto`` keeps the Triton step until
+the Mosaic GPU step has passed ``bench.kernels``' ragged-decode checks; this kernel runs when
+called directly.
 
 Bytes moved per step and value head: ``mosaic_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU
 interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
@@ -176,15 +179,21 @@ def mm_scratch(dk: int):
             plgpu.SMEM((PIECE_ROWS, dk), jnp.bfloat16, transforms=tr), plgpu.SMEM((2, LANES_COLS), f32))
 
 
-def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, mm=None):
+def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, red, mm=None):
     """Head ``i`` of the program from its tiles ``t`` (a dict of shared-memory refs):
-    ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout. ``mm``: the
-    tensor-core code sums' scratch (``mm_scratch``), or ``None`` for the CUDA cores' FMAs."""
-    RECS = rows_layout(p)
-    VCOL = RECS.reduce(0)        # [128] over lanes: a value column's vector (or a record column's)
-    PROW = RECS.reduce(1)        # [p] over warps and registers
+    ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout. ``red``: the
+    records' partial sums' shared memory ``[2, WARPS, 128]`` fp32; ``mm``: the tensor-core code
+    sums' scratch (``mm_scratch``), or ``None`` for the CUDA cores' FMAs.
+
+    The records and Compensator Tokens go ``WARPS`` rows at a time, one row per warp
+    (``rows_layout(WARPS)``): each warp sums its rows' ``u_j (k_j . x)`` in its registers, and the
+    warps' partials meet once, through ``red`` (the value columns of a row contiguous, so each
+    read is one row for the whole warp, without bank conflicts): one exchange between the warps
+    for both vectors and both kinds of rows."""
+    W = rows_layout(WARPS)       # [WARPS, 128]: row m on warp m, the 128 columns over the lanes
+    VCOL = W.reduce(0)           # [128] over lanes: a value column's vector (or a record column's)
+    WROW = W.reduce(1)           # [WARPS]: one value per warp
     beta, D0, a_new = meta_all[i, 1], meta_all[i, 3], meta_all[i, 4]
-    dvec = lay.load(meta_all.at[i, pl.ds(META_COLS, p)], PROW)    # the records' decays d_j, 0 past pos
 
     if mm is None:
         s1, s2 = code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
@@ -198,22 +207,30 @@ def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, mm=No
     x1 = lay.load(t["b"], VCOL)
     qv = lay.load(t["q"], VCOL)
     x2 = a_new * qv
-    along_rows = lambda x, n, to: lay.cast(jax.lax.broadcast_in_dim(x, (n, LANES_COLS), (1,)), to)
-    along_cols = lambda x, n, to: lay.cast(jax.lax.broadcast_in_dim(x, (n, LANES_COLS), (0,)), to)
-    rk = lay.load(t["rk"], RECS).astype(f32)                                       # [p, dk]
-    ru = lay.load(t["ru"], RECS).astype(f32)                                       # [p, 128]
-    kx1 = jnp.sum(rk * along_rows(x1, p, RECS), axis=1) * dvec                     # [p] PROW
-    kx2 = jnp.sum(rk * along_rows(x2, p, RECS), axis=1) * dvec
-    r1 = r1 + jnp.sum(ru * along_cols(kx1, p, RECS), axis=0)
-    r2 = r2 + jnp.sum(ru * along_cols(kx2, p, RECS), axis=0)
-    if r:
-        COMP = rows_layout(r)
-        ck = lay.load(t["ck"], COMP).astype(f32)                                   # [r, dk]
-        cu = lay.load(t["cu"], COMP).astype(f32)                                   # [r, 128]
-        c1 = jnp.sum(ck * along_rows(D0 * x1, r, COMP), axis=1)
-        c2 = jnp.sum(ck * along_rows(D0 * x2, r, COMP), axis=1)
-        r1 = r1 + jnp.sum(cu * along_cols(c1, r, COMP), axis=0)
-        r2 = r2 + jnp.sum(cu * along_cols(c2, r, COMP), axis=0)
+    along_rows = lambda x: lay.cast(jax.lax.broadcast_in_dim(x, (WARPS, LANES_COLS), (1,)), W)
+    along_cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (WARPS, LANES_COLS), (0,)), W)
+    rows_x1, rows_x2 = along_rows(x1), along_rows(x2)
+    part1 = part2 = None
+    groups = [("rk", "ru", m) for m in range(p // WARPS)] + [("ck", "cu", m) for m in range(r // WARPS)]
+    for kname, uname, m in groups:
+        rows = pl.ds(m * WARPS, WARPS)
+        k = lay.load(t[kname].at[rows], W).astype(f32)                             # [WARPS, dk]
+        u = lay.load(t[uname].at[rows], W).astype(f32)                             # [WARPS, 128]
+        if kname == "rk":        # the records' decays d_j (0 past pos)
+            d = lay.load(meta_all.at[i, pl.ds(META_COLS + m * WARPS, WARPS)], WROW)
+        else:                    # the checkpoint's decay D0
+            d = D0
+        k1 = jnp.sum(k * rows_x1, axis=1) * d                                      # [WARPS] WROW
+        k2 = jnp.sum(k * rows_x2, axis=1) * d
+        t1, t2 = u * along_cols(k1), u * along_cols(k2)
+        part1, part2 = (t1, t2) if part1 is None else (part1 + t1, part2 + t2)
+    red[0] = part1
+    red[1] = part2
+    lay.sync()
+    for w in range(WARPS):
+        r1 = r1 + lay.load(red.at[0, w], VCOL)
+        r2 = r2 + lay.load(red.at[1, w], VCOL)
+    lay.sync()                   # every warp has read ``red`` before the next head writes it
     u = beta * (lay.load(t["v"], VCOL) - r1)
     w = lay.load(t["w"], VCOL)
     return r2 + u * jnp.sum(w * qv), u, w
@@ -224,7 +241,7 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
     GMEM refs by name; ``keyed``: the names read per key head; ``head``: a head's arithmetic
     (``_head_step``)."""
-    meta_all, rg_all, o_s, u_s, k_s, *mm = scratch
+    meta_all, rg_all, o_s, u_s, k_s, red, *mm = scratch
     mm = tuple(mm) or None
     bg, bk, bu, o_gmem = refs["bg"], refs["rk"], refs["ru"], refs["o"]
     c = jax.lax.axis_index("c")
@@ -251,7 +268,7 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
         i = idx[0]
         t = c * per + i
         o, u, w = head(i, meta_all, rg_all, dict(zip(names, tiles)), dk=dk, p=p, r=r, smoothing=smoothing,
-                       chunk=chunk, lay=lay, mm=mm)
+                       chunk=chunk, lay=lay, red=red, mm=mm)
         pos = meta_all[i, 2].astype(jnp.int32)
         real = t < n
         live = (pos < p) & real
@@ -351,7 +368,8 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ``dot="wgmma"``, whose bf16 tile would otherwise leave one program per SM); ``chunk``: key rows
     per code read with ``dot="fma"`` (default ``dk``, whole tiles; 32 took fewer registers but ran
     slower); ``dot``: the code sums on the CUDA cores (``"fma"``) or the tensor cores
-    (``"wgmma"``, ``code_sums_wgmma``). ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    (``"wgmma"``, ``code_sums_wgmma``). ``interpret``: ``None`` runs compiled on a GPU and in the
+    Mosaic GPU interpreter elsewhere.
     """
     return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, dot=dot,
                   interpret=interpret)
@@ -416,7 +434,7 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
     names = tuple(arrays)
     values = dict(arrays, meta=meta, bg=buf.g.reshape(n, p), o=jnp.zeros((n, dv), f32))
     scratch = [plgpu.SMEM((per, META_COLS + p), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
-               plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype)]
+               plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype), plgpu.SMEM((2, WARPS, dv), f32)]
     if dot == "wgmma":
         scratch += list(mm_scratch(dk))
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,

@@ -106,6 +106,8 @@ def test_sweep_variants():
     assert all(("num_stages" in v) == bk.dense_accepts("num_stages") for v in dense)
     steps = bk.step_variants(LeapQuantConfig(bits=8), 128, 128)
     assert [v["num_warps"] for v in steps if v.get("heads_per_program") == 2] == [2, 4]
+    assert all("kernel" not in v for v in steps)
+    assert bk.step_variants(LeapQuantConfig(bits=8), 128, 128, mosaic=True)[-1] == {"kernel": "mosaic"}
     flush = bk.flush_variants(True, 128)
     assert [v["num_warps"] for v in flush if v["impl"] == "stream"] == [4, 8, 2]
     assert (bk.bytes_impl({}), bk.bytes_impl(dict(impl="auto")), bk.bytes_impl(dict(impl="stream"))) == (
