@@ -12,8 +12,8 @@ In this order:
 2. ``--sweep``: at the largest batch, block/warp/stage variants of the Pallas fp32 dense step,
    the LeapQuant step (``heads_per_program`` too; on Hopper the Mosaic GPU step, with the Triton
    step's defaults timed beside it when it is the fastest) and the flush (``fused``, ``split``,
-   ``stream``, ``auto``); the timings below use the fastest of each. A variant the kernels do not (yet)
-   accept is reported with its error, not fatal.
+   ``stream``, ``auto``); the timings below use the fastest of each. A variant the kernels do not
+   (yet) accept is reported with its error, not fatal.
    ``--load-only`` (on with ``--sweep``): a Pallas Triton kernel that reads exactly the bytes the
    LeapQuant step reads (``step_bytes``) and does only a trivial reduction of each, at 1, 2 and
    4 warps: the bandwidth Pallas Triton reaches on the step's access pattern, the step's
@@ -464,7 +464,8 @@ def dense_variants(dv):
 def step_variants(config, dk, dv, mosaic=False):
     """Sweep options of the LeapQuant step: whole-part int8 dots at several warps and value blocks,
     the lanes reduction, and two heads per program (``heads_per_program=2``, 2 and 4 warps); with
-    ``mosaic``, the Mosaic GPU step too (``kernel="mosaic"``, what ``auto`` runs on Hopper)."""
+    ``mosaic``, the Mosaic GPU step too (``kernel="mosaic"``: ``pallas_kernels.mosaic_step``, which
+    ``auto`` does not take yet)."""
     n = dk // num_parts(config.bits)
     out = [dict(reduce="dot", chunk=n, block_v=min(bv, dv), num_warps=nw) for bv, nw in ((128, 4), (128, 2), (128, 1), (64, 1))]
     out.append(dict(reduce="lanes", chunk=16, block_v=min(128, dv), num_warps=4))
