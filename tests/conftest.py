@@ -15,3 +15,45 @@ def _release_compiled_programs():
     to the end of the run."""
     yield
     jax.clear_caches()
+
+
+def _xdist_group_name(item):
+    """The group name xdist's loadgroup scheduling gives an item, or None when it has no
+    ``xdist_group`` mark (the same rule as xdist: the marks' names, sorted, joined by "_")."""
+    names = set()
+    for mark in item.iter_markers("xdist_group"):
+        names.add(str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")))
+    return "_".join(sorted(names)) if names else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Makes ``--dist loadgroup`` group the tests again under pytest >= 9.2.
+
+    On each worker, pytest-xdist tells the scheduler an item's group by appending "@<group>" to
+    its node id, and it does so by assigning ``item._nodeid``. From pytest 9.2 a node's id is the
+    ``_pytest.nodeid.NodeId`` held in ``item._id`` and ``item.nodeid`` is derived from it, so
+    that assignment no longer changes the id the scheduler sees: the grouped modules' tests spread
+    over the workers and their module-scoped fixtures (the expensive ones are why the modules are
+    grouped) run once per worker. This hook runs after xdist's and adds the suffix to ``_id``.
+
+    It does nothing outside an xdist worker under loadgroup, on a pytest without
+    ``_pytest.nodeid``, or for an item whose id already carries the suffix (an xdist and pytest
+    pair where xdist's own suffix takes effect).
+    """
+    # On a worker, xdist resets --dist to "no" and keeps "is it loadgroup" in option.loadgroup.
+    if not hasattr(config, "workerinput") or not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:
+        return
+    for item in items:
+        group = _xdist_group_name(item)
+        if group is None:
+            continue
+        suffix = "@" + group
+        nodeid = item.nodeid
+        if nodeid.endswith(suffix) or not isinstance(getattr(item, "_id", None), NodeId):
+            continue
+        item._id = NodeId.parse(nodeid + suffix)
