@@ -33,6 +33,9 @@ from models.training import loop, report  # noqa: E402
 from models.training.cli import main as train_main  # noqa: E402
 from models.training.model import TrainingRecurrence, forward_logits, hf_config, init_params  # noqa: E402
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("training")
+
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "models" / "checkpoints"
 STEPS = 6
 RECALL = D.RecallSpec(fraction=0.5, pairs=4, min_gap=16)
