@@ -21,6 +21,9 @@ from leapquant_jax.recurrence import recurrent_scan  # noqa: E402
 from leapquant_jax.studies.memory import MemoryQuery, measure_memory  # noqa: E402
 from leapquant_jax.traces import TraceError, load_trace, validate_trace  # noqa: E402
 
+# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("validation")
+
 VOCAB = 100
 
 
