@@ -35,6 +35,10 @@ from pallas_kernels.leapquant_flush import flush_stream, leapquant_flush, leapqu
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
 
+# Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
+# one xdist worker compiles them once (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("kernels")
+
 INTERPRET = True
 FP16_ULP = 2.0 ** -10
 
