@@ -16,6 +16,10 @@ from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.leapquant_step import step_bytes
 
+# Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
+# one xdist worker compiles them once (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("bench_kernels_cpu")
+
 
 def filled_state(config, bsz, h, dk, dv, kda, pos):
     """A state whose every window slot holds a record (so that dead slots are nonzero and a
