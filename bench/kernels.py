@@ -80,7 +80,7 @@ from pallas_kernels.leapquant_flush import (
 )
 from pallas_kernels.leapquant_step import check_token, leapquant_step, step_bytes
 from pallas_kernels import mosaic_dense, mosaic_flush, mosaic_step
-from pallas_kernels.api import takes_mosaic_dense
+from pallas_kernels.api import takes_mosaic_dense, takes_mosaic_step
 from pallas_kernels.mosaic_shared import on_hopper
 from pallas_kernels.shared import num_parts
 
@@ -166,6 +166,9 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=(
             for reduce in ("dot", "lanes"):
                 o_k, n_k = leapquant_step(config, jax.tree_util.tree_map(jnp.copy, st), tok, reduce=reduce)
                 step_errs[reduce] = rel(o_k, o_r)
+            if takes_mosaic_step(config, st):       # what auto runs on Hopper
+                o_m, _ = mosaic_step.leapquant_step(config, jax.tree_util.tree_map(jnp.copy, st), tok)
+                step_errs["mosaic"] = rel(o_m, o_r)
             buf_err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(n_r.buffer)))
             f_r = windowed.flush_reference(config, n_r)
             dense = windowed.reconstruct_reference(config, n_r)
@@ -182,7 +185,7 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=(
                 row = dict(check=f"int{bits} one step + one flush vs reference (same state){label}",
                            mode="KDA" if kda else "GDN",
                            o_rel_err=max(step_errs.values()), state_rel_err=rel(d_k, d_r), buffer_rel_err=buf_err,
-                           o_err_dot=step_errs["dot"], o_err_lanes=step_errs["lanes"],
+                           **{f"o_err_{k}": v for k, v in step_errs.items()},
                            reference_flush_err=rel(d_r, dense), pallas_flush_err=rel(d_k, dense),
                            finite=bool(jnp.all(jnp.isfinite(o_k)) and jnp.all(jnp.isfinite(d_k))))
                 rows.append(row)
@@ -896,8 +899,11 @@ def main(argv=None):
                                     takes_mosaic(config, windowed.from_dense(config, s[:1], per_channel_decay=kda),
                                                  default_interpret()))
             step_opts = best[kda]["step"]
-            mosaic_step_row = step_opts.get("kernel") == "mosaic"     # the sweep's fastest step
-            step_kernel = " (Mosaic GPU step)" if mosaic_step_row else ""
+            step_kernel = " (Mosaic GPU step)"
+            if not args.sweep and takes_mosaic_step(config, windowed.from_dense(config, s, per_channel_decay=kda)):
+                step_opts, step_kernel = dict(kernel="mosaic"), " (Mosaic GPU step, auto on Hopper)"
+            mosaic_step_row = step_opts.get("kernel") == "mosaic"     # the sweep's fastest step, or auto's
+            step_kernel = step_kernel if mosaic_step_row else ""
             for what in ("window", "steps", "flush") + (("steps-triton",) if mosaic_step_row else ()):
                 st = windowed.from_dense(config, s, per_channel_decay=kda)
                 steps = 1 if what == "flush" else p

@@ -5,7 +5,8 @@
   with this reason.
 * ``leapquant_step(config, state, token) -> (o [B, H, dv] fp32, state)``: the contract of
   ``windowed.step_reference`` (read ``u`` at ``l = pos``, append the record, output read at
-  ``l = pos + 1``; no flush, no checkpoint write).
+  ``l = pos + 1``; no flush, no checkpoint write); on Hopper the Mosaic GPU step where it takes
+  the state (``takes_mosaic_step``), else the Triton one.
 * ``leapquant_flush(config, state) -> state``: the contract of ``windowed.flush_reference``
   (every sequence flushes), but for the buffer: the kernels leave its records, all past the
   reset ``pos`` and so never read, where the reference zeroes them. ``leapquant_flush_full`` flushes only the sequences whose window is
@@ -36,13 +37,23 @@ from . import leapquant_flush as _flush
 from . import leapquant_step as _step
 from . import dense_step as _dense
 from . import mosaic_dense as _mosaic_dense
+from . import mosaic_step as _mosaic_step
 from ._compat import default_interpret
 from .mosaic_shared import on_hopper
 from .support import unsupported_reason
 
 
+def takes_mosaic_step(config: LeapQuantConfig, state: LeapQuantState) -> bool:
+    """Whether ``leapquant_step`` runs the Mosaic GPU step (``mosaic_step``): compiled on a Hopper
+    GPU, for the states it takes (GDN, 8 bits, 128 x 128 heads); measured faster than the Triton
+    step there (``mosaic_step``'s docstring)."""
+    return not default_interpret() and on_hopper() and _mosaic_step.unsupported_reason(config, state) is None
+
+
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token):
     """One in-window step on the kernels: ``(o [B, H, dv] fp32, state with pos + 1)``."""
+    if takes_mosaic_step(config, state):
+        return _mosaic_step.leapquant_step(config, state, token)
     return _step.leapquant_step(config, state, token)
 
 
@@ -84,4 +95,4 @@ def dense_step(values, token: Token):
 
 
 __all__ = ["dense_step", "dense_unsupported_reason", "leapquant_flush", "leapquant_flush_full", "leapquant_step",
-           "takes_mosaic_dense", "unsupported_reason"]
+           "takes_mosaic_dense", "takes_mosaic_step", "unsupported_reason"]

@@ -648,6 +648,26 @@ def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end():
         np.testing.assert_array_equal(a[0], b[0])
 
 
+def test_auto_takes_the_mosaic_step_on_hopper_only(monkeypatch):
+    from pallas_kernels import api
+
+    config = LeapQuantConfig(bits=8, window=8)
+    st, tok = live_state(config, jax.random.PRNGKey(12), 2, 4, 128, 128, False, pos=[3, 6])
+    assert not api.takes_mosaic_step(config, st)                 # no GPU here
+    monkeypatch.setattr(api, "on_hopper", lambda: True)
+    monkeypatch.setattr(api, "default_interpret", lambda: False)
+    assert api.takes_mosaic_step(config, st)
+    c6 = LeapQuantConfig(bits=6, window=8)
+    assert not api.takes_mosaic_step(c6, windowed.init_state(c6, 2, 4, 128, 128))
+    assert not api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 128, 128, per_channel_decay=True))
+    # Through the front door: the Mosaic GPU step, interpreted here.
+    o_a, a = api.leapquant_step(config, copy(st), tok)
+    o_b, b = mosaic_step.leapquant_step(config, copy(st), tok)
+    np.testing.assert_array_equal(o_a, o_b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_mosaic_step_lowers_for_cuda():
     # Lowering builds the Mosaic GPU module: every register layout and copy the kernel names is
     # checked here, without a GPU. Only the buffer's three arrays and the output are written.
