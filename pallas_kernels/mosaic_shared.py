@@ -194,8 +194,12 @@ def run_kernel(kernel, values: dict) -> dict:
     """The final values of the arrays ``values`` (a dict of them) after ``kernel(refs)``, which
     launches a ``core_map`` reading and writing ``refs``, mutable copies of them (in place
     where the caller's ``jit`` donates the inputs). Why ``run_state``: its state stays inside,
-    so the launch can sit under ``fold_vmap``'s batching rule."""
-    return pl.run_state(kernel)(values)
+    so the launch can sit under ``fold_vmap``'s batching rule. Why the optimization barrier on
+    the results: where a result is stored into a slice of a larger array (a ``lax.scan``'s
+    stacked outputs), XLA's dynamic-slice fusion hands the kernel that slice as the result's
+    buffer, while the kernel writes the result through its aliased input; the slice then keeps
+    its old contents (all-zero outputs of a scanned decode on the H200, JAX 0.11.2)."""
+    return jax.lax.optimization_barrier(pl.run_state(kernel)(values))
 
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
