@@ -4,12 +4,13 @@ window (``p`` steps from position 0, the state donated), and optionally a whole 
 split flush, the same pipeline with its arithmetic left out (``--load-only``) and with the code
 sums alone (``--codes-only``).
 
-    python -m bench.mosaic_step [--batch 512] [--heads 32] [--variants JSON] [--window] [--load-only]
+    python -m bench.mosaic_step [--batch 512] [--heads 32] [--kda] [--variants JSON] [--window] [--load-only]
                                 [--codes-only] [--out DIR]
     python -m bench.mosaic_step --ncu JSON    # only run that variant 4 times, for Nsight Compute
 
 ``--variants`` is a JSON list of option dicts for ``mosaic_step.leapquant_step`` (``programs``,
-``stages``, ``chunk``, ``dot``); the default is its defaults. GDN, 8 bits, 128 x 128, window 16. Writes
+``stages``, ``chunk``, ``dot``); the default is its defaults. GDN (``--kda``: KDA's per-channel
+decays), 8 bits, 128 x 128, window 16. Writes
 ``mosaic-step-<UTC time>.json`` and ``.log`` under ``--out`` (default ``bench/results``). Bandwidth
 is counted with ``step_bytes`` (the Triton step's masked loads) for the Triton rows and with
 ``mosaic_step_bytes`` (every record slot) for the Mosaic rows.
@@ -35,12 +36,12 @@ from pallas_kernels.leapquant_flush import leapquant_flush
 from bench.kernels import git_commit, random_sequence, random_state, rel, results_log, time_copy, time_loop, token_at
 
 
-def ragged_state(config, bsz, h, dk, dv, seed=0):
+def ragged_state(config, bsz, h, dk, dv, seed=0, kda=False):
     """A random dense state rounded into a stream, sequence ``b`` then advanced ``b % p`` steps
-    by the reference; and the next token."""
+    by the reference; and the next token. ``kda``: per-channel decays."""
     p = config.window
-    st = windowed.from_dense(config, random_state(jax.random.PRNGKey(seed), bsz, h, dk, dv))
-    seq = random_sequence(jax.random.PRNGKey(seed + 1), bsz, p, h, dk, dv, False)
+    st = windowed.from_dense(config, random_state(jax.random.PRNGKey(seed), bsz, h, dk, dv), per_channel_decay=kda)
+    seq = random_sequence(jax.random.PRNGKey(seed + 1), bsz, p, h, dk, dv, kda)
     step = jax.jit(lambda s, t: windowed.step_reference(config, s, t))
     for i in range(p - 1):
         _, nxt = step(st, token_at(seq, i))
@@ -88,6 +89,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kda", action="store_true", help="KDA's per-channel decays instead of GDN's scalar ones")
     ap.add_argument("--variants", default="[{}]", help="JSON list of option dicts for mosaic_step.leapquant_step")
     ap.add_argument("--window", action="store_true", help="also time whole windows with the split flush")
     ap.add_argument("--load-only", action="store_true", help="also time the pipeline without the arithmetic")
@@ -99,7 +101,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     bsz, h, dk, dv = a.batch, a.heads, 128, 128
     config = LeapQuantConfig(bits=8, impl="reference")
-    st, tok = ragged_state(config, bsz, h, dk, dv)
+    kda = a.kda
+    st, tok = ragged_state(config, bsz, h, dk, dv, kda=kda)
     if a.ncu:
         f = jax.jit(lambda s, t, o=json.loads(a.ncu): mosaic_step.leapquant_step(config, s, t, **o))
         for _ in range(4):
@@ -108,7 +111,8 @@ def main(argv=None):
     base, say = results_log(a.out, "mosaic-step")
     rows = []
 
-    say("jax", jax.__version__, jax.devices(), "commit", git_commit(), "command", " ".join(sys.argv))
+    say("jax", jax.__version__, jax.devices(), "commit", git_commit(), "command", " ".join(sys.argv),
+        "mode", "KDA" if kda else "GDN")
     o_ref, st_ref = jax.jit(lambda s, t: windowed.step_reference(config, s, t))(st, tok)
 
     def errors(o, new):
@@ -132,13 +136,13 @@ def main(argv=None):
     o, new = jax.jit(lambda s, t: triton_step.leapquant_step(config, s, t))(st, tok)
     say("triton errors against the reference", errors(o, new))
 
-    seq = random_sequence(jax.random.PRNGKey(7), bsz, config.window, h, dk, dv, False)
+    seq = random_sequence(jax.random.PRNGKey(7), bsz, config.window, h, dk, dv, kda)
     toks = [token_at(seq, i) for i in range(config.window)]
     copy_bw = time_copy() if jax.default_backend() == "gpu" else float("nan")
     say(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
     p = config.window
-    triton_bytes = np.mean([triton_step.step_bytes(config, dk, dv, pos, False) for pos in range(p)]) * bsz * h
-    mosaic_bytes = mosaic_step.mosaic_step_bytes(config, dk, dv) * bsz * h
+    triton_bytes = np.mean([triton_step.step_bytes(config, dk, dv, pos, kda) for pos in range(p)]) * bsz * h
+    mosaic_bytes = mosaic_step.mosaic_step_bytes(config, dk, dv, per_channel=kda) * bsz * h
 
     def timed(name, step, nbytes, flush=False):
         try:
@@ -168,8 +172,8 @@ def main(argv=None):
         for opts in ok:
             timed(label(opts) + " CODES-ONLY",
                   lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, codes_only_head, **o), mosaic_bytes)
-    json.dump(dict(jax=jax.__version__, commit=git_commit(), copy_bw=copy_bw, batch=bsz, heads=h, rows=rows),
-              open(base + ".json", "w"), indent=1)
+    json.dump(dict(jax=jax.__version__, commit=git_commit(), copy_bw=copy_bw, batch=bsz, heads=h, kda=kda,
+                   rows=rows), open(base + ".json", "w"), indent=1)
     return 0
 
 

@@ -47,6 +47,12 @@ def rows_layout(n: int, cols: int = 128):
     return _tiled(((n, cols), (n // WARPS, cols), (1, cols // LANES)), warp_dims=(-6,), lane_dims=(-3,))
 
 
+def threads_layout():
+    """The register layout of a vector ``[128]`` with one element per thread of the warpgroup
+    (warp ``w`` holding ``32 w`` to ``32 w + 31``): work on 128 channels that no thread repeats."""
+    return _tiled(((WARPS * LANES,), (LANES,), (1,)), warp_dims=(-3,), lane_dims=(-2,))
+
+
 def row_sums_layout(n: int):
     """The register layout of a tile ``[n, 128]`` (``n`` a multiple of 16) for sums along its rows:
     rows over the 4 warps, then over 4 lanes and each thread's registers; the columns over the
@@ -205,4 +211,4 @@ def run_kernel(kernel, values: dict) -> dict:
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
            "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "default_programs", "fold_vmap",
            "interpret_params", "lane_params", "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout",
-           "run_kernel", "sm_count", "smem_union", "sync"]
+           "run_kernel", "sm_count", "smem_union", "sync", "threads_layout"]

@@ -76,6 +76,7 @@ from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
     WARPS, Layouts, check_launch, fold_vmap, lane_params, resolve_interpret, rows_layout, run_kernel, sm_count,
+    threads_layout,
 )
 from .support import check_token
 
@@ -93,11 +94,12 @@ MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 # ----------------------------------------------------------------------------- kernel
 
 
-def code_sums_fma(t, *, dk, smoothing, chunk, lay):
+def code_sums_fma(t, *, dk, smoothing, chunk, lay, decay=None):
     """``(Z^T (c b), Z^T (c q))`` (``[128]`` each, value-column layout; ``c`` the smoothing scales or
     1) on the CUDA cores: the codes read ``chunk`` key rows at a time (int8 -> bf16 -> fp32, exact
     for codes, cheaper than int8 -> fp32), products summed elementwise over the chunks, then
-    across the rows once."""
+    across the rows once. ``decay``: ``(ref, row)`` where KDA's per-channel decays scale the two
+    vectors too (``ref[row]`` times ``b``, ``ref[row + 1]`` times ``q``; ``_kda_decays``)."""
     CH = rows_layout(chunk)
     CROW = CH.reduce(1)
     bcast_rows = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, LANES_COLS), (0,)), CH)
@@ -109,6 +111,9 @@ def code_sums_fma(t, *, dk, smoothing, chunk, lay):
         if smoothing:
             sm = lay.load(t["smooth"].at[rows], CROW)
             y1, y2 = sm * y1, sm * y2
+        if decay is not None:
+            ref, row = decay
+            y1, y2 = lay.load(ref.at[row, rows], CROW) * y1, lay.load(ref.at[row + 1, rows], CROW) * y2
         t1, t2 = z * bcast_rows(y1), z * bcast_rows(y2)
         acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
     return jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
@@ -123,7 +128,7 @@ def _bf16_pieces(y):
     return hi, mid, (rest - mid.astype(f32)).astype(jnp.bfloat16)
 
 
-def code_sums_wgmma(t, mm, *, dk, smoothing, lay):
+def code_sums_wgmma(t, mm, *, dk, smoothing, lay, decay=None):
     """``code_sums_fma``'s sums on the tensor cores: one bf16 ``wgmma`` ``[128 v, dk] x [dk, 8]``.
 
     Left: the codes, converted to bf16 (exact) into ``mm``'s tile ``[dk, 128]`` and read
@@ -131,8 +136,8 @@ def code_sums_wgmma(t, mm, *, dk, smoothing, lay):
     exact), the rows of ``mm``'s ``[PIECE_ROWS, dk]`` (two rows zero). Each product of a code and
     a piece is exact in fp32 and the tensor cores sum them in fp32; a vector's three columns are
     added afterwards. The sums go through ``mm``'s ``[2, 128]`` fp32 rows into the value-column
-    layout. The interpreter (no transposed ``wgmma`` operand there) takes the same pieces through
-    ``jnp.dot``."""
+    layout. ``decay``: as ``code_sums_fma``'s. The interpreter (no transposed ``wgmma`` operand
+    there) takes the same pieces through ``jnp.dot``."""
     a16, b16, sv = mm
     VCOL = rows_layout(WARPS).reduce(0)
     P = rows_layout(PIECE_ROWS)
@@ -140,6 +145,9 @@ def code_sums_wgmma(t, mm, *, dk, smoothing, lay):
     if smoothing:
         sm = lay.load(t["smooth"], VCOL)
         y1, y2 = sm * y1, sm * y2
+    if decay is not None:
+        ref, row = decay
+        y1, y2 = lay.load(ref.at[row], VCOL) * y1, lay.load(ref.at[row + 1], VCOL) * y2
     along = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (PIECE_ROWS, dk), (1,)), P)
     if lay.interpret:
         row = jax.lax.broadcasted_iota(jnp.int32, (PIECE_ROWS, dk), 0)
@@ -179,11 +187,35 @@ def mm_scratch(dk: int):
             plgpu.SMEM((PIECE_ROWS, dk), jnp.bfloat16, transforms=tr), plgpu.SMEM((2, LANES_COLS), f32))
 
 
-def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, red, mm=None):
+def _kda_decays(i, meta_all, t, dec, *, p, lay):
+    """KDA's decays of head ``i`` into ``dec [p + 3, dk]`` fp32, as ``windowed.window_decays`` makes
+    them: the records' ``d_j = exp(G_l - G_j)`` (rows ``j < p``; 0 past ``pos``), ``D0 = exp(G_l)``
+    (row ``p``), ``D0 exp(g)`` (row ``p + 1``) and the token's ``exp(g)`` (row ``p + 2``), from the
+    running sums of the live records' log-decays ``t["bg"] [p, dk]`` (masked before ``exp``). One
+    key channel per thread (``threads_layout``): 16 exponentials a thread, none repeated."""
+    D = threads_layout()
+    pos = meta_all[i, 2]
+    G, Gs = None, []
+    for j in range(p):
+        gj = jnp.where(j < pos, lay.load(t["bg"].at[j], D).astype(f32), 0.0)
+        G = gj if G is None else G + gj
+        Gs.append(G)
+    for j in range(p):       # dead slots added zero: G is the sum of the live records' log-decays
+        dec[j] = jnp.exp(jnp.where(j < pos, G - Gs[j], -jnp.inf))
+    d0, a = jnp.exp(G), jnp.exp(lay.load(t["g"], D))
+    dec[p] = d0
+    dec[p + 1] = d0 * a
+    dec[p + 2] = a
+    lay.sync()
+
+
+def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=None, per_channel=False):
     """Head ``i`` of the program from its tiles ``t`` (a dict of shared-memory refs):
     ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout. ``red``: the
     records' partial sums' shared memory ``[2, WARPS, 128]`` fp32; ``mm``: the tensor-core code
-    sums' scratch (``mm_scratch``), or ``None`` for the CUDA cores' FMAs.
+    sums' scratch (``mm_scratch``), or ``None`` for the CUDA cores' FMAs. ``dec``: with
+    ``per_channel`` (KDA) the decays' shared memory ``[p + 3, dk]`` (``_kda_decays``), else unused
+    (GDN's scalar decays come with the head's scalars ``meta_all[i]``).
 
     The records and Compensator Tokens go ``WARPS`` rows at a time, one row per warp
     (``rows_layout(WARPS)``): each warp sums its rows' ``u_j (k_j . x)`` in its registers, and the
@@ -193,35 +225,52 @@ def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, red, 
     W = rows_layout(WARPS)       # [WARPS, 128]: row m on warp m, the 128 columns over the lanes
     VCOL = W.reduce(0)           # [128] over lanes: a value column's vector (or a record column's)
     WROW = W.reduce(1)           # [WARPS]: one value per warp
-    beta, D0, a_new = meta_all[i, 1], meta_all[i, 3], meta_all[i, 4]
-
+    beta = meta_all[i, 1]
+    decay = None
+    if per_channel:
+        _kda_decays(i, meta_all, t, dec, p=p, lay=lay)
+        decay = (dec, p)
     if mm is None:
-        s1, s2 = code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
+        s1, s2 = code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay, decay=decay)
     else:
-        s1, s2 = code_sums_wgmma(t, mm, dk=dk, smoothing=smoothing, lay=lay)
+        s1, s2 = code_sums_wgmma(t, mm, dk=dk, smoothing=smoothing, lay=lay, decay=decay)
     scale = lay.load(t["scale"], VCOL)
-    r1 = (D0 * scale) * s1                                                         # [128] VCOL
-    r2 = ((D0 * a_new) * scale) * s2
-
-    # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
-    x1 = lay.load(t["b"], VCOL)
-    qv = lay.load(t["q"], VCOL)
-    x2 = a_new * qv
     along_rows = lambda x: lay.cast(jax.lax.broadcast_in_dim(x, (WARPS, LANES_COLS), (1,)), W)
     along_cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (WARPS, LANES_COLS), (0,)), W)
-    rows_x1, rows_x2 = along_rows(x1), along_rows(x2)
+    x1 = lay.load(t["b"], VCOL)
+    qv = lay.load(t["q"], VCOL)
+    if per_channel:          # the decays are inside the sums: per key channel
+        r1, r2 = scale * s1, scale * s2                                            # [128] VCOL
+        x2 = lay.load(dec.at[p + 2], VCOL) * qv
+        d0 = lay.load(dec.at[p], VCOL)
+        rows_x1, rows_x2 = along_rows(x1), along_rows(x2)
+        ct_x1, ct_x2 = along_rows(d0 * x1), along_rows(d0 * x2)
+    else:
+        D0, a_new = meta_all[i, 3], meta_all[i, 4]
+        r1 = (D0 * scale) * s1                                                     # [128] VCOL
+        r2 = ((D0 * a_new) * scale) * s2
+        x2 = a_new * qv
+        rows_x1, rows_x2 = along_rows(x1), along_rows(x2)
+
+    # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
     part1 = part2 = None
     groups = [("rk", "ru", m) for m in range(p // WARPS)] + [("ck", "cu", m) for m in range(r // WARPS)]
     for kname, uname, m in groups:
         rows = pl.ds(m * WARPS, WARPS)
         k = lay.load(t[kname].at[rows], W).astype(f32)                             # [WARPS, dk]
         u = lay.load(t[uname].at[rows], W).astype(f32)                             # [WARPS, 128]
-        if kname == "rk":        # the records' decays d_j (0 past pos)
-            d = lay.load(meta_all.at[i, pl.ds(META_COLS + m * WARPS, WARPS)], WROW)
-        else:                    # the checkpoint's decay D0
-            d = D0
-        k1 = jnp.sum(k * rows_x1, axis=1) * d                                      # [WARPS] WROW
-        k2 = jnp.sum(k * rows_x2, axis=1) * d
+        if per_channel and kname == "rk":      # the records' decays d_j per channel (0 past pos)
+            d = lay.load(dec.at[rows], W)
+            k1, k2 = jnp.sum(k * (d * rows_x1), axis=1), jnp.sum(k * (d * rows_x2), axis=1)
+        elif per_channel:                      # the checkpoint's decays D0 per channel
+            k1, k2 = jnp.sum(k * ct_x1, axis=1), jnp.sum(k * ct_x2, axis=1)
+        else:
+            if kname == "rk":    # the records' decays d_j (0 past pos)
+                d = lay.load(meta_all.at[i, pl.ds(META_COLS + m * WARPS, WARPS)], WROW)
+            else:                # the checkpoint's decay D0
+                d = D0
+            k1 = jnp.sum(k * rows_x1, axis=1) * d                                  # [WARPS] WROW
+            k2 = jnp.sum(k * rows_x2, axis=1) * d
         t1, t2 = u * along_cols(k1), u * along_cols(k2)
         part1, part2 = (t1, t2) if part1 is None else (part1 + t1, part2 + t2)
     red[0] = part1
@@ -237,11 +286,15 @@ def _head_step(i, meta_all, rg_all, t, *, dk, p, r, smoothing, chunk, lay, red, 
 
 
 def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, hk, group, smoothing, chunk,
-             interpret):
+             per_channel, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
     GMEM refs by name; ``keyed``: the names read per key head; ``head``: a head's arithmetic
-    (``_head_step``)."""
-    meta_all, rg_all, o_s, u_s, k_s, red, *mm = scratch
+    (``_head_step``). ``scratch``: the scalars, then GDN's record log-decays ``[per, p]`` or KDA's
+    decays ``[p + 3, dk]`` (``_kda_decays``), the output and record slots, the warps' partial
+    sums, KDA's log-decay record slots, the tensor-core code sums' scratch."""
+    meta_all, dec, o_s, u_s, k_s, red, *mm = scratch
+    g_s = mm.pop(0) if per_channel else None
+    rg_all = None if per_channel else dec
     mm = tuple(mm) or None
     bg, bk, bu, o_gmem = refs["bg"], refs["rk"], refs["ru"], refs["o"]
     c = jax.lax.axis_index("c")
@@ -250,8 +303,9 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
     def key_head(t):
         return (t // h) * hk + (t % h) // group
 
-    # The record log-decays of the program's real heads (``n`` is a multiple of GROUP_HEADS).
-    groups = [(j, c * per + j * GROUP_HEADS) for j in range(per // GROUP_HEADS)]
+    # GDN: the record log-decays of the program's real heads (``n`` is a multiple of GROUP_HEADS),
+    # copied in once and out at the end; KDA's come with each head's tiles.
+    groups = [] if per_channel else [(j, c * per + j * GROUP_HEADS) for j in range(per // GROUP_HEADS)]
 
     def fetch(bars):
         plgpu.copy_gmem_to_smem(refs["meta"].at[c], meta_all, bars.at[0])
@@ -267,8 +321,9 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
     def body(idx, *tiles):
         i = idx[0]
         t = c * per + i
-        o, u, w = head(i, meta_all, rg_all, dict(zip(names, tiles)), dk=dk, p=p, r=r, smoothing=smoothing,
-                       chunk=chunk, lay=lay, red=red, mm=mm)
+        tile = dict(zip(names, tiles))
+        o, u, w = head(i, meta_all, dec, tile, dk=dk, p=p, r=r, smoothing=smoothing, chunk=chunk, lay=lay, red=red,
+                       mm=mm, per_channel=per_channel)
         pos = meta_all[i, 2].astype(jnp.int32)
         real = t < n
         live = (pos < p) & real
@@ -277,14 +332,19 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
         o_s[slot] = o
         u_s[slot] = u.astype(u_s.dtype)
         k_s[slot] = w.astype(k_s.dtype)
-
-        @pl.when(live)
-        def _():
-            rg_all[i, pos] = jnp.maximum(meta_all[i, 0], RECORD_LOG_DECAY_MIN).astype(rg_all.dtype)
+        if per_channel:
+            g_new = lay.load(tile["g"], rows_layout(WARPS).reduce(0))
+            g_s[slot] = jnp.maximum(g_new, RECORD_LOG_DECAY_MIN).astype(g_s.dtype)
+        else:
+            @pl.when(live)
+            def _():
+                rg_all[i, pos] = jnp.maximum(meta_all[i, 0], RECORD_LOG_DECAY_MIN).astype(rg_all.dtype)
 
         plgpu.commit_smem()
         pl.when(real)(lambda: plgpu.copy_smem_to_gmem(o_s.at[slot], o_gmem.at[t], commit_group=False))
         pl.when(live)(lambda: plgpu.copy_smem_to_gmem(u_s.at[slot], bu.at[t, pos], commit_group=False))
+        if per_channel:
+            pl.when(live)(lambda: plgpu.copy_smem_to_gmem(g_s.at[slot], bg.at[t, pos], commit_group=False))
         # With GVA the first value head of a key group stores the key record.
         pl.when(live & ((t % h) % group == 0))(
             lambda: plgpu.copy_smem_to_gmem(k_s.at[slot], bk.at[key_head(t), pos], commit_group=False))
@@ -308,10 +368,10 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
 
 
 def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
-    """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): GDN, 8-bit
-    integer codes, ``dk = dv = 128``, ``p`` and ``r`` multiples of 4, ``B H`` a multiple of
-    ``GROUP_HEADS``, a record dtype whose ``p`` log-decays take a multiple of 16 bytes, key heads dividing
-    ``H``."""
+    """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): 8-bit integer
+    codes, ``dk = dv = 128``, ``p`` and ``r`` multiples of 4, key heads dividing ``H``; with scalar
+    (GDN) decays also ``B H`` a multiple of ``GROUP_HEADS`` and a record dtype in which
+    ``GROUP_HEADS`` heads' ``p`` log-decays fill whole 128-byte copies."""
     ckpt, buf = state.checkpoint, state.buffer
     if config.residual_format is not None or config.bits != 8:
         return f"the Mosaic GPU step reads 8-bit integer codes only (bits={config.bits}, " \
@@ -320,8 +380,6 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
         return "the state's residual is not an 8-bit integer tensor"
     if buf.k.ndim != 4 or buf.u.ndim != 4:
         return f"the window buffer must be [B, Hk, p, dk] / [B, H, p, dv], got {buf.k.shape} / {buf.u.shape}"
-    if state.per_channel_decay:
-        return "the Mosaic GPU step takes scalar (GDN) decays only"
     b, h, dk, dv = state.shape
     p, r = config.window, config.effective_rank
     if buf.u.shape[2] != p:
@@ -332,9 +390,11 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
         return f"window={p}, rank={r}: the Mosaic GPU step takes multiples of {WARPS}"
     if state.pos.shape != (b,):
         return f"pos must be [B] = ({b},), got {state.pos.shape}"
-    if (b * h) % GROUP_HEADS:
-        return f"B * H = {b * h}: the Mosaic GPU step takes a multiple of {GROUP_HEADS}"
-    if GROUP_HEADS * p * jnp.dtype(buf.g.dtype).itemsize % 128:
+    if buf.g.shape not in ((b, h, p), (b, h, p, dk)):
+        return f"buffer log-decays must be [B, H, p] or [B, H, p, dk], got {buf.g.shape}"
+    if not state.per_channel_decay and (b * h) % GROUP_HEADS:
+        return f"B * H = {b * h}: the Mosaic GPU step takes a multiple of {GROUP_HEADS} with scalar (GDN) decays"
+    if not state.per_channel_decay and GROUP_HEADS * p * jnp.dtype(buf.g.dtype).itemsize % 128:
         return f"{GROUP_HEADS} heads' record log-decays ({p} x {buf.g.dtype}) must fill whole 128-byte copies"
     if h % state.key_heads:
         return f"{state.key_heads} key heads do not divide {h} value heads"
@@ -343,6 +403,13 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     if ckpt.comp_k.shape[-2] != r:
         return f"the checkpoint holds {ckpt.comp_k.shape[-2]} Compensator Tokens, the config {r}"
     return None
+
+
+def default_dot(state: LeapQuantState) -> str:
+    """``DEFAULT_DOT`` for scalar (GDN) decays; ``"fma"`` for KDA's, whose decays' shared memory
+    and log-decay tiles next to the tensor cores' bf16 codes tile take 124 KB per program, one
+    program per SM (``bench/results/mosaic-step-kda-20261204.md``)."""
+    return "fma" if state.per_channel_decay else DEFAULT_DOT
 
 
 def default_programs(n: int) -> int:
@@ -357,7 +424,7 @@ def _flat(x, n):
 
 @functools.partial(jax.jit, static_argnames=("config", "programs", "stages", "chunk", "dot", "interpret"))
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, programs: int | None = None,
-                   stages: int | None = None, chunk: int | None = None, dot: str = DEFAULT_DOT, interpret=None):
+                   stages: int | None = None, chunk: int | None = None, dot: str | None = None, interpret=None):
     """One in-window decode step (``windowed.step_reference``'s contract) on Mosaic GPU.
 
     state: ``LeapQuantState`` (``unsupported_reason`` says which); token: ``Token`` with
@@ -365,25 +432,26 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ``(o [B, H, 128] fp32, state with pos + 1)``; the buffer is updated in place when the
     caller's ``jit`` donates the state. ``programs``: programs of the launch (default
     ``default_programs``); ``stages``: heads in flight per program (default 3, 2 with
-    ``dot="wgmma"``, whose bf16 tile would otherwise leave one program per SM); ``chunk``: key rows
-    per code read with ``dot="fma"`` (default ``dk``, whole tiles; 32 took fewer registers but ran
-    slower); ``dot``: the code sums on the CUDA cores (``"fma"``) or the tensor cores
-    (``"wgmma"``, ``code_sums_wgmma``). ``interpret``: ``None`` runs compiled on a GPU and in the
-    Mosaic GPU interpreter elsewhere.
+    ``dot="wgmma"`` or KDA's decays, which would otherwise leave one program per SM); ``chunk``: key
+    rows per code read with ``dot="fma"`` (default ``dk``, whole tiles; 32 took fewer registers but
+    ran slower); ``dot``: the code sums on the CUDA cores (``"fma"``) or the tensor cores
+    (``"wgmma"``, ``code_sums_wgmma``); default ``default_dot``. ``interpret``: ``None`` runs
+    compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
     """
     return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, dot=dot,
                   interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "head", "programs", "stages", "chunk", "dot", "interpret"))
-def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=None, chunk=None,
-           dot=DEFAULT_DOT, interpret=None):
+def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=None,
+           chunk=None, dot=None, interpret=None):
     """``leapquant_step`` with ``head`` (``_head_step``'s signature) as each head's arithmetic:
     the same pipeline around other arithmetic (``bench.mosaic_step``'s load-only variant). Under
     ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``)."""
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_step cannot run: {why}")
+    dot = default_dot(state) if dot is None else dot
     if dot not in DOTS:
         raise ValueError(f"dot={dot!r}: choose one of {DOTS}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU step")
@@ -406,23 +474,29 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
     if chunk % WARPS or dk % chunk:
         raise ValueError(f"chunk={chunk} must be a multiple of {WARPS} dividing dk={dk}")
     n = bsz * h
-    stages = (2 if dot == "wgmma" else 3) if stages is None else stages
+    per_channel = state.per_channel_decay
+    stages = (2 if dot == "wgmma" or per_channel else 3) if stages is None else stages
     check_launch(programs, stages)
     programs = default_programs(n) if programs is None else programs
     per = -(-n // programs)
-    per = -(-per // GROUP_HEADS) * GROUP_HEADS
+    per = -(-per // GROUP_HEADS) * GROUP_HEADS      # whole 128-byte copies of scalars (and GDN's log-decays)
     programs = -(-n // per)
     stages = min(stages, per)
 
-    # The scalars of every head and its records' decays (as the reference makes them), padded to
-    # whole programs: (g, beta, pos, D0, exp(g), 0, 0, 0, d_0 .. d_{p-1}).
-    G_l, d = windowed.window_decays(buf, state.pos, 1)
+    # The scalars of every head, padded to whole programs: (g, beta, pos, D0, exp(g), 0, 0, 0) and
+    # for GDN its records' decays d_0 .. d_{p-1} (as the reference makes them); KDA's decays are
+    # per channel and made in the kernel from the records' log-decays (_kda_decays).
     zero = jnp.zeros((bsz, h), f32)
-    meta = jnp.concatenate([jnp.stack([token.g.astype(f32), token.beta.astype(f32),
-                                       jnp.broadcast_to(state.pos[:, None], (bsz, h)).astype(f32),
-                                       jnp.exp(G_l[..., 0]), jnp.exp(token.g.astype(f32)), zero, zero, zero], axis=-1),
-                            d[..., 0]], axis=-1).reshape(n, META_COLS + p)
-    meta = jnp.pad(meta, ((0, programs * per - n), (0, 0))).reshape(programs, per, META_COLS + p)
+    pos = jnp.broadcast_to(state.pos[:, None], (bsz, h)).astype(f32)
+    if per_channel:
+        meta = jnp.stack([zero, token.beta.astype(f32), pos] + [zero] * (META_COLS - 3), axis=-1)
+    else:
+        G_l, d = windowed.window_decays(buf, state.pos, 1)
+        meta = jnp.concatenate([jnp.stack([token.g.astype(f32), token.beta.astype(f32), pos, jnp.exp(G_l[..., 0]),
+                                           jnp.exp(token.g.astype(f32)), zero, zero, zero], axis=-1),
+                                d[..., 0]], axis=-1)
+    cols = meta.shape[-1]
+    meta = jnp.pad(meta.reshape(n, cols), ((0, programs * per - n), (0, 0))).reshape(programs, per, cols)
     arrays = dict(q=_flat(token.q.astype(f32), n), w=_flat(token.w.astype(f32), bsz * hk),
                   b=_flat(token.b.astype(f32), n), v=_flat(token.v.astype(f32), n),
                   codes=_flat(ckpt.residual.codes, n), scale=_flat(ckpt.residual.scale.astype(f32), n))
@@ -431,15 +505,20 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
     if r:
         arrays.update(ck=_flat(ckpt.comp_k, n), cu=_flat(ckpt.comp_u, n))
     arrays.update(rk=_flat(buf.k, bsz * hk), ru=_flat(buf.u, n))
+    if per_channel:          # read with each head's tiles, the new row written at pos
+        arrays.update(g=_flat(token.g.astype(f32), n), bg=_flat(buf.g, n))
     names = tuple(arrays)
-    values = dict(arrays, meta=meta, bg=buf.g.reshape(n, p), o=jnp.zeros((n, dv), f32))
-    scratch = [plgpu.SMEM((per, META_COLS + p), f32), plgpu.SMEM((per, p), buf.g.dtype), plgpu.SMEM((2, dv), f32),
+    values = dict(arrays, meta=meta, bg=_flat(buf.g, n), o=jnp.zeros((n, dv), f32))
+    decays = plgpu.SMEM((p + 3, dk), f32) if per_channel else plgpu.SMEM((per, p), buf.g.dtype)
+    scratch = [plgpu.SMEM((per, cols), f32), decays, plgpu.SMEM((2, dv), f32),
                plgpu.SMEM((2, dv), buf.u.dtype), plgpu.SMEM((2, dk), buf.k.dtype), plgpu.SMEM((2, WARPS, dv), f32)]
+    if per_channel:
+        scratch.append(plgpu.SMEM((2, dk), buf.g.dtype))
     if dot == "wgmma":
         scratch += list(mm_scratch(dk))
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
                              dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
-                             interpret=bool(interpret))
+                             per_channel=per_channel, interpret=bool(interpret))
 
     def kernel(refs):
         @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
@@ -454,18 +533,24 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
     return o, LeapQuantState(checkpoint=ckpt, buffer=new_buf, pos=state.pos + 1)
 
 
-def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1) -> float:
+def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1, per_channel: bool = False) -> float:
     """Bytes one value head moves in one step of this kernel (at any window position: every slot
-    is copied in). ``group``: value heads per key head, whose key bytes count ``1 / group``."""
+    is copied in). ``group``: value heads per key head, whose key bytes count ``1 / group``;
+    ``per_channel``: KDA (the token's ``g [dk]``, ``p`` log-decay rows of ``dk`` in, one out; no
+    record decays among the scalars)."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     n = dk * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)   # checkpoint
-    n += p * e * dv + 2 * p * e                                  # value records; log-decays in and out
-    n += 4 * (2 * dk + dv) + 4 * (META_COLS + p)                 # q, b, v; the scalars and record decays
+    n += p * e * dv                                              # value records
+    if per_channel:          # log-decay rows in and the new one out; the token's g; the scalars
+        n += p * e * dk + e * dk + 4 * dk + 4 * META_COLS
+    else:                    # log-decays in and out; the scalars and the records' decays
+        n += 2 * p * e + 4 * (META_COLS + p)
+    n += 4 * (2 * dk + dv)                                       # q, b, v
     n += 4 * dv + e * dv                                         # output; the u record
     keys = p * e * dk + 4 * dk + e * dk                          # key records, w, the key record
     return n + keys / group
 
 
-__all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_sums_fma", "code_sums_wgmma", "default_programs", "launch",
-           "leapquant_step", "mm_scratch", "mosaic_step_bytes", "unsupported_reason"]
+__all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_sums_fma", "code_sums_wgmma", "default_dot", "default_programs",
+           "launch", "leapquant_step", "mm_scratch", "mosaic_step_bytes", "unsupported_reason"]

@@ -620,27 +620,31 @@ def test_the_kernels_package_imports_one_way():
 # ----------------------------------------------------------------------------- Mosaic GPU step
 
 
-@pytest.mark.parametrize("bsz, h, key_heads, opts, dot", [
-    (6, 4, None, dict(), "wgmma"),             # the last program's heads past B H repeat and store nothing
-    (6, 4, None, dict(), "fma"),
-    (4, 4, 2, dict(record_dtype="bfloat16"), "wgmma"),       # GVA: one key record per key head
-    (2, 4, None, dict(compensators=False, smoothing=False), "wgmma"),
-], ids=["ragged-programs", "ragged-programs-fma", "gva-bf16", "no-ct-no-smoothing"])
-def test_mosaic_step_matches_reference(bsz, h, key_heads, opts, dot):
+@pytest.mark.parametrize("bsz, h, key_heads, opts, dot, kda", [
+    (6, 4, None, dict(), "wgmma", False),      # the last program's heads past B H repeat and store nothing
+    (6, 4, None, dict(), "fma", False),
+    (4, 4, 2, dict(record_dtype="bfloat16"), "wgmma", False),       # GVA: one key record per key head
+    (2, 4, None, dict(compensators=False, smoothing=False), "wgmma", False),
+    (5, 3, None, dict(), "wgmma", True),       # KDA: per-channel decays made in the kernel; B H = 15
+    (3, 4, None, dict(), "fma", True),
+    (4, 4, 2, dict(record_dtype="bfloat16", smoothing=False), "wgmma", True),
+], ids=["ragged-programs", "ragged-programs-fma", "gva-bf16", "no-ct-no-smoothing", "kda", "kda-fma", "kda-gva-bf16"])
+def test_mosaic_step_matches_reference(bsz, h, key_heads, opts, dot, kda):
     config = LeapQuantConfig(bits=8, window=8, **opts)
     pos = [(3 * b + 1) % 8 for b in range(bsz - 1)] + [7]          # ragged, one at the last slot
-    st, tok = live_state(config, jax.random.PRNGKey(bsz), bsz, h, 128, 128, False, pos=pos, key_heads=key_heads)
+    st, tok = live_state(config, jax.random.PRNGKey(bsz), bsz, h, 128, 128, kda, pos=pos, key_heads=key_heads)
     check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=2, dot=dot)
 
 
-def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end():
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
     config = LeapQuantConfig(bits=8, window=8)
-    st, tok = live_state(config, jax.random.PRNGKey(8), 2, 4, 128, 128, False, pos=[5, 2], log_decay=-1e3, zero=True)
+    st, tok = live_state(config, jax.random.PRNGKey(8), 2, 4, 128, 128, kda, pos=[5, 2], log_decay=-1e3, zero=True)
     for opts in (dict(dot="fma", chunk=16), dict(dot="wgmma")):
         o_k, _ = check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, **opts)
         assert np.all(np.isfinite(o_k))
     # pos == p breaks the step's precondition: that sequence writes nothing, the others are unaffected.
-    st, tok = live_state(config, jax.random.PRNGKey(9), 2, 4, 128, 128, False, pos=[8, 3])
+    st, tok = live_state(config, jax.random.PRNGKey(9), 2, 4, 128, 128, kda, pos=[8, 3])
     o_r, _ = leapquant_step_reference(config, st, tok)
     o_k, n_k = mosaic_step.leapquant_step(config, copy(st), tok)
     assert rel(o_k[1], o_r[1]) < 1e-5
@@ -668,15 +672,16 @@ def test_auto_takes_the_mosaic_step_on_hopper_only(monkeypatch):
         np.testing.assert_array_equal(x, y)
 
 
-def test_mosaic_step_lowers_for_cuda():
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_mosaic_step_lowers_for_cuda(kda):
     # Lowering builds the Mosaic GPU module: every register layout and copy the kernel names is
     # checked here, without a GPU. Only the buffer's three arrays and the output are written.
     from jax import export
 
     config = LeapQuantConfig(bits=8, window=16)
-    st = windowed.init_state(config, 4, 4, 128, 128, key_heads=2)
+    st = windowed.init_state(config, 4, 4, 128, 128, key_heads=2, per_channel_decay=kda)
     tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
-                           g=jnp.zeros((4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
+                           g=jnp.zeros((4, 4, 128) if kda else (4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
     for dot in mosaic_step.DOTS:
         f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, dot=dot, interpret=False))
@@ -691,11 +696,10 @@ def test_mosaic_step_rejects_what_it_cannot_run():
 
     c8 = LeapQuantConfig(bits=8, window=8)
     for config, st, match in [
-        (c8, state(c8, kda=True), "scalar \\(GDN\\)"),
         (LeapQuantConfig(bits=6, window=8), state(LeapQuantConfig(bits=6, window=8)), "8-bit"),
         (c8, state(c8, dv=64), "dv=64"),
         (c8, state(c8, dk=64), "dk=64"),
-        (c8, state(c8, bsz=1, h=6), "multiple of 8"),
+        (c8, state(c8, bsz=1, h=6), "multiple of 8 with scalar"),
         (LeapQuantConfig(bits=8, window=8, rank=2), state(LeapQuantConfig(bits=8, window=8, rank=2)), "multiples of 4"),
         (LeapQuantConfig(bits=8, window=4), state(LeapQuantConfig(bits=8, window=4)), "128-byte"),
     ]:
