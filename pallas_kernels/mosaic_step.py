@@ -1,4 +1,4 @@
-"""LeapQuant decode step inside a window on Pallas Mosaic GPU (Hopper): GDN at 8 bits.
+"""LeapQuant decode step inside a window on Pallas Mosaic GPU (Hopper): GDN and KDA at 8 bits.
 
 Why: the Triton step (``leapquant_step``) is bound by the SM's L1/shared-memory pipe (its int8
 codes pass it three times: the load, the store to shared memory and the read into the dot's
@@ -11,24 +11,29 @@ a sequence at ``pos >= p`` writes nothing and its output is unspecified).
 
 Structure: ``programs`` programs of one warpgroup (128 threads) each take ``per`` consecutive
 heads of the flattened ``[B H]`` heads (the last program's heads past ``B H`` repeat head
-``B H - 1`` and store nothing). A program first copies in its heads' scalars and records' decays
-(``g``, ``beta``, ``pos``, ``D0``, ``exp(g)``, ``d_j``, packed by XLA) and record log-decays (a
-head's ``p`` of them are too few bytes for a copy of their own: ``GROUP_HEADS`` heads per copy),
-then walks its heads in an
+``B H - 1`` and store nothing). A program first copies in its heads' scalars (GDN: ``g``,
+``beta``, ``pos``, ``D0``, ``exp(g)`` and the records' decays ``d_j``, packed by XLA; KDA:
+``beta`` and ``pos``) and, for GDN, the record log-decays (a head's ``p`` of them are too few
+bytes for a copy of their own: ``GROUP_HEADS`` heads per copy), then walks its heads in an
 ``emit_pipeline``: per head the token's vectors, the codes ``[dk, 128]``, the column and
-smoothing scales, the Compensator Tokens and all ``p`` record slots (dead slots are masked in
-the arithmetic: a copy has a static size, so this moves ``p - pos`` more records per head than
-the Triton step's masked loads, ``step_bytes``). The output row and the new record (``u``, and
-``k`` from the first value head of a key group under GVA) are copied out of shared memory as
-they are made, from two alternating slots; the program's record log-decays once at the end.
-The buffer is updated in place (its arrays are the kernel's refs, ``mosaic_shared.run_kernel``).
+smoothing scales, the Compensator Tokens and all ``p`` record slots (KDA: with the token's ``g
+[dk]`` and the records' log-decays ``[p, dk]``; dead slots are masked in the arithmetic: a copy
+has a static size, so this moves ``p - pos`` more records per head than the Triton step's masked
+loads, ``step_bytes``). The output row and the new record (``u``, ``k`` from the first value head
+of a key group under GVA, KDA's log-decay row) are copied out of shared memory as they are made,
+from two alternating slots; GDN's record log-decays once at the end. The buffer is updated in
+place (its arrays are the kernel's refs, ``mosaic_shared.run_kernel``).
 
 Arithmetic, for ``x1 = b`` and ``x2 = exp(g) q``: ``S_l^T x = scale * D0 (Z^T (c x)) + U^T (K (D0
 x)) + sum_j u_j d_j (k_j . x)`` with GDN's scalar decays (``D0 = exp(G_l)``, ``d_j = exp(G_l -
 G_j)``), made by XLA as the reference makes them (``windowed.window_decays``: log-space sums of
-the live records, masked before ``exp``, never divided). The code sums ``Z^T (c x)`` run on the
-tensor cores (``dot="wgmma"``, the default: ``code_sums_wgmma``, one bf16 ``wgmma`` of the codes
-against three exact bf16 pieces of each vector) or on the CUDA cores (``dot="fma"``:
+the live records, masked before ``exp``, never divided). KDA's decays are per key channel
+(``D0``, ``d_j``, ``exp(g)`` vectors ``[dk]``): the kernel makes them from the records'
+log-decays as the reference does, one channel per thread (``_kda_decays``), and they scale the
+vectors inside the sums (``Z^T (c D0 x)``, ``k_j . (d_j x)``, ``K (D0 x)``). The code sums
+``Z^T (c x)`` run on the tensor cores (``dot="wgmma"``, GDN's default: ``code_sums_wgmma``, one
+bf16 ``wgmma`` of the codes against three exact bf16 pieces of each vector) or on the CUDA cores
+(``dot="fma"``, KDA's default, ``default_dot``:
 ``code_sums_fma``, ``chunk`` key rows at a time, products summed over rows in registers, then
 once across the 4 warps). The records and Compensator Tokens go four rows at a time, one per
 warp, and the warps' partial sums meet once per head (``_head_step``). Register layouts
@@ -52,9 +57,14 @@ cores (``dot="wgmma"``), the decays made by XLA and the records' and Compensator
 across the warps once per head (``_head_step``) instead of through four generic cross-warp
 reductions (each a barrier pair around 16-way bank-conflicted reads) make it **199.7 us per step
 against the Triton step's 208.8** in the same run (``dot="fma"``: 211.0; windows of 16 steps with
-the split flush 279.4 against 288.5), output error 1.6e-7. ``auto`` keeps the Triton step until
-the Mosaic GPU step has passed ``bench.kernels``' ragged-decode checks; this kernel runs when
-called directly.
+the split flush 279.4 against 288.5), output error 1.6e-7; ``auto`` takes it on Hopper for GDN
+(``api.takes_mosaic_step``).
+
+KDA (``bench/results/mosaic-step-kda-20261204.md``, ``python -m bench.mosaic_step --kda``):
+compiled output error 1.6e-7 (the Triton step's 3.1e-7), **278.3 us per step against the Triton
+step's 266.2** with ``dot="fma"`` and two heads in flight (89 KiB of shared memory, two programs
+per SM); ``dot="wgmma"`` (124 KiB) or three heads in flight (126 KiB) leave one program per SM and
+take 413 / 406 us. So ``auto`` keeps the Triton step for KDA.
 
 Bytes moved per step and value head: ``mosaic_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU
 interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
@@ -406,9 +416,9 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
 
 
 def default_dot(state: LeapQuantState) -> str:
-    """``DEFAULT_DOT`` for scalar (GDN) decays; ``"fma"`` for KDA's, whose decays' shared memory
-    and log-decay tiles next to the tensor cores' bf16 codes tile take 124 KB per program, one
-    program per SM (``bench/results/mosaic-step-kda-20261204.md``)."""
+    """``DEFAULT_DOT`` for scalar (GDN) decays; ``"fma"`` for KDA's: its decays' shared memory and
+    log-decay tiles next to the tensor cores' bf16 codes tile take 124 KiB per program, one program
+    per SM, 413 us per step against 278 with ``"fma"`` (``bench/results/mosaic-step-kda-20261204.md``)."""
     return "fma" if state.per_channel_decay else DEFAULT_DOT
 
 

@@ -626,12 +626,13 @@ def test_the_kernels_package_imports_one_way():
     (4, 4, 2, dict(record_dtype="bfloat16"), "wgmma", False),       # GVA: one key record per key head
     (2, 4, None, dict(compensators=False, smoothing=False), "wgmma", False),
     (5, 3, None, dict(), "wgmma", True),       # KDA: per-channel decays made in the kernel; B H = 15
-    (3, 4, None, dict(), "fma", True),
+    (3, 4, None, dict(window=4), "fma", True),        # KDA takes windows whose log-decays fill no 128-byte copy
     (4, 4, 2, dict(record_dtype="bfloat16", smoothing=False), "wgmma", True),
 ], ids=["ragged-programs", "ragged-programs-fma", "gva-bf16", "no-ct-no-smoothing", "kda", "kda-fma", "kda-gva-bf16"])
 def test_mosaic_step_matches_reference(bsz, h, key_heads, opts, dot, kda):
-    config = LeapQuantConfig(bits=8, window=8, **opts)
-    pos = [(3 * b + 1) % 8 for b in range(bsz - 1)] + [7]          # ragged, one at the last slot
+    config = LeapQuantConfig(bits=8, **{"window": 8, **opts})
+    p = config.window
+    pos = [(3 * b + 1) % p for b in range(bsz - 1)] + [p - 1]       # ragged, one at the last slot
     st, tok = live_state(config, jax.random.PRNGKey(bsz), bsz, h, 128, 128, kda, pos=pos, key_heads=key_heads)
     check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=2, dot=dot)
 
@@ -663,7 +664,10 @@ def test_auto_takes_the_mosaic_step_on_hopper_only(monkeypatch):
     assert api.takes_mosaic_step(config, st)
     c6 = LeapQuantConfig(bits=6, window=8)
     assert not api.takes_mosaic_step(c6, windowed.init_state(c6, 2, 4, 128, 128))
-    assert not api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 128, 128, per_channel_decay=True))
+    # KDA: the Mosaic GPU step takes the state but measured slower than the Triton step.
+    kda = windowed.init_state(config, 2, 4, 128, 128, per_channel_decay=True)
+    assert mosaic_step.unsupported_reason(config, kda) is None
+    assert not api.takes_mosaic_step(config, kda)
     # Through the front door: the Mosaic GPU step, interpreted here.
     o_a, a = api.leapquant_step(config, copy(st), tok)
     o_b, b = mosaic_step.leapquant_step(config, copy(st), tok)
@@ -708,6 +712,10 @@ def test_mosaic_step_rejects_what_it_cannot_run():
             mosaic_step.leapquant_step(config, st, delta_rule_token(
                 q=jnp.zeros(st.shape[:2] + (st.shape[2],)), k=jnp.zeros(st.shape[:2] + (st.shape[2],)),
                 v=jnp.zeros(st.shape[:2] + (st.shape[3],)), g=jnp.zeros(st.shape[:2]), beta=jnp.zeros(st.shape[:2])))
+    # KDA's log-decays travel with each head's tiles: any B H, any window the others allow.
+    assert mosaic_step.unsupported_reason(c8, state(c8, bsz=1, h=6, kda=True)) is None
+    c4 = LeapQuantConfig(bits=8, window=4)
+    assert mosaic_step.unsupported_reason(c4, state(c4, kda=True)) is None
     st = state(c8)
     tok = delta_rule_token(q=jnp.zeros((2, 4, 128)), k=jnp.zeros((2, 4, 128)), v=jnp.zeros((2, 4, 128)),
                            g=jnp.zeros((2, 4)), beta=jnp.zeros((2, 4)))
