@@ -70,11 +70,16 @@ def load_only_head(i, meta_all, rg_all, tiles, *, lay, **_):
     return v, v, lay.load(tiles["w"], vcol)
 
 
-def codes_only_head(i, meta_all, rg_all, tiles, *, dk, smoothing, chunk, lay, mm, **_):
+def codes_only_head(i, meta_all, rg_all, tiles, *, dk, smoothing, chunk, lay, mm, red, dot, **_):
     """A head's arithmetic with the records and Compensator Tokens left out: the code sums alone
-    (on the tensor cores or the CUDA cores, as ``dot`` chose), what the step would cost were the
-    other dots free."""
-    if mm is None:
+    (on the tensor cores or the CUDA cores, as ``dot`` chose; GDN), what the step would cost were
+    the other dots free."""
+    if dot == "rows":
+        mosaic_step.code_vectors(tiles, mm[0], smoothing=smoothing, lay=lay)
+        lay.sync()
+        parts = mosaic_step.code_partials_rows(tiles, mm[0], dk=dk, lay=lay)
+        s1, s2 = mosaic_step.meet_warps(*parts, red, lay=lay)
+    elif dot == "fma":
         s1, s2 = mosaic_step.code_sums_fma(tiles, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
     else:
         s1, s2 = mosaic_step.code_sums_wgmma(tiles, mm, dk=dk, smoothing=smoothing, lay=lay)

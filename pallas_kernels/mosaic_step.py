@@ -95,7 +95,7 @@ RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
 GROUP_HEADS = 8      # heads whose scalars and record log-decays move in one copy
 META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos, D0, exp(g), 0, 0, 0
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
-DOTS = ("fma", "wgmma")   # the code sums on the CUDA cores or the tensor cores
+DOTS = ("fma", "rows", "wgmma")   # the code sums on the CUDA cores (two ways) or the tensor cores
 DEFAULT_DOT = "wgmma"     # 2-3% faster on the H200 (bench/results/mosaic-step-20261204.md)
 PIECE_ROWS = 8       # the wgmma's N: three bf16 pieces of each of the two vectors, two zero rows
 MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
@@ -197,12 +197,64 @@ def mm_scratch(dk: int):
             plgpu.SMEM((PIECE_ROWS, dk), jnp.bfloat16, transforms=tr), plgpu.SMEM((2, LANES_COLS), f32))
 
 
+def code_vectors(t, xv, *, smoothing, lay, decays=None):
+    """The vectors of the code sums, ``c b`` and ``c q`` (``c`` the smoothing scales or 1; times
+    KDA's per-channel ``decays = (D0, D0 exp(g))``, ``[128]`` each in ``threads_layout``), into the
+    rows of ``xv [2, dk]`` fp32, one key channel per thread. The caller syncs before they are read."""
+    D = threads_layout()
+    y1, y2 = lay.load(t["b"], D), lay.load(t["q"], D)
+    if smoothing:
+        sm = lay.load(t["smooth"], D)
+        y1, y2 = sm * y1, sm * y2
+    if decays is not None:
+        y1, y2 = decays[0] * y1, decays[1] * y2
+    xv[0] = y1
+    xv[1] = y2
+
+
+def code_partials_rows(t, xv, *, dk, lay):
+    """Each warp's part of the code sums ``Z^T xv[0]`` and ``Z^T xv[1]`` (``code_vectors``): two
+    ``[WARPS, 128]`` tiles in ``rows_layout(WARPS)``, whose sums over their rows (the warps) are the
+    code sums. The codes go ``WARPS`` key rows at a time, key row ``WARPS k + m`` on warp ``m`` (int8
+    -> bf16 -> fp32, exact), each row times its two factors (one value for the whole warp, read from
+    ``xv``), summed in registers: no exchange between the warps here, so that the caller adds these
+    parts to the records' before their one exchange (``_head_step`` with ``dot="rows"``)."""
+    W = rows_layout(WARPS)
+    WROW = W.reduce(1)
+    along_cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (WARPS, LANES_COLS), (0,)), W)
+    acc1 = acc2 = None
+    for k in range(dk // WARPS):
+        rows = pl.ds(k * WARPS, WARPS)
+        z = lay.load(t["codes"].at[rows], W).astype(jnp.bfloat16).astype(f32)
+        t1 = z * along_cols(lay.load(xv.at[0, rows], WROW))
+        t2 = z * along_cols(lay.load(xv.at[1, rows], WROW))
+        acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
+    return acc1, acc2
+
+
+def meet_warps(part1, part2, red, *, lay):
+    """The sums over the warps of two ``[WARPS, 128]`` tiles in ``rows_layout(WARPS)`` (each warp's
+    row its partial sums): ``[128]`` each in the value-column layout, through ``red [2, WARPS, 128]``
+    fp32 (a row's columns contiguous, so each read is one row for the whole warp, without bank
+    conflicts), between two barriers: the one exchange between the warps of a head."""
+    VCOL = rows_layout(WARPS).reduce(0)
+    red[0] = part1
+    red[1] = part2
+    lay.sync()
+    s1, s2 = lay.load(red.at[0, 0], VCOL), lay.load(red.at[1, 0], VCOL)
+    for w in range(1, WARPS):
+        s1, s2 = s1 + lay.load(red.at[0, w], VCOL), s2 + lay.load(red.at[1, w], VCOL)
+    lay.sync()                   # every warp has read ``red`` before the next head writes it
+    return s1, s2
+
+
 def _kda_decays(i, meta_all, t, dec, *, p, lay):
     """KDA's decays of head ``i`` into ``dec [p + 3, dk]`` fp32, as ``windowed.window_decays`` makes
     them: the records' ``d_j = exp(G_l - G_j)`` (rows ``j < p``; 0 past ``pos``), ``D0 = exp(G_l)``
     (row ``p``), ``D0 exp(g)`` (row ``p + 1``) and the token's ``exp(g)`` (row ``p + 2``), from the
     running sums of the live records' log-decays ``t["bg"] [p, dk]`` (masked before ``exp``). One
-    key channel per thread (``threads_layout``): 16 exponentials a thread, none repeated."""
+    key channel per thread (``threads_layout``): 16 exponentials a thread, none repeated. Returns
+    ``(D0, D0 exp(g))`` (that layout, for ``code_vectors``); the caller syncs before ``dec`` is read."""
     D = threads_layout()
     pos = meta_all[i, 2]
     G, Gs = None, []
@@ -216,31 +268,39 @@ def _kda_decays(i, meta_all, t, dec, *, p, lay):
     dec[p] = d0
     dec[p + 1] = d0 * a
     dec[p + 2] = a
-    lay.sync()
+    return d0, d0 * a
 
 
-def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=None, per_channel=False):
+def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=None, per_channel=False, dot="fma"):
     """Head ``i`` of the program from its tiles ``t`` (a dict of shared-memory refs):
     ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout. ``red``: the
-    records' partial sums' shared memory ``[2, WARPS, 128]`` fp32; ``mm``: the tensor-core code
-    sums' scratch (``mm_scratch``), or ``None`` for the CUDA cores' FMAs. ``dec``: with
-    ``per_channel`` (KDA) the decays' shared memory ``[p + 3, dk]`` (``_kda_decays``), else unused
-    (GDN's scalar decays come with the head's scalars ``meta_all[i]``).
+    records' partial sums' shared memory ``[2, WARPS, 128]`` fp32; ``mm``: the code sums' scratch
+    (``dot="wgmma"``: ``mm_scratch``; ``"rows"``: ``(xv [2, dk] fp32,)``, ``code_vectors``;
+    ``"fma"``: ``None``). ``dec``: with ``per_channel`` (KDA) the decays' shared memory
+    ``[p + 3, dk]`` (``_kda_decays``), else unused (GDN's scalar decays come with the head's
+    scalars ``meta_all[i]``).
 
     The records and Compensator Tokens go ``WARPS`` rows at a time, one row per warp
     (``rows_layout(WARPS)``): each warp sums its rows' ``u_j (k_j . x)`` in its registers, and the
     warps' partials meet once, through ``red`` (the value columns of a row contiguous, so each
     read is one row for the whole warp, without bank conflicts): one exchange between the warps
-    for both vectors and both kinds of rows."""
+    for both vectors and both kinds of rows (with ``dot="rows"`` the code sums' parts too)."""
     W = rows_layout(WARPS)       # [WARPS, 128]: row m on warp m, the 128 columns over the lanes
     VCOL = W.reduce(0)           # [128] over lanes: a value column's vector (or a record column's)
     WROW = W.reduce(1)           # [WARPS]: one value per warp
     beta = meta_all[i, 1]
-    decay = None
+    decay = decays = None
     if per_channel:
-        _kda_decays(i, meta_all, t, dec, p=p, lay=lay)
+        decays = _kda_decays(i, meta_all, t, dec, p=p, lay=lay)
         decay = (dec, p)
-    if mm is None:
+    if dot == "rows":
+        code_vectors(t, mm[0], smoothing=smoothing, lay=lay, decays=decays)
+    if per_channel or dot == "rows":
+        lay.sync()               # the decays and vectors made one channel per thread are read in other layouts
+    codes1 = codes2 = s1 = s2 = None
+    if dot == "rows":
+        codes1, codes2 = code_partials_rows(t, mm[0], dk=dk, lay=lay)              # [WARPS, 128] W
+    elif dot == "fma":
         s1, s2 = code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay, decay=decay)
     else:
         s1, s2 = code_sums_wgmma(t, mm, dk=dk, smoothing=smoothing, lay=lay, decay=decay)
@@ -250,20 +310,24 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     x1 = lay.load(t["b"], VCOL)
     qv = lay.load(t["q"], VCOL)
     if per_channel:          # the decays are inside the sums: per key channel
-        r1, r2 = scale * s1, scale * s2                                            # [128] VCOL
+        f1 = f2 = scale                                                            # [128] VCOL
         x2 = lay.load(dec.at[p + 2], VCOL) * qv
         d0 = lay.load(dec.at[p], VCOL)
         rows_x1, rows_x2 = along_rows(x1), along_rows(x2)
         ct_x1, ct_x2 = along_rows(d0 * x1), along_rows(d0 * x2)
     else:
         D0, a_new = meta_all[i, 3], meta_all[i, 4]
-        r1 = (D0 * scale) * s1                                                     # [128] VCOL
-        r2 = ((D0 * a_new) * scale) * s2
+        f1, f2 = D0 * scale, (D0 * a_new) * scale                                  # [128] VCOL
         x2 = a_new * qv
         rows_x1, rows_x2 = along_rows(x1), along_rows(x2)
 
+    # The code sums, whole (r) or as the warps' parts (part), times their column factors.
+    r1 = r2 = part1 = part2 = None
+    if s1 is None:
+        part1, part2 = codes1 * along_rows(f1), codes2 * along_rows(f2)
+    else:
+        r1, r2 = f1 * s1, f2 * s2
     # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
-    part1 = part2 = None
     groups = [("rk", "ru", m) for m in range(p // WARPS)] + [("ck", "cu", m) for m in range(r // WARPS)]
     for kname, uname, m in groups:
         rows = pl.ds(m * WARPS, WARPS)
@@ -283,25 +347,20 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
             k2 = jnp.sum(k * rows_x2, axis=1) * d
         t1, t2 = u * along_cols(k1), u * along_cols(k2)
         part1, part2 = (t1, t2) if part1 is None else (part1 + t1, part2 + t2)
-    red[0] = part1
-    red[1] = part2
-    lay.sync()
-    for w in range(WARPS):
-        r1 = r1 + lay.load(red.at[0, w], VCOL)
-        r2 = r2 + lay.load(red.at[1, w], VCOL)
-    lay.sync()                   # every warp has read ``red`` before the next head writes it
+    y1, y2 = meet_warps(part1, part2, red, lay=lay)
+    r1, r2 = (y1, y2) if r1 is None else (r1 + y1, r2 + y2)
     u = beta * (lay.load(t["v"], VCOL) - r1)
     w = lay.load(t["w"], VCOL)
     return r2 + u * jnp.sum(w * qv), u, w
 
 
 def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, hk, group, smoothing, chunk,
-             per_channel, interpret):
+             per_channel, dot, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
     GMEM refs by name; ``keyed``: the names read per key head; ``head``: a head's arithmetic
     (``_head_step``). ``scratch``: the scalars, then GDN's record log-decays ``[per, p]`` or KDA's
     decays ``[p + 3, dk]`` (``_kda_decays``), the output and record slots, the warps' partial
-    sums, KDA's log-decay record slots, the tensor-core code sums' scratch."""
+    sums, KDA's log-decay record slots, the code sums' scratch (``_head_step``'s ``mm``)."""
     meta_all, dec, o_s, u_s, k_s, red, *mm = scratch
     g_s = mm.pop(0) if per_channel else None
     rg_all = None if per_channel else dec
@@ -333,7 +392,7 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
         t = c * per + i
         tile = dict(zip(names, tiles))
         o, u, w = head(i, meta_all, dec, tile, dk=dk, p=p, r=r, smoothing=smoothing, chunk=chunk, lay=lay, red=red,
-                       mm=mm, per_channel=per_channel)
+                       mm=mm, per_channel=per_channel, dot=dot)
         pos = meta_all[i, 2].astype(jnp.int32)
         real = t < n
         live = (pos < p) & real
@@ -526,9 +585,11 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
         scratch.append(plgpu.SMEM((2, dk), buf.g.dtype))
     if dot == "wgmma":
         scratch += list(mm_scratch(dk))
+    elif dot == "rows":
+        scratch.append(plgpu.SMEM((2, dk), f32))
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
                              dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
-                             per_channel=per_channel, interpret=bool(interpret))
+                             per_channel=per_channel, dot=dot, interpret=bool(interpret))
 
     def kernel(refs):
         @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
@@ -562,5 +623,6 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
     return n + keys / group
 
 
-__all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_sums_fma", "code_sums_wgmma", "default_dot", "default_programs",
-           "launch", "leapquant_step", "mm_scratch", "mosaic_step_bytes", "unsupported_reason"]
+__all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma", "code_sums_wgmma",
+           "code_vectors", "default_dot", "default_programs", "launch", "leapquant_step", "meet_warps", "mm_scratch",
+           "mosaic_step_bytes", "unsupported_reason"]

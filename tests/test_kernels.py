@@ -623,12 +623,15 @@ def test_the_kernels_package_imports_one_way():
 @pytest.mark.parametrize("bsz, h, key_heads, opts, dot, kda", [
     (6, 4, None, dict(), "wgmma", False),      # the last program's heads past B H repeat and store nothing
     (6, 4, None, dict(), "fma", False),
+    (6, 4, None, dict(), "rows", False),
     (4, 4, 2, dict(record_dtype="bfloat16"), "wgmma", False),       # GVA: one key record per key head
     (2, 4, None, dict(compensators=False, smoothing=False), "wgmma", False),
     (5, 3, None, dict(), "wgmma", True),       # KDA: per-channel decays made in the kernel; B H = 15
     (3, 4, None, dict(window=4), "fma", True),        # KDA takes windows whose log-decays fill no 128-byte copy
+    (3, 4, None, dict(), "rows", True),
     (4, 4, 2, dict(record_dtype="bfloat16", smoothing=False), "wgmma", True),
-], ids=["ragged-programs", "ragged-programs-fma", "gva-bf16", "no-ct-no-smoothing", "kda", "kda-fma", "kda-gva-bf16"])
+], ids=["ragged-programs", "ragged-programs-fma", "ragged-programs-rows", "gva-bf16", "no-ct-no-smoothing", "kda",
+        "kda-fma", "kda-rows", "kda-gva-bf16"])
 def test_mosaic_step_matches_reference(bsz, h, key_heads, opts, dot, kda):
     config = LeapQuantConfig(bits=8, **{"window": 8, **opts})
     p = config.window
@@ -641,7 +644,7 @@ def test_mosaic_step_matches_reference(bsz, h, key_heads, opts, dot, kda):
 def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
     config = LeapQuantConfig(bits=8, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(8), 2, 4, 128, 128, kda, pos=[5, 2], log_decay=-1e3, zero=True)
-    for opts in (dict(dot="fma", chunk=16), dict(dot="wgmma")):
+    for opts in (dict(dot="fma", chunk=16), dict(dot="rows"), dict(dot="wgmma")):
         o_k, _ = check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, **opts)
         assert np.all(np.isfinite(o_k))
     # pos == p breaks the step's precondition: that sequence writes nothing, the others are unaffected.
@@ -721,8 +724,9 @@ def test_mosaic_step_rejects_what_it_cannot_run():
                            g=jnp.zeros((2, 4)), beta=jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match="chunk=24"):
         mosaic_step.leapquant_step(c8, st, tok, dot="fma", chunk=24)
-    with pytest.raises(ValueError, match="only dot='fma'"):
-        mosaic_step.leapquant_step(c8, st, tok, dot="wgmma", chunk=32)
+    for dot in ("rows", "wgmma"):
+        with pytest.raises(ValueError, match="only dot='fma'"):
+            mosaic_step.leapquant_step(c8, st, tok, dot=dot, chunk=32)
     with pytest.raises(ValueError, match="dot='tensor'"):
         mosaic_step.leapquant_step(c8, st, tok, dot="tensor")
     with pytest.raises(ValueError, match="token.v"):
