@@ -467,8 +467,8 @@ def dense_variants(dv):
 def step_variants(config, dk, dv, mosaic=False):
     """Sweep options of the LeapQuant step: whole-part int8 dots at several warps and value blocks,
     the lanes reduction, and two heads per program (``heads_per_program=2``, 2 and 4 warps); with
-    ``mosaic``, the Mosaic GPU step too (``kernel="mosaic"``: ``pallas_kernels.mosaic_step``, which
-    ``auto`` does not take yet)."""
+    ``mosaic``, the Mosaic GPU step too (``kernel="mosaic"``: ``pallas_kernels.mosaic_step``, what
+    ``auto`` takes on Hopper)."""
     n = dk // num_parts(config.bits)
     out = [dict(reduce="dot", chunk=n, block_v=min(bv, dv), num_warps=nw) for bv, nw in ((128, 4), (128, 2), (128, 1), (64, 1))]
     out.append(dict(reduce="lanes", chunk=16, block_v=min(128, dv), num_warps=4))

@@ -45,10 +45,9 @@ from .support import unsupported_reason
 
 def takes_mosaic_step(config: LeapQuantConfig, state: LeapQuantState) -> bool:
     """Whether ``leapquant_step`` runs the Mosaic GPU step (``mosaic_step``): compiled on a Hopper
-    GPU, for the GDN states it takes (8 bits, 128 x 128 heads); measured faster than the Triton
-    step there (``mosaic_step``'s docstring). KDA states keep the Triton step."""
-    return (not default_interpret() and on_hopper() and not state.per_channel_decay
-            and _mosaic_step.unsupported_reason(config, state) is None)
+    GPU, for the states it takes (GDN and KDA, 8 bits, 128 x 128 heads); measured faster than the
+    Triton step there (``mosaic_step``'s docstring)."""
+    return not default_interpret() and on_hopper() and _mosaic_step.unsupported_reason(config, state) is None
 
 
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token):

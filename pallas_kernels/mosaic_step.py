@@ -30,15 +30,21 @@ G_j)``), made by XLA as the reference makes them (``windowed.window_decays``: lo
 the live records, masked before ``exp``, never divided). KDA's decays are per key channel
 (``D0``, ``d_j``, ``exp(g)`` vectors ``[dk]``): the kernel makes them from the records'
 log-decays as the reference does, one channel per thread (``_kda_decays``), and they scale the
-vectors inside the sums (``Z^T (c D0 x)``, ``k_j . (d_j x)``, ``K (D0 x)``). The code sums
-``Z^T (c x)`` run on the tensor cores (``dot="wgmma"``, GDN's default: ``code_sums_wgmma``, one
-bf16 ``wgmma`` of the codes against three exact bf16 pieces of each vector) or on the CUDA cores
-(``dot="fma"``, KDA's default, ``default_dot``:
-``code_sums_fma``, ``chunk`` key rows at a time, products summed over rows in registers, then
-once across the 4 warps). The records and Compensator Tokens go four rows at a time, one per
-warp, and the warps' partial sums meet once per head (``_head_step``). Register layouts
-(``rows_layout``): rows over the warps and each thread's registers, the 128 value columns over
-the 32 lanes, 4 per lane. Rounding: fp32 throughout; the record is rounded to the record dtype
+vectors inside the sums (``Z^T (c D0 x)``, ``k_j . (d_j x)``, ``K (D0 x)``). The records and
+Compensator Tokens go four rows at a time, one per warp (``rows_layout(4)``: row ``m`` on warp
+``m``, the 128 value columns over the 32 lanes, 4 per lane), and each warp sums its rows'
+``u_j (k_j . x)`` in registers. The code sums ``Z^T (c x)`` (``dot``):
+
+* ``"rows"`` (the default): the same way, four key rows at a time, one per warp
+  (``code_partials_rows``, the vectors ``c x`` made once per head, one channel per thread,
+  ``code_vectors``), so that the codes', the records' and the Compensator Tokens' partial sums
+  meet across the warps once per head, in one exchange (``meet_warps``);
+* ``"wgmma"``: on the tensor cores (``code_sums_wgmma``, one bf16 ``wgmma`` of the codes against
+  three exact bf16 pieces of each vector);
+* ``"fma"``: ``chunk`` key rows at a time in a tile with rows over the warps and each thread's
+  registers (``code_sums_fma``), summed over the rows in registers, then across the warps by
+  Mosaic GPU's generic reduction.
+ Rounding: fp32 throughout; the record is rounded to the record dtype
 when stored (as the reference does).
 
 Measured on the H200 at batch 512, 32 heads, 128 x 128 in its first form (``python -m
@@ -57,14 +63,18 @@ cores (``dot="wgmma"``), the decays made by XLA and the records' and Compensator
 across the warps once per head (``_head_step``) instead of through four generic cross-warp
 reductions (each a barrier pair around 16-way bank-conflicted reads) make it **199.7 us per step
 against the Triton step's 208.8** in the same run (``dot="fma"``: 211.0; windows of 16 steps with
-the split flush 279.4 against 288.5), output error 1.6e-7; ``auto`` takes it on Hopper for GDN
-(``api.takes_mosaic_step``).
+the split flush 279.4 against 288.5), output error 1.6e-7. KDA's decays made in the kernel
+(``bench/results/mosaic-step-kda-20261204.md``, ``python -m bench.mosaic_step --kda``): output
+error 1.6e-7 (the Triton step's 3.1e-7), 278.3 us against the Triton step's 266.2 with
+``dot="fma"`` (89 KiB of shared memory, two programs per SM; ``"wgmma"``, 124 KiB, or three heads
+in flight leave one program per SM: 413 / 406 us).
 
-KDA (``bench/results/mosaic-step-kda-20261204.md``, ``python -m bench.mosaic_step --kda``):
-compiled output error 1.6e-7 (the Triton step's 3.1e-7), **278.3 us per step against the Triton
-step's 266.2** with ``dot="fma"`` and two heads in flight (89 KiB of shared memory, two programs
-per SM); ``dot="wgmma"`` (124 KiB) or three heads in flight (126 KiB) leave one program per SM and
-take 413 / 406 us. So ``auto`` keeps the Triton step for KDA.
+Then the code sums' partials in the records' exchange (``dot="rows"``,
+``bench/results/mosaic-step-rows-20261204.md``): **GDN 166.7 us per step against the Triton
+step's 208.5** (71% of copy bandwidth on the bytes it moves; ``"wgmma"`` 201.7, ``"fma"`` 211.8),
+**KDA 228.0 against 265.0** (60%; three heads in flight leave one program per SM: 347.0), output
+errors 1.7e-7 against the Triton step's 3.1e-7. ``auto`` takes it on Hopper
+(``api.takes_mosaic_step``).
 
 Bytes moved per step and value head: ``mosaic_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU
 interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
@@ -96,7 +106,7 @@ GROUP_HEADS = 8      # heads whose scalars and record log-decays move in one cop
 META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos, D0, exp(g), 0, 0, 0
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
 DOTS = ("fma", "rows", "wgmma")   # the code sums on the CUDA cores (two ways) or the tensor cores
-DEFAULT_DOT = "wgmma"     # 2-3% faster on the H200 (bench/results/mosaic-step-20261204.md)
+DEFAULT_DOT = "rows"      # 17-21% faster than "wgmma" / "fma" on the H200 (bench/results/mosaic-step-rows-20261204.md)
 PIECE_ROWS = 8       # the wgmma's N: three bf16 pieces of each of the two vectors, two zero rows
 MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 
@@ -474,13 +484,6 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     return None
 
 
-def default_dot(state: LeapQuantState) -> str:
-    """``DEFAULT_DOT`` for scalar (GDN) decays; ``"fma"`` for KDA's: its decays' shared memory and
-    log-decay tiles next to the tensor cores' bf16 codes tile take 124 KiB per program, one program
-    per SM, 413 us per step against 278 with ``"fma"`` (``bench/results/mosaic-step-kda-20261204.md``)."""
-    return "fma" if state.per_channel_decay else DEFAULT_DOT
-
-
 def default_programs(n: int) -> int:
     """Programs of a launch: two per SM (the fastest on the H200 at batch 512: one per SM, or
     three, were slower, ``bench/results/mosaic-step-20261201.md``), at most one per head group."""
@@ -503,9 +506,9 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ``default_programs``); ``stages``: heads in flight per program (default 3, 2 with
     ``dot="wgmma"`` or KDA's decays, which would otherwise leave one program per SM); ``chunk``: key
     rows per code read with ``dot="fma"`` (default ``dk``, whole tiles; 32 took fewer registers but
-    ran slower); ``dot``: the code sums on the CUDA cores (``"fma"``) or the tensor cores
-    (``"wgmma"``, ``code_sums_wgmma``); default ``default_dot``. ``interpret``: ``None`` runs
-    compiled on a GPU and in the Mosaic GPU interpreter elsewhere.
+    ran slower); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
+    ``DEFAULT_DOT``; ``"fma"``; ``"wgmma"``). ``interpret``: ``None`` runs compiled on a GPU and in
+    the Mosaic GPU interpreter elsewhere.
     """
     return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, dot=dot,
                   interpret=interpret)
@@ -520,7 +523,7 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_step cannot run: {why}")
-    dot = default_dot(state) if dot is None else dot
+    dot = DEFAULT_DOT if dot is None else dot
     if dot not in DOTS:
         raise ValueError(f"dot={dot!r}: choose one of {DOTS}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU step")
@@ -624,5 +627,5 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
 
 
 __all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma", "code_sums_wgmma",
-           "code_vectors", "default_dot", "default_programs", "launch", "leapquant_step", "meet_warps", "mm_scratch",
+           "code_vectors", "default_programs", "launch", "leapquant_step", "meet_warps", "mm_scratch",
            "mosaic_step_bytes", "unsupported_reason"]

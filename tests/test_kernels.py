@@ -667,10 +667,8 @@ def test_auto_takes_the_mosaic_step_on_hopper_only(monkeypatch):
     assert api.takes_mosaic_step(config, st)
     c6 = LeapQuantConfig(bits=6, window=8)
     assert not api.takes_mosaic_step(c6, windowed.init_state(c6, 2, 4, 128, 128))
-    # KDA: the Mosaic GPU step takes the state but measured slower than the Triton step.
-    kda = windowed.init_state(config, 2, 4, 128, 128, per_channel_decay=True)
-    assert mosaic_step.unsupported_reason(config, kda) is None
-    assert not api.takes_mosaic_step(config, kda)
+    assert api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 128, 128, per_channel_decay=True))
+    assert not api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 64, 128))
     # Through the front door: the Mosaic GPU step, interpreted here.
     o_a, a = api.leapquant_step(config, copy(st), tok)
     o_b, b = mosaic_step.leapquant_step(config, copy(st), tok)
