@@ -44,8 +44,9 @@ Compensator Tokens go four rows at a time, one per warp (``rows_layout(4)``: row
 * ``"fma"``: ``chunk`` key rows at a time in a tile with rows over the warps and each thread's
   registers (``code_sums_fma``), summed over the rows in registers, then across the warps by
   Mosaic GPU's generic reduction.
- Rounding: fp32 throughout; the record is rounded to the record dtype
-when stored (as the reference does).
+
+Rounding: fp32 throughout; the record is rounded to the record dtype when stored (as the
+reference does).
 
 Measured on the H200 at batch 512, 32 heads, 128 x 128 in its first form (``python -m
 bench.mosaic_step``, ``bench/results/mosaic-step-20261201.md``): correct compiled (output error
