@@ -4,8 +4,8 @@ a Mosaic GPU step, flush and dense step for Hopper).
 Modules, each read top to bottom as kernel, wrapper, reference:
 
 * ``leapquant_step``: one in-window decode step (two reads served from one pass over the codes).
-* ``mosaic_step``: the same step on the Mosaic GPU backend (Hopper; 8 bits; measured faster than
-  ``leapquant_step`` for GDN, so ``auto`` takes it there; slower for KDA).
+* ``mosaic_step``: the same step on the Mosaic GPU backend (Hopper; 8 bits, GDN and KDA; measured
+  faster than ``leapquant_step``, so ``auto`` takes it there).
 * ``leapquant_flush``: window-end flush (reconstruct, fit Compensator Tokens, smooth, quantize).
 * ``mosaic_flush``: the same flush on the Mosaic GPU backend (Hopper; 8 bits; the state held in
   shared memory; measured faster than the split flush, so ``auto`` takes it on Hopper).
