@@ -78,7 +78,7 @@ def codes_only_head(i, meta_all, rg_all, tiles, *, dk, smoothing, chunk, lay, mm
         mosaic_step.code_vectors(tiles, mm[0], smoothing=smoothing, lay=lay)
         lay.sync()
         parts = mosaic_step.code_partials_rows(tiles, mm[0], dk=dk, lay=lay)
-        s1, s2 = mosaic_step.meet_warps(*parts, red, lay=lay)
+        s1, s2 = mosaic_shared.meet_warps(parts, red, lay=lay)
     elif dot == "fma":
         s1, s2 = mosaic_step.code_sums_fma(tiles, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
     else:

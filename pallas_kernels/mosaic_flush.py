@@ -108,7 +108,7 @@ from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
     SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, default_programs, fold_vmap, lane_params,
-    resolve_interpret, row_sums_layout, rows_layout, run_kernel, smem_union,
+    resolve_interpret, row_sums_layout, rows_layout, run_kernel, smem_union, swizzle32_layout,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -121,9 +121,11 @@ DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_s
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
 DEFAULT_RECON = "fma"
-MM_ROWS = 32             # rows of each fp16 piece of the wgmma reconstruction's operands (r + p, zero-padded)
+MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
 MM_SCALE = 2.0 ** 14     # the decayed keys' largest magnitude after scaling, well inside fp16's range
-MM_SWIZZLE = 128         # bytes: the operands' shared-memory swizzle (K a multiple of 64 fp16 elements)
+MM_FLOOR = 2.0 ** -100   # the scaling's divisor when every decayed key is zero (no live record)
+STATE_SWIZZLE = 128      # bytes: the state's swizzle with recon="wgmma" (a 128-byte row per 8-row tile)
+MM_SWIZZLE = 32          # bytes: the fp16 operands' swizzle: a wgmma's depth is a multiple of its width (16)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -149,14 +151,18 @@ def _cholesky_qr(cols, rank):
     return [c[0] for c in cols]
 
 
-def _chunks(n, body, carry, unroll):
-    """``carry = body(k, carry)`` for the chunks ``k < n``: a ``fori_loop`` (one chunk's code,
-    run ``n`` times), or written out ``n`` times with ``unroll`` (static ``k``)."""
+def _chunks(n, fetch, body, carry, unroll):
+    """``carry = body(k, fetch(k), carry)`` for the chunks ``k < n``: a ``fori_loop`` (one chunk's
+    code, run ``n`` times), or written out ``n`` times with ``unroll`` (static ``k``). ``fetch``
+    makes all of a chunk's loads from shared memory before ``body``'s arithmetic and stores, so
+    that their latencies overlap (the row factors loaded where each product needed one were
+    3% slower on the H200); loading the next chunk's during this one's arithmetic (carried in
+    registers) was 1-4% slower at 16 rows and 40% at 32 (``bench/results/mosaic-flush-20261204.md``)."""
     if unroll:
         for k in range(n):
-            carry = body(k, carry)
+            carry = body(k, fetch(k), carry)
         return carry
-    return jax.lax.fori_loop(0, n, body, carry)
+    return jax.lax.fori_loop(0, n, lambda k, c: body(k, fetch(k), c), carry)
 
 
 def _decayed_keys(meta, t, kd_ref, *, r, p, per_channel, smoothing, lay):
@@ -189,70 +195,62 @@ def _decayed_keys(meta, t, kd_ref, *, r, p, per_channel, smoothing, lay):
         kd_ref[r + p] = D0 * lay.cast(jnp.ones((DK,), f32), VCOL)
 
 
-def mm_operands():
-    """The wgmma reconstruction's shared memory (it shares the fp32 state's, free until the state
-    is written): a staging tile ``[2 MM_ROWS, dk]`` fp32 and the two fp16 operands, tiled and
-    swizzled for ``wgmma`` (the keys' pieces ``[2 MM_ROWS, dk]``, the values twice ``[2 MM_ROWS, dv]``)."""
-    tr = (plgpu.TilingTransform((8, MM_SWIZZLE // 2)), plgpu.SwizzleTransform(MM_SWIZZLE))
-    return (plgpu.SMEM((2 * MM_ROWS, DK), f32), plgpu.SMEM((2 * MM_ROWS, DK), jnp.float16, transforms=tr),
-            plgpu.SMEM((2 * MM_ROWS, DK), jnp.float16, transforms=tr))
+def _swizzled(shape, dtype, swizzle, interpret):
+    """Shared memory ``shape`` tiled and swizzled (``_swizzle``), plain in the Mosaic GPU
+    interpreter (which has no such transforms)."""
+    if interpret:
+        return plgpu.SMEM(shape, dtype)
+    return plgpu.SMEM(shape, dtype, transforms=_swizzle(dtype, swizzle))
 
 
-def _rank_part(t, kd_ref, s_ref, mm, *, r, p, lay):
-    """``sum_m kd_mi ud_mj`` (the reconstruction's rank-(r + p) part) into ``s_ref [dk, dv]`` on the
-    tensor cores: one fp16 ``wgmma`` of depth ``2 MM_ROWS`` over ``[hi; lo]`` of the decayed keys
-    (``kd_ref``'s first ``r + p`` rows, scaled by one factor per head to a largest magnitude of
-    ``MM_SCALE``, so that fp16 neither overflows nor loses the small ones, and split into two fp16
-    pieces, about 22 bits) against ``[ud; ud]`` (the fp16 values as stored, exact), zero rows padding
-    each piece to ``MM_ROWS``; ``ud`` is the Compensator Tokens' ``U`` then the records' ``u``. The
-    products are exact and summed in fp32 by the tensor cores, then scaled back.
-    The interpreter (no transposed ``wgmma`` operand there) takes the same pieces through ``jnp.dot``."""
-    stage, a16, b16 = mm
-    m = r + p
-    VCOL = rows_layout(WARPS).reduce(0)
-    WG = plgpu.Layout.WGMMA
-    interpret = lay.interpret
-    zero = lay.cast(jnp.zeros((DK,), f32), VCOL)
-    ud_rows = [t["cu"].at[c] for c in range(r)] + [t["ru"].at[j] for j in range(p)]
+def _swizzle(dtype, swizzle):
+    """Tiles of 8 rows by ``swizzle`` bytes of ``dtype``, swizzled over ``swizzle`` bytes."""
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
-    def staged(row):
-        """``[row(j) for j < m; zeros up to MM_ROWS]``, twice, loaded back as one ``[2 MM_ROWS, 128]`` tile."""
-        for j in range(MM_ROWS):
-            v = row(j) if j < m else zero
-            stage[j] = v
-            stage[MM_ROWS + j] = v
-        lay.sync()
-        x = stage[...] if interpret else plgpu.load(stage, (), layout=WG, optimized=False)
-        lay.sync()          # every thread has read the stage before it is written again
-        return x
 
-    b = staged(lambda j: lay.load(ud_rows[j], VCOL).astype(f32)).astype(jnp.float16)
-    x = staged(lambda j: lay.load(kd_ref.at[j], VCOL))
-    mx = jnp.maximum(jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0), 2.0 ** -100)
+def _rank_part(t, kd_ref, s_ref, a16, *, r, p, lay):
+    """The records' part of the reconstruction, ``sum_j kd_(r+j),i u_jj'``, into ``s_ref [dk, dv]``
+    on the tensor cores, scaled by ``MM_SCALE / max |kd|``; returns that factor's inverse.
+
+    The records' decayed keys (``kd_ref`` rows ``r`` to ``r + p``, fp32) are scaled per head to a
+    largest magnitude of ``MM_SCALE``, so that fp16 neither overflows nor loses the small ones, and
+    split into two fp16 pieces (``hi``, ``lo = x - hi``: about 22 bits) stored in ``a16 [2 p, dk]``;
+    the records' fp16 values ``t["ru"] [p, dv]`` (copied in tiled and swizzled) are exact operands.
+    Two ``wgmma`` of depth ``p`` per half of the key rows (64 rows: a 64-register accumulator)
+    sum the exact products in fp32. The interpreter takes the same pieces through ``jnp.dot``."""
+    # Read in the layout of the pieces' conflict-free stores (the read itself is bank-conflicted: 16 rows once)
+    x = kd_ref[pl.ds(r, p)] if lay.interpret else plgpu.load(kd_ref.at[pl.ds(r, p)], (), layout=swizzle32_layout(p),
+                                                             optimized=False)
+    mx = jnp.maximum(jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0), MM_FLOOR)
     xs = x * (MM_SCALE / mx)
     hi = xs.astype(jnp.float16)
     lo = (xs - hi.astype(f32)).astype(jnp.float16)
-    if interpret:
-        rows = jax.lax.broadcasted_iota(jnp.int32, (2 * MM_ROWS, DK), 0)
-        a = jnp.where(rows < MM_ROWS, hi, lo)
-        acc = jnp.dot(a.T.astype(f32), b.astype(f32), precision=jax.lax.Precision.HIGHEST)
-    else:
-        rows = plgpu.broadcasted_iota(jnp.int32, (2 * MM_ROWS, DK), 0, layout=WG)
-        a16[...] = jnp.where(rows < MM_ROWS, hi, lo)
-        b16[...] = b
-        plgpu.commit_smem()     # the generic-proxy stores are seen by the tensor cores' reads
-        lay.sync()
-
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, plgpu.transpose_ref(a16, (1, 0)), b16)
-            return acc_ref[...]
-        acc = pl.run_scoped(product, plgpu.ACC((DK, DK), f32))
-    s_ref[...] = acc * (mx / MM_SCALE)   # over the operands' memory: the product has read them
+    if lay.interpret:
+        b = t["ru"][...].astype(f32)
+        dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+        s_ref[...] = dot(hi.astype(f32).T, b) + dot(lo.astype(f32).T, b)
+        return mx / MM_SCALE
+    a16[pl.ds(0, p)] = hi
+    a16[pl.ds(p, p)] = lo
+    plgpu.commit_smem()     # the generic-proxy stores are seen by the tensor cores' reads
     lay.sync()
+    half = DK // 2
+    for h in range(2):
+        cols = pl.ds(h * half, half)
+
+        def product(acc_ref, cols=cols):
+            for piece in range(2):
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(a16.at[pl.ds(piece * p, p), cols], (1, 0)), t["ru"])
+            return acc_ref[...]
+        acc = pl.run_scoped(product, plgpu.ACC((half, DK), f32))
+        lay.sync()          # a16 lies in the state's second half: every warp's products have read it
+        s_ref[cols] = acc
+    lay.sync()
+    return mx / MM_SCALE
 
 
 def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_channel, smoothing, fit_iters, chunk, qmax,
-                unroll, sum_lanes, recon, mm, lay):
+                unroll, sum_lanes, recon, a16, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
     ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, r, dk]`` and the reconstruction's key rows
@@ -279,24 +277,33 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
 
     # 1. S and the first round's Z = S^T Q_0.
     scale = lay.load(t["scale"], VCOL)
-    if recon == "wgmma":
-        _rank_part(t, kd_ref, s_ref, mm, r=r, p=p, lay=lay)
-        ud = []
+    ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
+    if recon == "wgmma":    # the records' part on the tensor cores, the Compensator Tokens' below
+        unscale = _rank_part(t, kd_ref, s_ref, a16, r=r, p=p, lay=lay)
     else:
-        ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
         ud += [lay.load(t["ru"].at[j], VCOL).astype(f32) for j in range(p)]
 
-    def build(k, zacc):
-        z = lay.load(t["codes"].at[rows(k)], CH).astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
-        s = z * along(lay.load(kd_ref.at[r + p, rows(k)], CROW)) * across(scale)
+    def build_loads(k):
+        # With recon="fma" the r + p factor rows are loaded next to their products, not all
+        # ahead (20 more vectors in registers).
+        x = dict(z=lay.load(t["codes"].at[rows(k)], CH), f=lay.load(kd_ref.at[r + p, rows(k)], CROW),
+                 q=[lay.load(start.at[c, rows(k)], CROW) for c in range(r)])
         if recon == "wgmma":
-            s = lay.load(s_ref.at[rows(k)], CH) + s
-        for m, u in enumerate(ud):
-            s = s + along(lay.load(kd_ref.at[m, rows(k)], CROW)) * across(u)
-        s_ref[rows(k)] = s
-        return tuple(zacc[c] + s * along(lay.load(start.at[c, rows(k)], CROW)) for c in range(r))
+            x.update(acc=lay.load(s_ref.at[rows(k)], CH), kd=[lay.load(kd_ref.at[m, rows(k)], CROW) for m in range(r)])
+        return x
 
-    zacc = loop(build, tuple(zeros() for _ in range(r)))
+    def build(k, x, zacc):
+        z = x["z"].astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
+        s = z * along(x["f"]) * across(scale)
+        if recon == "wgmma":
+            s = x["acc"] * unscale + s
+        for m, u in enumerate(ud):
+            kd = x["kd"][m] if recon == "wgmma" else lay.load(kd_ref.at[m, rows(k)], CROW)
+            s = s + along(kd) * across(u)
+        s_ref[rows(k)] = s
+        return tuple(zacc[c] + s * along(x["q"][c]) for c in range(r))
+
+    zacc = loop(build_loads, build, tuple(zeros() for _ in range(r)))
     lay.sync()      # every thread is past its reads of kd_ref, whose memory the fit's rows take next
 
     def times_z(zs):
@@ -314,19 +321,21 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
             zs = [lay.load(fit_ref.at[1, c], YL.reduce(0)) for c in range(r)]
             y_across = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (1,)), YL)
 
-        def chunk_rows(k, carry):
-            s = lay.load(s_ref.at[rows(k)], YL)
+        def chunk_rows(k, s, carry):
             for c in range(r):
                 fit_ref[0, c, rows(k)] = jnp.sum(s * y_across(zs[c]), axis=1)
             return carry
-        loop(chunk_rows, ())
+        loop(lambda k: lay.load(s_ref.at[rows(k)], YL), chunk_rows, ())
 
     def times_rows(q_row):
         """``S^T q`` for each row ``q_row(c, k)`` (a ``[chunk]`` CROW vector): ``r`` vectors ``[dv]``."""
-        def chunk_rows(k, acc):
-            s = lay.load(s_ref.at[rows(k)], CH)
-            return tuple(acc[c] + s * along(q_row(c, k)) for c in range(r))
-        return col_sums(loop(chunk_rows, tuple(zeros() for _ in range(r))))
+        def loads(k):
+            return lay.load(s_ref.at[rows(k)], CH), [q_row(c, k) for c in range(r)]
+
+        def chunk_rows(k, x, acc):
+            s, q = x
+            return tuple(acc[c] + s * along(q[c]) for c in range(r))
+        return col_sums(loop(loads, chunk_rows, tuple(zeros() for _ in range(r))))
 
     if r:
         # 2. Subspace iteration: Y = S Z, orthonormalised; later rounds from the new basis.
@@ -354,10 +363,13 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
     # 4, 5. R = S - K^T U from the rounded factors, the smoothing scales of its rows, R / c and
     # its column maxima (a reciprocal per row and per column: a division per element costs
     # about ten instructions). A chunk's rows are whole, so one pass does both.
-    def residual(k, cmax):
-        s = lay.load(s_ref.at[rows(k)], CH)
+    def residual_loads(k):
+        return lay.load(s_ref.at[rows(k)], CH), [lay.load(fit_ref.at[0, c, rows(k)], CROW) for c in range(r)]
+
+    def residual(k, x, cmax):
+        s, kf = x
         for c in range(r):
-            s = s - along(lay.load(fit_ref.at[0, c, rows(k)], CROW)) * across(us[c])
+            s = s - along(kf[c]) * across(us[c])
         if smoothing:
             cs = jnp.maximum(_sqrt(jnp.sum(jnp.abs(s), axis=1) / DK), SMOOTH_FLOOR)
             outs["smooth"][rows(k)] = cs
@@ -366,19 +378,18 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
             s_ref[rows(k)] = s
         return jnp.maximum(cmax, jnp.abs(s))
 
-    cmax = loop(residual, zeros())
+    cmax = loop(residual_loads, residual, zeros())
     new_scale = jnp.max(cmax, axis=0) / qmax
     outs["scale"][...] = new_scale
     inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
     # 5. The codes, over the input codes.
-    def codes(k, carry):
-        s = lay.load(s_ref.at[rows(k)], CH)
+    def codes(k, s, carry):
         q = jnp.clip(jnp.round(s * inv), -qmax, qmax)
         t["codes"][rows(k)] = q.astype(jnp.int32).astype(jnp.int8)
         return carry
 
-    loop(codes, ())
+    loop(lambda k: lay.load(s_ref.at[rows(k)], CH), codes, ())
 
 
 def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r, p, per_channel, smoothing, fit_iters,
@@ -386,7 +397,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``keyed``: the inputs read
     per key head (``hk`` of the ``h`` heads)."""
     start_s, s_ref, (kd_ref, (fit_ref, slots)) = scratch
-    s_ref, mm = s_ref if recon == "wgmma" else (s_ref, None)
+    s_ref, a16 = (s_ref[0], s_ref[1][1]) if recon == "wgmma" else (s_ref, None)
     slots = dict(zip(out_names, slots))
     c = jax.lax.axis_index("c")
     lay = Layouts(interpret)
@@ -412,7 +423,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         start = tile["start"] if warm_start else start_s
         _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, start, r=r, p=p, per_channel=per_channel,
                     smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, qmax=qmax, unroll=unroll,
-                    sum_lanes=sum_lanes, recon=recon, mm=mm, lay=lay)
+                    sum_lanes=sum_lanes, recon=recon, a16=a16, lay=lay)
         plgpu.commit_smem()
         lay.sync()
 
@@ -431,7 +442,10 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
     def spec(name, x):
         zeros = (0,) * (x.ndim - 1)
         head = key_head if name in keyed else (lambda t: t)
+        # recon="wgmma": the records' values are copied in as the tensor cores' operand
+        swizzled = name == "ru" and recon == "wgmma" and not interpret
         return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (head(jnp.minimum(c * per + i, n - 1)),) + zeros,
+                               transforms=_swizzle(x.dtype, MM_SWIZZLE) if swizzled else (),
                                delay_release=delay if name == "codes" else 0)
 
     ins = [refs[name] for name in names]
@@ -503,7 +517,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     (``mosaic_shared.row_sums_layout``, ``chunk`` a multiple of 16) or 32 (the rows layout of the
     other passes);
     ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``, the
-    default) or the tensor cores (``"wgmma"``, ``_rank_part``: float16 records and ``r + p <= 32``);
+    default) or, for the records' part, the tensor cores (``"wgmma"``, ``_rank_part``: float16 records, a window
+    that is a multiple of 16 up to 64);
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -520,9 +535,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
                          "the default sum_lanes is 8)")
     if recon not in RECONS:
         raise ValueError(f"recon={recon!r}: expected one of {RECONS}")
-    if recon == "wgmma" and (config.record_dtype != "float16" or config.effective_rank + config.window > MM_ROWS):
-        raise ValueError(f"recon='wgmma' takes float16 records (exact as fp16 operands) and rank + window <= {MM_ROWS}; "
-                         f"got record_dtype={config.record_dtype!r}, rank {config.effective_rank}, window "
+    if recon == "wgmma" and (config.record_dtype != "float16" or config.window % MM_DEPTH or config.window > DK // 2):
+        raise ValueError(f"recon='wgmma' takes float16 records (exact as fp16 operands) and a window that is a "
+                         f"multiple of {MM_DEPTH} up to {DK // 2}; got record_dtype={config.record_dtype!r}, window "
                          f"{config.window}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
     run = functools.partial(_launch, config, only_full=only_full, programs=programs, stages=stages, chunk=chunk,
@@ -590,8 +605,11 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     # and the output slots (written after it).
     later = (plgpu.SMEM((2, max(r, 1), dk), f32), [plgpu.SMEM(*out_shapes[name]) for name in out_names])
     state_smem = plgpu.SMEM((dk, dv), f32)
-    if recon == "wgmma":    # the reconstruction's operands take the state's memory until it is written
-        state_smem = smem_union(interpret, state_smem, mm_operands())
+    if recon == "wgmma":
+        # The state tiled and swizzled, so that the accumulators' stores and the rows' loads meet
+        # no bank conflicts; the decayed keys' fp16 pieces in its second half until the state is written.
+        state_smem = smem_union(interpret, _swizzled((dk, dv), f32, STATE_SWIZZLE, interpret),
+                                (plgpu.SMEM((dk // 2, dv), f32), _swizzled((2 * p, dk), jnp.float16, MM_SWIZZLE, interpret)))
     scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem,
                smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later)]
     body = functools.partial(_program, names=names, keyed=("rk",), out_names=out_names, n=n, h=h,

@@ -47,6 +47,17 @@ def rows_layout(n: int, cols: int = 128):
     return _tiled(((n, cols), (n // WARPS, cols), (1, cols // LANES)), warp_dims=(-6,), lane_dims=(-3,))
 
 
+def swizzle32_layout(n: int):
+    """The register layout of a 16-bit tile ``[n, 128]`` (``n`` a multiple of 8) whose stores into
+    shared memory tiled ``(8, 16)`` and swizzled over 32 bytes (a tensor-core operand of depth 16)
+    meet no bank conflicts: each warp stores one 8 x 16 tile (256 contiguous bytes) at a time, its
+    lanes over the tile's 8 rows and four runs of 4 columns; the warps take the tile columns
+    ``16 w`` and ``16 w + 64``."""
+    if n % 8:
+        raise ValueError(f"n={n}: the swizzle-32 layout takes rows in multiples of 8")
+    return _tiled(((n, 128), (8, 64), (8, 16), (1, 4)), warp_dims=(-5,), lane_dims=(-4, -3))
+
+
 def threads_layout():
     """The register layout of a vector ``[128]`` with one element per thread of the warpgroup
     (warp ``w`` holding ``32 w`` to ``32 w + 31``): work on 128 channels that no thread repeats."""
@@ -83,6 +94,34 @@ class Layouts:
         if self.interpret:
             return jax.lax.broadcasted_iota(jax.numpy.int32, (n,), 0)
         return plgpu.broadcasted_iota(jax.numpy.int32, (n,), 0, layout=layout)
+
+
+def meet_warps(parts, red, *, lay, combine=jax.numpy.add):
+    """The ``combine`` (sums by default, or maxima) over the warps of ``[WARPS, 128]`` tiles ``parts``
+    in ``rows_layout(WARPS)`` (each warp's row its partial result): ``[128]`` each in the
+    value-column layout ``rows_layout(WARPS).reduce(0)``, the same in every warp, through
+    ``red [len(parts), WARPS, 128]`` fp32 between two barriers (the caller makes sure no thread
+    still reads what ``red``'s memory held). Why not ``jnp.sum(axis=0)``: Mosaic GPU's generic
+    reduction across the warps pays two barriers per vector and bank-conflicted reads; here a
+    row's columns are contiguous, so each read is one row for the whole warp, and one exchange
+    serves all the parts."""
+    VCOL = rows_layout(WARPS).reduce(0)
+    for i, part in enumerate(parts):
+        red[i] = part
+    lay.sync()
+    out = [lay.load(red.at[i, 0], VCOL) for i in range(len(parts))]
+    for w in range(1, WARPS):
+        out = [combine(o, lay.load(red.at[i, w], VCOL)) for i, o in enumerate(out)]
+    lay.sync()                   # every warp has read ``red`` before its memory is written again
+    return out
+
+
+def warp_parts(x, combine=jax.numpy.sum):
+    """Each warp's ``combine`` over its rows of ``x [n, 128]`` in ``rows_layout(WARPS)`` (warp ``w``
+    holding rows ``w, w + WARPS, ...``): ``[WARPS, 128]`` in that layout, in registers only, for
+    ``meet_warps``."""
+    n, cols = x.shape
+    return combine(x.reshape(n // WARPS, WARPS, cols), axis=0)
 
 
 def resolve_interpret(interpret, what: str):
@@ -210,5 +249,6 @@ def run_kernel(kernel, values: dict) -> dict:
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
            "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "default_programs", "fold_vmap",
-           "interpret_params", "lane_params", "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout",
-           "run_kernel", "sm_count", "smem_union", "sync", "threads_layout"]
+           "interpret_params", "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
+           "rows_layout", "run_kernel", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout",
+           "warp_parts"]

@@ -96,8 +96,8 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
-    WARPS, Layouts, check_launch, fold_vmap, lane_params, resolve_interpret, rows_layout, run_kernel, sm_count,
-    threads_layout,
+    WARPS, Layouts, check_launch, fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout, run_kernel,
+    sm_count, threads_layout,
 )
 from .support import check_token
 
@@ -243,22 +243,6 @@ def code_partials_rows(t, xv, *, dk, lay):
     return acc1, acc2
 
 
-def meet_warps(part1, part2, red, *, lay):
-    """The sums over the warps of two ``[WARPS, 128]`` tiles in ``rows_layout(WARPS)`` (each warp's
-    row its partial sums): ``[128]`` each in the value-column layout, through ``red [2, WARPS, 128]``
-    fp32 (a row's columns contiguous, so each read is one row for the whole warp, without bank
-    conflicts), between two barriers: the one exchange between the warps of a head."""
-    VCOL = rows_layout(WARPS).reduce(0)
-    red[0] = part1
-    red[1] = part2
-    lay.sync()
-    s1, s2 = lay.load(red.at[0, 0], VCOL), lay.load(red.at[1, 0], VCOL)
-    for w in range(1, WARPS):
-        s1, s2 = s1 + lay.load(red.at[0, w], VCOL), s2 + lay.load(red.at[1, w], VCOL)
-    lay.sync()                   # every warp has read ``red`` before the next head writes it
-    return s1, s2
-
-
 def _kda_decays(i, meta_all, t, dec, *, p, lay):
     """KDA's decays of head ``i`` into ``dec [p + 3, dk]`` fp32, as ``windowed.window_decays`` makes
     them: the records' ``d_j = exp(G_l - G_j)`` (rows ``j < p``; 0 past ``pos``), ``D0 = exp(G_l)``
@@ -358,7 +342,7 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
             k2 = jnp.sum(k * rows_x2, axis=1) * d
         t1, t2 = u * along_cols(k1), u * along_cols(k2)
         part1, part2 = (t1, t2) if part1 is None else (part1 + t1, part2 + t2)
-    y1, y2 = meet_warps(part1, part2, red, lay=lay)
+    y1, y2 = meet_warps([part1, part2], red, lay=lay)
     r1, r2 = (y1, y2) if r1 is None else (r1 + y1, r2 + y2)
     u = beta * (lay.load(t["v"], VCOL) - r1)
     w = lay.load(t["w"], VCOL)
@@ -628,5 +612,5 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
 
 
 __all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma", "code_sums_wgmma",
-           "code_vectors", "default_programs", "launch", "leapquant_step", "meet_warps", "mm_scratch",
+           "code_vectors", "default_programs", "launch", "leapquant_step", "mm_scratch",
            "mosaic_step_bytes", "unsupported_reason"]

@@ -154,19 +154,27 @@ def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_mosaic_flush_tensor_core_reconstruction(kda):
-    # recon="wgmma": the rank-(r + p) part on the tensor cores from fp16 pieces of the scaled
-    # decayed keys. In the interpreter the same pieces meet through jnp.dot (one head, dead
-    # slots); lowered, the wgmma and its swizzled operands in the state's memory
+    # recon="wgmma": the records' part of the reconstruction on the tensor cores from fp16 pieces
+    # of the scaled decayed keys. In the interpreter the same pieces meet through jnp.dot (ragged
+    # positions, dead slots, a head with no live record, GVA); lowered, the wgmma, its swizzled
+    # operands (the records' values copied in swizzled) and the swizzled state's loads and stores,
+    # each checked free of bank conflicts where the lowering is asked to.
     from jax import export
 
     config = LeapQuantConfig(bits=8, window=16)
-    if not kda:
-        st, _ = live_state(config, jax.random.PRNGKey(60), 1, 1, 128, 128, kda, pos=[11])
-        check_flush(config, st, flush=mosaic(programs=1, recon="wgmma"))
-    st = windowed.init_state(config, 2, 2, 128, 128, per_channel_decay=kda)
-    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, recon="wgmma", interpret=False))
-    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
-    assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
+    st, _ = live_state(config, jax.random.PRNGKey(60 + kda), 3, 2, 128, 128, kda, pos=[16, 11, 0], key_heads=1)
+    check_flush(config, st, flush=mosaic(programs=2, recon="wgmma"))
+    for cfg in (config, LeapQuantConfig(bits=8, window=32)):
+        st = windowed.init_state(cfg, 2, 2, 128, 128, per_channel_decay=kda)
+        f = jax.jit(lambda s, cfg=cfg: mosaic_flush.leapquant_flush(cfg, s, recon="wgmma", interpret=False))
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+        assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
+
+
+def test_mosaic_flush_tensor_core_reconstruction_window_32():
+    config = LeapQuantConfig(bits=8, window=32)
+    st, _ = live_state(config, jax.random.PRNGKey(62), 1, 2, 128, 128, False, pos=[32])
+    check_flush(config, st, flush=mosaic(programs=2, recon="wgmma"))
 
 
 def test_mosaic_flush_rejects_what_it_cannot_run():
@@ -190,7 +198,7 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
                         (dict(stages=8, programs=1), "shared memory"), (dict(recon="mma"), "recon='mma'")]:
         with pytest.raises(ValueError, match=match):
             mosaic_flush.leapquant_flush(c8, st, **opts)
-    for config in (LeapQuantConfig(bits=8, window=8, record_dtype="bfloat16"), LeapQuantConfig(bits=8, window=32)):
+    for config in (LeapQuantConfig(bits=8, window=16, record_dtype="bfloat16"), LeapQuantConfig(bits=8, window=8)):
         with pytest.raises(ValueError, match="float16 records"):
             mosaic_flush.leapquant_flush(config, windowed.init_state(config, 2, 2, 128, 128), recon="wgmma")
 
