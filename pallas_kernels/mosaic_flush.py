@@ -30,8 +30,9 @@ arithmetic; with two stages or more a program prefetches its next head itself bu
 
        S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj,   ud = [U; u]  (the fp16 values as stored);
 
-then ``chunk`` key rows at a time (register layout ``mosaic_shared.rows_layout``: rows over the
-warps and each thread's registers, the 128 value columns over the lanes):
+then ``chunk`` key rows at a time (register layout ``mosaic_shared.rows_layout(4)``: rows ``w``,
+``w + 4``, ... on warp ``w`` in its registers, the 128 value columns over the lanes, so that each
+warp sums its own rows before one exchange between the warps, ``mosaic_shared.meet_warps``):
 
 1. ``S`` from the codes and ``kd``/``ud``, stored in shared memory, and ``Z = S^T Q_0`` (the
    seeded start, or the warm start made in XLA as the reference makes it);
@@ -47,9 +48,10 @@ warps and each thread's registers, the 128 value columns over the lanes):
 The fit's ``Y = S Z`` reads ``S`` in ``mosaic_shared.row_sums_layout`` (``sum_lanes = 8``: a row
 over 8 lanes, so that its sums cross 8 lanes instead of 32); the other passes take the rows
 layout. The kernel places its own warpgroup barriers where threads exchange data through shared
-memory (the decayed keys, ``S`` between the two layouts, the fit's rows, the outputs before
-their copies) instead of the two that Mosaic GPU puts around every store by default
-(``auto_barriers``).
+memory (the decayed keys, ``S`` between the two layouts, the fit's rows, the warps' exchanges of
+their column sums and maxima, the outputs before their copies) instead of the two that Mosaic
+GPU puts around every store by default (``auto_barriers``). Each pass makes all of a chunk's
+loads before its arithmetic (``_chunks``).
 
 Rounding: fp32 throughout, in the reference's order except the summation order of the
 reconstruction and of the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` (Mosaic GPU lowers no
@@ -57,24 +59,29 @@ reconstruction and of the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` (Mosaic
 reciprocals (a division costs about ten instructions per element); a code on a rounding boundary
 may differ by one step.
 
-With ``recon="wgmma"`` the reconstruction's rank-(r + p) part is one fp16 ``wgmma`` (``_rank_part``:
-the decayed keys scaled per head and split into two fp16 pieces, the fp16 values as stored, the
-operands staged in the state's memory before it is written), and the chunk loop adds the codes'
-term to it. Correct compiled (the decoded state's error as the reference's to five digits) but
-slower on the H200: 1717 / 1817 us per flush against 1291 / 1352 (``bench/results/mosaic-flush-20261203.md``,
-run ``-e-wgmma``), so the CUDA cores' ``"fma"`` stays the default.
+With ``recon="wgmma"`` (the default where ``takes_tensor_cores``: float16 records, a window of 16,
+32, 48 or 64) the records' part of the reconstruction runs on the tensor cores (``_rank_part``):
+the records' decayed keys scaled per head and split into two fp16 pieces, against the records'
+fp16 values as stored (copied in tiled and swizzled as the operand), four ``wgmma`` of depth ``p``
+into the state, which is tiled and swizzled so that the accumulators' stores and the rows' loads
+meet no bank conflicts; the chunk loop adds the codes' and the Compensator Tokens' terms. It takes
+the reconstruction from 16,800 to 8,800 warp-instructions per head (36,200 in all against 43,000),
+but the flush is bound by the latency of its serial parts more than by its instructions: 1224 /
+1297 us per flush against ``"fma"``'s 1247 / 1302 (``bench/results/mosaic-flush-20261204.md``).
 
 Each pass is a ``fori_loop`` over one chunk's code (``_chunks``): written out chunk after chunk
 (``unroll``, the first form) the kernel was about 10,000 instructions per warp and head of
 straight-line code that the instruction cache could not hold, and its warps spent 3.9 of the 6.2
 cycles between their instructions waiting for instructions to be fetched.
 
-Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full (``python -m
-bench.flush_time``, ``bench/results/mosaic-flush-20261203.md``, run ``-d-final``): compiled, it
-agrees with the reference (8 bits: the decoded state's error against the exact state 5.4109e-3 /
-5.3684e-3 for GDN / KDA, as the reference's to five digits; also with a warm start and two fit
-rounds); **1289 / 1346 us per flush** against the split flush's 2674 / 3033 in the same run (1414 /
-1471 with ``sum_lanes = 32``), with two programs per SM. Earlier forms (``mosaic-flush-20261202``,
+Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full
+(``bench/results/mosaic-flush-20261204.md``): compiled, it agrees with the reference (8 bits: the
+decoded state's error against the exact state 5.4109e-3 / 5.3684e-3 for GDN / KDA, as the
+reference's to five digits; also with a warm start and two fit rounds); **1224 / 1297 us per
+flush**, with two programs per SM, against 1288 / 1344 for the form of
+``mosaic-flush-20261203`` (run ``-d-final``; each change between the two timed against the one
+before it in one process) and the split flush's 2674 / 3033 (1414 / 1471 with ``sum_lanes = 32``).
+Earlier forms (``mosaic-flush-20261202``,
 run ``-f-rolled``, the decayed keys made in XLA): 1432 / 1689; written out 2445 / 2703; one program
 per SM 1923 / 2179; chunks of 8 or 32 rows 1517 / 1470 us for GDN; Nsight Compute (one program per
 SM): 2.5 cycles between a warp's instructions (6.2 written out), 208 registers, about 44,600
@@ -108,7 +115,8 @@ from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
     SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, default_programs, fold_vmap, lane_params,
-    resolve_interpret, row_sums_layout, rows_layout, run_kernel, smem_union, swizzle32_layout,
+    meet_warps, resolve_interpret, row_sums_layout, rows_layout, run_kernel, smem_union, swizzle32_layout,
+    warp_parts,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -120,7 +128,6 @@ DEFAULT_STAGES = 1       # heads in flight per program: one, so that two program
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
-DEFAULT_RECON = "fma"
 MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
 MM_SCALE = 2.0 ** 14     # the decayed keys' largest magnitude after scaling, well inside fp16's range
 MM_FLOOR = 2.0 ** -100   # the scaling's divisor when every decayed key is zero (no live record)
@@ -249,16 +256,18 @@ def _rank_part(t, kd_ref, s_ref, a16, *, r, p, lay):
     return mx / MM_SCALE
 
 
-def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_channel, smoothing, fit_iters, chunk, qmax,
-                unroll, sum_lanes, recon, a16, lay):
+def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_channel, smoothing, fit_iters, chunk,
+                qmax, unroll, sum_lanes, recon, a16, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
-    ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, r, dk]`` and the reconstruction's key rows
-    and row factors in ``kd_ref [r + p + 1, dk]`` (``_decayed_keys``, from the head's scalars
-    ``meta``; it shares its memory with ``fit_ref`` and ``outs``); ``start``: the ref of the fit's
-    first basis ``[r, dk]``. Each pass walks the key rows ``chunk`` at a time in a loop
-    (``_chunks``)."""
-    CH = rows_layout(chunk)
+    ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, max(r, 2), dk]`` and the reconstruction's key
+    rows and row factors in ``kd_ref [r + p + 1, dk]`` (``_decayed_keys``, from the head's scalars
+    ``meta``); ``red [max(r, 1), WARPS, dk]``: the warps' exchange of their column sums and maxima
+    (``meet_warps``); ``kd_ref``, ``fit_ref`` with ``outs``, and ``red`` share their memory, each
+    used while the others are not (``red[0]`` lies in ``fit_ref``: the column maxima meet while the
+    outputs wait for their copy); ``start``: the ref of the fit's first basis ``[r, dk]``. Each
+    pass walks the key rows ``chunk`` at a time in a loop (``_chunks``)."""
+    CH = rows_layout(WARPS)      # a chunk's rows w, w + 4, ... on warp w: its sums over rows stay in a warp
     CROW = CH.reduce(1)          # [chunk] over the warps and registers: a row's factor
     VCOL = CH.reduce(0)          # [128] over the lanes: a column's factor (or a row of the fit)
     nch = DK // chunk
@@ -269,7 +278,8 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
     loop = functools.partial(_chunks, nch, unroll=unroll)
 
     def col_sums(acc):
-        return [jnp.sum(a, axis=0) for a in acc]
+        # Each warp's sums over its rows, then one exchange between the warps for all of them.
+        return meet_warps([warp_parts(a) for a in acc], red, lay=lay)
 
     # 0. The decayed keys and row factors, read by other threads in the rows layout.
     _decayed_keys(meta, t, kd_ref, r=r, p=p, per_channel=per_channel, smoothing=smoothing, lay=lay)
@@ -335,7 +345,9 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
         def chunk_rows(k, x, acc):
             s, q = x
             return tuple(acc[c] + s * along(q[c]) for c in range(r))
-        return col_sums(loop(loads, chunk_rows, tuple(zeros() for _ in range(r))))
+        acc = loop(loads, chunk_rows, tuple(zeros() for _ in range(r)))
+        lay.sync()      # every thread is past its reads of fit_ref, whose memory red takes
+        return col_sums(acc)
 
     if r:
         # 2. Subspace iteration: Y = S Z, orthonormalised; later rounds from the new basis.
@@ -350,11 +362,12 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
                 fit_ref[1, c] = basis[c]
             lay.sync()
         # 3. U = S^T K^T from the fp32 K, clipped; both rounded to fp16.
+        ks = [lay.load(fit_ref.at[1, c], VCOL) for c in range(r)]    # before red takes fit_ref's memory
         us = times_rows(lambda c, k: lay.load(fit_ref.at[1, c, rows(k)], CROW))
         for c in range(r):
             u16 = jnp.clip(us[c], -FP16_MAX, FP16_MAX).astype(jnp.float16)
             outs["cu"][c] = u16
-            k16 = lay.load(fit_ref.at[1, c], VCOL).astype(jnp.float16)
+            k16 = ks[c].astype(jnp.float16)
             outs["ck"][c] = k16
             fit_ref[0, c] = k16.astype(f32)
             us[c] = u16.astype(f32)
@@ -379,7 +392,8 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, start, *, r, p, per_chann
         return jnp.maximum(cmax, jnp.abs(s))
 
     cmax = loop(residual_loads, residual, zeros())
-    new_scale = jnp.max(cmax, axis=0) / qmax
+    lay.sync()      # every thread is past its reads of fit_ref, whose first rows red[0] takes
+    new_scale = meet_warps([warp_parts(cmax, jnp.max)], red, lay=lay, combine=jnp.maximum)[0] / qmax
     outs["scale"][...] = new_scale
     inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
@@ -396,7 +410,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
              warm_start, chunk, qmax, unroll, sum_lanes, recon, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``keyed``: the inputs read
     per key head (``hk`` of the ``h`` heads)."""
-    start_s, s_ref, (kd_ref, (fit_ref, slots)) = scratch
+    start_s, s_ref, (kd_ref, (fit_ref, slots), red) = scratch
     s_ref, a16 = (s_ref[0], s_ref[1][1]) if recon == "wgmma" else (s_ref, None)
     slots = dict(zip(out_names, slots))
     c = jax.lax.axis_index("c")
@@ -421,7 +435,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         # decayed keys take (with one stage they ended with the last head's body).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         start = tile["start"] if warm_start else start_s
-        _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, start, r=r, p=p, per_channel=per_channel,
+        _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, red, start, r=r, p=p, per_channel=per_channel,
                     smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, qmax=qmax, unroll=unroll,
                     sum_lanes=sum_lanes, recon=recon, a16=a16, lay=lay)
         plgpu.commit_smem()
@@ -471,6 +485,19 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     return None
 
 
+def takes_tensor_cores(config: LeapQuantConfig) -> bool:
+    """Whether ``recon="wgmma"`` can take ``config``: float16 records (exact fp16 operands) and a
+    window that is a multiple of ``MM_DEPTH`` up to 64 (its operands fit in half the state's memory)."""
+    return config.record_dtype == "float16" and config.window % MM_DEPTH == 0 and config.window <= DK // 2
+
+
+def default_recon(config: LeapQuantConfig) -> str:
+    """``recon`` where the caller leaves it ``None``: ``"wgmma"`` where it can run (1.8% / 0.4% faster
+    than ``"fma"`` for GDN / KDA at batch 512 on the H200, ``bench/results/mosaic-flush-20261204.md``),
+    else ``"fma"``."""
+    return "wgmma" if takes_tensor_cores(config) else "fma"
+
+
 def meta_cols(p: int, per_channel: bool) -> int:
     """Columns of a head's row of scalars: ``META_COLS``, then GDN's ``p`` record log-decays, in
     whole 128-byte units (a copy moves a multiple of 128 bytes)."""
@@ -480,15 +507,17 @@ def meta_cols(p: int, per_channel: bool) -> int:
 def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool) -> int:
     """Shared memory of one program (each buffer from a 1 KB boundary, ``mosaic_shared.aligned``):
     ``stages`` of each of a head's inputs, the fp32 state, the decayed keys or (sharing their
-    memory) the fit's rows and the output slots besides the codes, the start and the scalars."""
+    memory) the fit's rows and the output slots besides the codes or the warps' exchange
+    (``meet_warps``), the start and the scalars."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     comps = [2 * r * DK] * 2 if r else []
     inputs = [4 * meta_cols(p, per_channel), DK * DK, 4 * DK, e * p * DK, e * p * DK] + comps
     inputs += ([4 * DK] if config.smoothing else []) + ([e * p * DK] if per_channel else [])
     inputs += [4 * r * DK] if config.warm_start else []
-    later = aligned(2 * 4 * max(r, 1) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
-    return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later)
+    later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
+    exchange = aligned(4 * max(r, 1) * WARPS * DK)
+    return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange)
             + aligned(4 * DK * DK, 4 * max(r, 1) * DK))
 
 
@@ -500,7 +529,7 @@ def _flat(x, n):
                                              "sum_lanes", "recon", "auto_barriers", "interpret"))
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
                     programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
-                    unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, recon: str = DEFAULT_RECON,
+                    unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, recon: str | None = None,
                     auto_barriers: bool = False,
                     interpret=None) -> LeapQuantState:
     """Window flush (``leapquant_flush.leapquant_flush``'s contract) on Mosaic GPU.
@@ -516,9 +545,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``sum_lanes``: lanes a row of ``S`` spans in the fit's ``Y = S Z``, which sums along rows: 8
     (``mosaic_shared.row_sums_layout``, ``chunk`` a multiple of 16) or 32 (the rows layout of the
     other passes);
-    ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``, the
-    default) or, for the records' part, the tensor cores (``"wgmma"``, ``_rank_part``: float16 records, a window
-    that is a multiple of 16 up to 64);
+    ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``) or, for the
+    records' part, the tensor cores (``"wgmma"``, ``_rank_part``: ``takes_tensor_cores``); ``None``
+    (the default): ``default_recon``, the tensor cores where they can run;
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -533,9 +562,11 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
         raise ValueError(f"sum_lanes={sum_lanes!r} must be 32, or 8 with chunk a multiple of 16 (chunk={chunk}; "
                          "the default sum_lanes is 8)")
+    if recon is None:
+        recon = default_recon(config)
     if recon not in RECONS:
-        raise ValueError(f"recon={recon!r}: expected one of {RECONS}")
-    if recon == "wgmma" and (config.record_dtype != "float16" or config.window % MM_DEPTH or config.window > DK // 2):
+        raise ValueError(f"recon={recon!r}: expected one of {RECONS} or None")
+    if recon == "wgmma" and not takes_tensor_cores(config):
         raise ValueError(f"recon='wgmma' takes float16 records (exact as fp16 operands) and a window that is a "
                          f"multiple of {MM_DEPTH} up to {DK // 2}; got record_dtype={config.record_dtype!r}, window "
                          f"{config.window}")
@@ -602,16 +633,19 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     out_names = tuple(out_shapes)
     values.update(seeded_start=random_start(dk, max(r, 1), config.seed))
     # The decayed keys (read by the reconstruction only) share their memory with the fit's rows
-    # and the output slots (written after it).
-    later = (plgpu.SMEM((2, max(r, 1), dk), f32), [plgpu.SMEM(*out_shapes[name]) for name in out_names])
+    # and the output slots (written after it) and with the warps' exchange; the fit's rows take at
+    # least 2 x 2, so that the exchange's first [WARPS, dk] (the column maxima's) lies in them.
+    later = (plgpu.SMEM((2, max(r, 2), dk), f32), [plgpu.SMEM(*out_shapes[name]) for name in out_names])
     state_smem = plgpu.SMEM((dk, dv), f32)
     if recon == "wgmma":
         # The state tiled and swizzled, so that the accumulators' stores and the rows' loads meet
         # no bank conflicts; the decayed keys' fp16 pieces in its second half until the state is written.
         state_smem = smem_union(interpret, _swizzled((dk, dv), f32, STATE_SWIZZLE, interpret),
-                                (plgpu.SMEM((dk // 2, dv), f32), _swizzled((2 * p, dk), jnp.float16, MM_SWIZZLE, interpret)))
+                                (plgpu.SMEM((dk // 2, dv), f32),
+                                 _swizzled((2 * p, dk), jnp.float16, MM_SWIZZLE, interpret)))
     scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem,
-               smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later)]
+               smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later,
+                          plgpu.SMEM((max(r, 1), WARPS, dk), f32))]
     body = functools.partial(_program, names=names, keyed=("rk",), out_names=out_names, n=n, h=h,
                              hk=state.key_heads, per=per, stages=stages, r=r, p=p,
                              per_channel=state.per_channel_decay, smoothing=config.smoothing,
@@ -650,5 +684,6 @@ def mosaic_flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: b
     return 2 * ckpt + records + scalars
 
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "DEFAULT_SUM_LANES", "META_COLS", "default_programs", "leapquant_flush",
-           "meta_cols", "mosaic_flush_bytes", "smem_bytes", "unsupported_reason"]
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "DEFAULT_SUM_LANES", "META_COLS", "RECONS", "default_programs",
+           "default_recon", "leapquant_flush", "meta_cols", "mosaic_flush_bytes", "smem_bytes", "takes_tensor_cores",
+           "unsupported_reason"]

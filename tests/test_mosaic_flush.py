@@ -73,7 +73,9 @@ def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
     for name in ("smooth", "comp_k", "comp_u"):
         np.testing.assert_allclose(np.asarray(getattr(rolled.checkpoint, name), np.float32),
                                    np.asarray(getattr(written.checkpoint, name), np.float32), rtol=1e-3, atol=1e-6)
-    np.testing.assert_allclose(rolled.checkpoint.residual.scale, written.checkpoint.residual.scale, rtol=1e-5)
+    # A factor on an fp16 rounding boundary may round apart in the two forms (one ulp, 6e-4 relative, as
+    # allowed above); the residual's column maxima then move by a few 1e-5.
+    np.testing.assert_allclose(rolled.checkpoint.residual.scale, written.checkpoint.residual.scale, rtol=1e-4)
     assert np.any(np.asarray(rolled.checkpoint.residual.codes) != np.asarray(st.checkpoint.residual.codes))
 
 
