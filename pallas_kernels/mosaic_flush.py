@@ -66,7 +66,7 @@ fp16 values as stored (copied in tiled and swizzled as the operand), four ``wgmm
 into the state, which is tiled and swizzled so that the accumulators' stores and the rows' loads
 meet no bank conflicts; the chunk loop adds the codes' and the Compensator Tokens' terms. It takes
 the reconstruction from 16,800 to 8,800 warp-instructions per head (36,200 in all against 43,000),
-but the flush is bound by the latency of its serial parts more than by its instructions: 1224 /
+but the flush is bound by the latency of its serial parts more than by its instructions: 1225 /
 1297 us per flush against ``"fma"``'s 1247 / 1302 (``bench/results/mosaic-flush-20261204.md``).
 
 Each pass is a ``fori_loop`` over one chunk's code (``_chunks``): written out chunk after chunk
@@ -77,7 +77,7 @@ cycles between their instructions waiting for instructions to be fetched.
 Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full
 (``bench/results/mosaic-flush-20261204.md``): compiled, it agrees with the reference (8 bits: the
 decoded state's error against the exact state 5.4109e-3 / 5.3684e-3 for GDN / KDA, as the
-reference's to five digits; also with a warm start and two fit rounds); **1224 / 1297 us per
+reference's to five digits; also with a warm start and two fit rounds); **1225 / 1297 us per
 flush**, with two programs per SM, against 1288 / 1344 for the form of
 ``mosaic-flush-20261203`` (run ``-d-final``; each change between the two timed against the one
 before it in one process) and the split flush's 2674 / 3033 (1414 / 1471 with ``sum_lanes = 32``).

@@ -179,6 +179,15 @@ def test_mosaic_flush_tensor_core_reconstruction_window_32():
     check_flush(config, st, flush=mosaic(programs=2, recon="wgmma"))
 
 
+def test_mosaic_flush_takes_the_tensor_cores_where_they_can_run():
+    # recon=None: the tensor cores for float16 records and a window of 16 to 64, the CUDA cores otherwise.
+    for options, recon in [(dict(window=16), "wgmma"), (dict(window=64), "wgmma"), (dict(window=8), "fma"),
+                           (dict(window=16, record_dtype="bfloat16"), "fma"), (dict(window=24), "fma")]:
+        config = LeapQuantConfig(bits=8, **options)
+        assert mosaic_flush.default_recon(config) == recon, options
+        assert mosaic_flush.takes_tensor_cores(config) == (recon == "wgmma")
+
+
 def test_mosaic_flush_rejects_what_it_cannot_run():
     def state(config, dk=128, dv=128):
         return windowed.init_state(config, 2, 2, dk, dv)
