@@ -116,7 +116,7 @@ from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 from .mosaic_shared import (
     SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, default_programs, fold_vmap, lane_params,
     meet_warps, resolve_interpret, row_sums_layout, rows_layout, run_kernel, smem_union, swizzle32_layout,
-    warp_parts,
+    threads_layout, warp_parts,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -178,10 +178,11 @@ def _decayed_keys(meta, t, kd_ref, *, r, p, per_channel, smoothing, lay):
     as ``windowed.window_decays`` and ``record_keys`` make them (log-space running sums of the
     live records' log-decays, masked before ``exp``). ``meta``: the head's scalars (``pos`` at 1;
     GDN's record log-decays from ``META_COLS``); KDA's come per channel in ``t["rg"] [p, dk]``.
-    One value per column and thread (the column layout), the same in every warp."""
-    VCOL = rows_layout(WARPS).reduce(0)
+    One key channel per thread (``mosaic_shared.threads_layout``): no thread repeats another's
+    exponentials, products and stores (in the column layout every warp made all of them)."""
+    D = threads_layout()
     pos = meta[1]
-    vec = lambda ref: lay.load(ref, VCOL).astype(f32)
+    vec = lambda ref: lay.load(ref, D).astype(f32)
     if per_channel:
         gs = [jnp.where(j < pos, vec(t["rg"].at[j]), 0.0) for j in range(p)]
     else:
@@ -199,7 +200,7 @@ def _decayed_keys(meta, t, kd_ref, *, r, p, per_channel, smoothing, lay):
     if smoothing:
         kd_ref[r + p] = D0 * vec(t["smooth"])
     else:
-        kd_ref[r + p] = D0 * lay.cast(jnp.ones((DK,), f32), VCOL)
+        kd_ref[r + p] = D0 * lay.cast(jnp.ones((DK,), f32), D)
 
 
 def _swizzled(shape, dtype, swizzle, interpret):
