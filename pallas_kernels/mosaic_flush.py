@@ -24,9 +24,9 @@ arithmetic; with two stages or more a program prefetches its next head itself bu
    Compensator Tokens' keys times the checkpoint's decay, then the live records' keys times their
    decays, zero for dead slots) and the row factors ``D0 c``, as ``windowed.window_decays`` and
    ``record_keys`` make them (log-space running sums of the live records' log-decays, masked
-   before ``exp``), into shared memory that the fit's rows and the output slots take after the
-   reconstruction (``mosaic_shared.smem_union``), so that the reconstruction is one form for GDN
-   and KDA:
+   before ``exp``; one key channel per thread), into shared memory that the fit's rows and the
+   output slots take after the reconstruction (``mosaic_shared.smem_union``), so that the
+   reconstruction is one form for GDN and KDA:
 
        S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj,   ud = [U; u]  (the fp16 values as stored);
 
@@ -67,7 +67,8 @@ into the state, which is tiled and swizzled so that the accumulators' stores and
 meet no bank conflicts; the chunk loop adds the codes' and the Compensator Tokens' terms. It takes
 the reconstruction from 16,800 to 8,800 warp-instructions per head (36,200 in all against 43,000),
 but the flush is bound by the latency of its serial parts more than by its instructions: 1225 /
-1297 us per flush against ``"fma"``'s 1247 / 1302 (``bench/results/mosaic-flush-20261204.md``).
+1297 us per flush against ``"fma"``'s 1247 / 1302 (``bench/results/mosaic-flush-20261204.md``, run
+``-d``, before the decayed keys went one channel per thread).
 
 Each pass is a ``fori_loop`` over one chunk's code (``_chunks``): written out chunk after chunk
 (``unroll``, the first form) the kernel was about 10,000 instructions per warp and head of
@@ -77,7 +78,7 @@ cycles between their instructions waiting for instructions to be fetched.
 Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full
 (``bench/results/mosaic-flush-20261204.md``): compiled, it agrees with the reference (8 bits: the
 decoded state's error against the exact state 5.4109e-3 / 5.3684e-3 for GDN / KDA, as the
-reference's to five digits; also with a warm start and two fit rounds); **1225 / 1297 us per
+reference's to five digits; also with a warm start and two fit rounds); **1213 / 1222 us per
 flush**, with two programs per SM, against 1288 / 1344 for the form of
 ``mosaic-flush-20261203`` (run ``-d-final``; each change between the two timed against the one
 before it in one process) and the split flush's 2674 / 3033 (1414 / 1471 with ``sum_lanes = 32``).
