@@ -760,7 +760,8 @@ SPLIT_MIN_FULL_FRACTION = {False: 0.22, True: 0.13}
 # it costs about as much with few full windows as with all (2379 against 2428 us, GDN,
 # bench/results/mosaic-flush-20261202.md); all full it takes 1289 / 1346 us (GDN / KDA,
 # mosaic-flush-20261203-d-final), crossing the fused flush's line above at about 0.25 and 0.16
-# (now 1213 / 1222 us, mosaic-flush-20261204: with it cheaper, the crossings, not measured again, lie a little lower).
+# (now 1213 / 1222 us, mosaic-flush-20261204: with it cheaper, the crossings, not measured again,
+# lie a little lower).
 MOSAIC_MIN_FULL_FRACTION = {False: 0.25, True: 0.16}
 
 
