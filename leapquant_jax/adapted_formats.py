@@ -83,7 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .quantizers import IntFormat, IntTensor, _check_state, _safe_divisor, pack_codes, unpack_codes
+from .quantizers import IntFormat, IntTensor, check_state, pack_codes, safe_divisor, unpack_codes
 
 Array = jax.Array
 
@@ -156,7 +156,7 @@ class QuaRotFormat:
 
     def quantize(self, x: Array) -> QuaRotTensor:
         """``x [..., dk, dv]`` (dk a power of two) -> ``QuaRotTensor``."""
-        _check_state(x)
+        check_state(x)
         _check_power_of_two(x.shape[-2], self.name)
         return QuaRotTensor(rotated=IntFormat(self.bits).quantize(hadamard_transform(x.astype(jnp.float32))))
 
@@ -230,7 +230,7 @@ class KVQuantFormat:
 
     def quantize(self, x: Array) -> KVQuantTensor:
         """``x [..., dk, dv]`` (``dk dv <= 65536``) -> ``KVQuantTensor``."""
-        _check_state(x)
+        check_state(x)
         *lead, dk, dv = x.shape
         if dk * dv > 2 ** 16:
             raise ValueError(f"{self.name} stores uint16 flat indices: dk * dv must be <= 65536, got {dk} * {dv}")
@@ -239,10 +239,10 @@ class KVQuantFormat:
         _, idx = jax.lax.top_k(jnp.abs(flat), sparse_count(dk, dv))
         vals = jnp.take_along_axis(flat, idx, axis=-1)
         head_scale = jnp.max(jnp.abs(vals), axis=-1)
-        sparse = (vals / _safe_divisor(head_scale)[..., None]).astype(jnp.float16)
+        sparse = (vals / safe_divisor(head_scale)[..., None]).astype(jnp.float16)
         dense = jnp.put_along_axis(flat, idx, 0.0, axis=-1, inplace=False).reshape(x.shape)
         scale = jnp.max(jnp.abs(dense), axis=-1)
-        codes = _nearest_level(dense / _safe_divisor(scale)[..., None], self.codebook)
+        codes = _nearest_level(dense / safe_divisor(scale)[..., None], self.codebook)
         return KVQuantTensor(codes=pack_codes(codes, self.bits), scale=scale, sparse_values=sparse,
                              sparse_index=idx.astype(jnp.uint16), sparse_scale=head_scale, bits=self.bits, dk=dk)
 
@@ -383,7 +383,7 @@ class TurboQuantFormat:
 
     def quantize(self, x: Array) -> TurboQuantTensor:
         """``x [..., dk, dv]`` -> ``TurboQuantTensor``."""
-        _check_state(x)
+        check_state(x)
         dk = x.shape[-2]
         _check_power_of_two(dk, self.name)
         if dk < 8:
@@ -392,8 +392,8 @@ class TurboQuantFormat:
         y = hadamard_transform(x.astype(jnp.float32) * signs[:, None])
         # RMS through the column max so that squaring cannot overflow for huge finite inputs.
         amax = jnp.max(jnp.abs(y), axis=-2)
-        scale = amax * jnp.sqrt(jnp.mean(jnp.square(y / _safe_divisor(amax)[..., None, :]), axis=-2))
-        z = y / _safe_divisor(scale)[..., None, :]
+        scale = amax * jnp.sqrt(jnp.mean(jnp.square(y / safe_divisor(amax)[..., None, :]), axis=-2))
+        z = y / safe_divisor(scale)[..., None, :]
         levels = lloyd_max_levels(self.bits).astype(np.float32)
         codes = _nearest_level(z, levels)
         bits, norm = qjl_sketch(z - jnp.asarray(levels)[codes], jnp.asarray(g))

@@ -59,9 +59,9 @@ from .quantizers import (
     IntFormat,
     IntTensor,
     ScaledFloatTensor,
-    _check_state,
-    _safe_divisor,
+    check_state,
     pack_codes,
+    safe_divisor,
     unpack_codes,
 )
 
@@ -242,7 +242,7 @@ def expand_blocks(s: Array, block: int, dk: int) -> Array:
 
 
 def _check_block_input(x: Array, block: int, element: Element) -> None:
-    _check_state(x)
+    check_state(x)
     dk = x.shape[-2]
     multiple = {8: 1, 6: 4, 4: 2}[element.bits]
     if dk % multiple:
@@ -363,10 +363,10 @@ class NVFPFormat:
         x = x.astype(jnp.float32)
         dk = x.shape[-2]
         tensor_scale = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True) * _reciprocal(FP8_E4M3_MAX * elem.max)
-        bs = block_absmax(x, self.block) * _reciprocal(elem.max) / _safe_divisor(tensor_scale)
+        bs = block_absmax(x, self.block) * _reciprocal(elem.max) / safe_divisor(tensor_scale)
         block_scale = jnp.clip(bs, 0.0, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
         divisor = expand_blocks(block_scale.astype(jnp.float32), self.block, dk) * tensor_scale
-        return NVTensor(elements=elem.store(x / _safe_divisor(divisor)), block_scale=block_scale,
+        return NVTensor(elements=elem.store(x / safe_divisor(divisor)), block_scale=block_scale,
                         tensor_scale=tensor_scale, dk=dk)
 
     def dequantize(self, t: NVTensor) -> Array:
@@ -397,11 +397,11 @@ class TensorInt8Format:
 
     def quantize(self, x: Array) -> IntTensor:
         """``x [..., dk, dv]`` float -> ``IntTensor`` (int8 codes, scale ``[..., 1]``)."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         base = IntFormat(8)
         scale = _head_absmax(x) * _reciprocal(base.qmax)
-        q = jnp.clip(jnp.round(x / _safe_divisor(scale)[..., None, :]), -base.qmax, base.qmax)
+        q = jnp.clip(jnp.round(x / safe_divisor(scale)[..., None, :]), -base.qmax, base.qmax)
         return IntTensor(codes=pack_codes((q + base.qmax + 1).astype(jnp.int32), 8), scale=scale, bits=8,
                          dk=x.shape[-2])
 
@@ -424,10 +424,10 @@ class TensorFp8Format:
 
     def quantize(self, x: Array) -> ScaledFloatTensor:
         """``x [..., dk, dv]`` float -> ``ScaledFloatTensor`` (e4m3 values, scale ``[..., 1]``)."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         scale = _head_absmax(x) * _reciprocal(FP8_E4M3_MAX)
-        return ScaledFloatTensor(values=E4M3().store(x / _safe_divisor(scale)[..., None, :]), scale=scale)
+        return ScaledFloatTensor(values=E4M3().store(x / safe_divisor(scale)[..., None, :]), scale=scale)
 
     def dequantize(self, t: ScaledFloatTensor) -> Array:
         """``ScaledFloatTensor`` -> fp32 ``[..., dk, dv]``."""
@@ -465,10 +465,10 @@ class Int16Format:
 
     def quantize(self, x: Array) -> Int16Tensor:
         """``x [..., dk, dv]`` float -> ``Int16Tensor`` (codes int16, scale ``[..., dk]``)."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         scale = jnp.max(jnp.abs(x), axis=-1) * _reciprocal(self.qmax)
-        q = jnp.clip(jnp.round(x / _safe_divisor(scale)[..., None]), -self.qmax, self.qmax)
+        q = jnp.clip(jnp.round(x / safe_divisor(scale)[..., None]), -self.qmax, self.qmax)
         return Int16Tensor(codes=q.astype(jnp.int16), scale=scale)
 
     def dequantize(self, t: Int16Tensor) -> Array:

@@ -40,24 +40,21 @@ log-decay ``-x`` earlier in the same chunk they carry an absolute error of about
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import dispatch
+from .chunk_ops import HI, SUB_CHUNK, kda_cumulative, masked_exp, pair_scores_kda, scan_chunks
 from .recurrence import check_lengths, check_sequence, expand_heads
 
 Array = jax.Array
-HI = jax.lax.Precision.HIGHEST
 
 # exp(x) rounds to 0 in fp32 (subnormals included) for x < -103.97: clamping log-decays here
 # leaves every decay of the recurrence unchanged and keeps a chunk's cumulative sums small.
 LOG_DECAY_FLOOR = -104.0
-
-# KDA: token pairs inside a sub-chunk of this many tokens are reduced elementwise.
-SUB_CHUNK = 16
 
 # ``chunk_delta_rule(group=None)``: chunks x rows (batch x heads) whose intra-chunk terms are
 # formed at once; 128 chunks of a batch of 8 x 32 heads (about 5 GB of fp32 terms at 128 x 128
@@ -94,12 +91,6 @@ def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
     return inv.reshape(lead + (n, n))
 
 
-def _masked_exp(x: Array, mask: Array) -> Array:
-    """``exp(x)`` where ``mask``, 0 elsewhere; the argument is masked first, so a large positive
-    ``x`` outside the mask overflows neither the value nor the gradient."""
-    return jnp.exp(jnp.where(mask, x, -jnp.inf))
-
-
 def _pair_scores_gdn(q: Array, k: Array, G: Array, precision) -> Array:
     """GDN: ``[k_i . k_j, q_i . k_j] * e^{G_i - G_j}`` for ``j <= i``, 0 above.
 
@@ -107,59 +98,9 @@ def _pair_scores_gdn(q: Array, k: Array, G: Array, precision) -> Array:
     """
     c = G.shape[-1]
     causal = jnp.tril(jnp.ones((c, c), bool))
-    decay = _masked_exp(G[..., :, None] - G[..., None, :], causal)
+    decay = masked_exp(G[..., :, None] - G[..., None, :], causal)
     scores = jnp.einsum("...xic,...jc->...xij", jnp.stack([k, q], axis=-3), k, precision=precision)
     return scores * decay[..., None, :, :]
-
-
-def kda_cumulative(g: Array) -> Array:
-    """KDA: the chunk-relative cumulative log-decay ``G [..., C, dk]`` (inclusive) of per-token
-    log-decays ``g [..., C, dk]``, summed inside sub-chunks of ``SUB_CHUNK`` tokens and then
-    across them (shorter sums than one running sum over the chunk)."""
-    *lead, c, dk = g.shape
-    s = min(SUB_CHUNK, c)
-    L = jnp.cumsum(g.reshape(tuple(lead) + (c // s, s, dk)), axis=-2)          # [.., n, s, dk] local inclusive
-    ctot = jnp.cumsum(L[..., -1, :], axis=-2)                                  # through the end of each sub-chunk
-    start = jnp.concatenate([jnp.zeros_like(ctot[..., :1, :]), ctot[..., :-1, :]], axis=-2)
-    return (start[..., :, None, :] + L).reshape(g.shape)
-
-
-def pair_scores_kda(q: Array, k: Array, G: Array, precision) -> Array:
-    """KDA: ``sum_c [k_ic, q_ic] k_jc e^{G_ic - G_jc}`` for ``j <= i``, 0 above.
-
-    q, k ``[..., C, dk]``; G ``[..., C, dk]`` (``kda_cumulative``). Returns ``[..., 2, C, C]``
-    (``k k^T`` then ``q k^T``, decayed); ``pallas_kernels.kda_scores`` computes the same.
-
-    With sub-chunks of ``s`` tokens and ``S_a`` the cumulative log-decay at the last token
-    before sub-chunk ``a``: for ``i`` in ``a`` and ``j`` before it, ``G_i - G_j = (G_i - S_a) +
-    (S_a - G_j)``, two non-positive terms, so the pair is a matmul of ``x_i e^{G_i - S_a}`` by
-    ``k_j e^{S_a - G_j}``, factors ``<= 1``. Pairs inside one sub-chunk use ``e^{G_i - G_j}``
-    directly: an elementwise product reduced over ``dk``.
-    """
-    *lead, c, dk = k.shape
-    lead = tuple(lead)
-    s = min(SUB_CHUNK, c)
-    n = c // s
-    rows = jnp.stack([k, q], axis=-3)                                         # [.., 2, C, dk]
-    Gs, ks = G.reshape(lead + (n, s, dk)), k.reshape(lead + (n, s, dk))
-    rows_s = rows.reshape(lead + (2, n, s, dk))
-
-    # within a sub-chunk
-    causal = jnp.tril(jnp.ones((s, s), bool))[..., None]
-    decay = _masked_exp(Gs[..., :, None, :] - Gs[..., None, :, :], causal)             # [.., n, s, s, dk]
-    inner = jnp.sum(rows_s[..., :, None, :] * (ks[..., None, :, :] * decay)[..., None, :, :, :, :], axis=-1)
-    # block-diagonal placement [.., 2, n, s, n, s]: elementwise, so no matmul rounds it
-    scores = (inner[..., :, :, None, :] * jnp.eye(n, dtype=k.dtype)[:, None, :, None]).reshape(lead + (2, n, s, c))
-    if n > 1:
-        # across sub-chunks: sub-chunk a >= 1 (rows) reads the tokens before its start (columns)
-        S = G[..., s - 1:c - 1:s, :]                                                       # [.., n-1, dk]
-        before = (jnp.arange(c)[None, :] < (jnp.arange(1, n) * s)[:, None])[..., None]     # [n-1, C, 1]
-        right = jnp.where(before, k[..., None, :, :] * _masked_exp(S[..., :, None, :] - G[..., None, :, :], before),
-                          0.0)                                                             # [.., n-1, C, dk]
-        left = rows_s[..., 1:, :, :] * jnp.exp(Gs[..., 1:, :, :] - S[..., :, None, :])[..., None, :, :, :]
-        cross = jnp.einsum("...xaic,...ajc->...xaij", left, right, precision=precision)    # [.., 2, n-1, s, C]
-        scores = scores + jnp.concatenate([jnp.zeros_like(scores[..., :1, :, :]), cross], axis=-3)
-    return scores.reshape(lead + (2, c, c))
 
 
 def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision, kda_scores=None):
@@ -202,28 +143,6 @@ def _affine_maps(w: Array, uv: Array, k_end: Array, decay: Array, precision) -> 
     return trans, drive
 
 
-def scan_chunks(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI) -> tuple[Array, Array]:
-    """The chunks' serial part, chunk after chunk: ``U_n = uv_n - w_n S_n``,
-    ``o_n = q_n S_n + p_n U_n``, ``S_{n+1} = Diag(decay_n) S_n + k_end_n^T U_n``.
-
-    state ``[..., dk, dv]``; per chunk (chunks first): w, k_end, q_start ``[N, ..., C, dk]``,
-    uv ``[N, ..., C, dv]``, decay ``[N, ..., dk]``, p ``[N, ..., C, C]``. Returns
-    ``(o [N, ..., C, dv], S_N [..., dk, dv])``. Four matmuls of at most ``C x dk x dv`` per chunk,
-    and nothing of size ``dk x dk`` is ever formed: the form with the least memory traffic when
-    many heads and rows share each step. ``pallas_kernels.chunk_scan`` runs the same loop in one
-    kernel.
-    """
-    def step(s, xs):
-        w_n, uv_n, k_n, d_n, q_n, p_n = xs
-        u = uv_n - jnp.matmul(w_n, s, precision=precision)
-        o = jnp.matmul(q_n, s, precision=precision) + jnp.matmul(p_n, u, precision=precision)
-        s_next = d_n[..., :, None] * s + jnp.einsum("...ck,...cv->...kv", k_n, u, precision=precision)
-        return s_next, o
-
-    state, o = jax.lax.scan(step, state, (w, uv, k_end, decay, q_start, p), unroll=min(2, w.shape[0]))
-    return o, state
-
-
 def _scan_associative(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI):
     """``scan_chunks``'s contract by a parallel prefix over the chunks' affine maps
     ``S -> trans S + drive`` (``jax.lax.associative_scan``): log-depth instead of one dependent
@@ -251,10 +170,9 @@ def _kernel_reason(dk: int, dv: int, chunk: int) -> Optional[str]:
     return None
 
 
-def _scan_kernel(precision):
-    """``scan_chunks`` on the Pallas kernel, differentiable: a ``jax.custom_jvp`` whose derivative
-    is ``scan_chunks``'s (the kernel has no derivative of its own)."""
-    from pallas_kernels.chunk_scan import chunk_scan
+def _scan_kernel(chunk_scan, precision):
+    """``scan_chunks`` on the kernel ``chunk_scan`` (``pallas_kernels.chunk_scan``), differentiable:
+    a ``jax.custom_jvp`` whose derivative is ``scan_chunks``'s (the kernel has no derivative of its own)."""
 
     def flat(state, *terms):
         # kernel layout: rows x heads flattened, [N, R, ...]
@@ -276,10 +194,9 @@ def _scan_kernel(precision):
     return run
 
 
-def _kda_scores_kernel(q: Array, k: Array, G: Array, precision) -> Array:
-    """``pair_scores_kda`` on the Pallas kernel (inputs ``[R, C, dk]``), differentiable: a
-    ``jax.custom_jvp`` whose derivative is ``pair_scores_kda``'s."""
-    from pallas_kernels.kda_scores import kda_pair_scores
+def _kda_scores_kernel(kda_pair_scores, q: Array, k: Array, G: Array, precision) -> Array:
+    """``pair_scores_kda`` on the kernel ``kda_pair_scores`` (``pallas_kernels.kda_scores``; inputs
+    ``[R, C, dk]``), differentiable: a ``jax.custom_jvp`` whose derivative is ``pair_scores_kda``'s."""
 
     @jax.custom_jvp
     def run(q, k, G):
@@ -300,11 +217,8 @@ def _resolve_inter(inter: str, dk: int, dv: int, chunk: int) -> str:
         return inter
     why = _kernel_reason(dk, dv, chunk)
     if why is None:
-        try:
-            for name in ("chunk_scan", "kda_scores"):
-                importlib.import_module(f"pallas_kernels.{name}")
-        except ImportError as err:
-            why = f"pallas_kernels is not importable ({err})"
+        _, why = dispatch.load_kernels()
+        if why is not None:
             if inter == "auto" and jax.default_backend() == "gpu":
                 raise RuntimeError(f"inter='auto' on a GPU, but {why}; fix the installation or pass inter='serial'")
     if inter == "kernel":
@@ -403,14 +317,19 @@ def chunk_delta_rule(
     inter = _resolve_inter(inter, dk, dv, chunk)
     scan_of = {"serial": functools.partial(scan_chunks, precision=precision),
                "associative": functools.partial(_scan_associative, precision=precision)}.get(inter)
-    scan_of = scan_of or _scan_kernel(precision)
+    if scan_of is None:
+        api, _ = dispatch.load_kernels()
+        scan_of = _scan_kernel(api.chunk_scan, precision)
+        kda_scores = functools.partial(_kda_scores_kernel, api.kda_pair_scores)
+    else:
+        kda_scores = None
 
     def run_group(state, xs):
         # Leading axes flattened: fewer dimensions compile faster (and XLA:CPU in JAX 0.10 crashes
         # on the gradient of the KDA pair reduction with six leading dimensions).
         lead = xs[0].shape[:3]                                                             # [Npg, B, H]
         flat = tuple(x.reshape((-1,) + x.shape[3:]) for x in xs)
-        terms = _chunk_terms(*flat, precision, kda_scores=_kda_scores_kernel if inter == "kernel" else None)
+        terms = _chunk_terms(*flat, precision, kda_scores=kda_scores)
         w, uv, k_end, decay, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
         o, state = scan_of(state, w, uv, k_end, decay, q_start, p)                          # o [Npg, B, H, C, dv]
         return state, o

@@ -15,14 +15,16 @@ import jax
 import jax.numpy as jnp
 
 from . import windowed
-from .recurrence import Token
+from .recurrence import Token, recurrent_step_general
 from .state import LeapQuantConfig, LeapQuantState
 
 
-def _kernels():
+def load_kernels():
+    """``(pallas_kernels.api, None)``, or ``(None, why)`` when the kernels package fails to import:
+    the one place the core loads the kernels (they are optional at run time)."""
     try:
         from pallas_kernels import api
-    except ImportError as err:  # the kernels package is optional at run time
+    except ImportError as err:
         return None, f"pallas_kernels is not importable ({err})"
     return api, None
 
@@ -33,7 +35,7 @@ def _resolve(impl: str, reason) -> str:
         raise ValueError(f"impl must be 'auto', 'reference' or 'pallas', got {impl!r}")
     if impl == "reference":
         return "reference"
-    api, why = _kernels()
+    api, why = load_kernels()
     if why is None:
         why = reason(api)
     if impl == "pallas":
@@ -61,10 +63,8 @@ def dense_step(impl: str, values: jax.Array, token: Token) -> tuple[jax.Array, j
     """One per-step dense update ``(o [B, H, dv] fp32, new values in values.dtype)``: the new state is
     computed in fp32 and rounded to nearest even once; ``o`` is read from the unrounded state."""
     if resolve_dense_impl(impl, values, token) == "pallas":
-        api, _ = _kernels()
+        api, _ = load_kernels()
         return api.dense_step(values, token)
-    from .recurrence import recurrent_step_general
-
     o, new = recurrent_step_general(values.astype(jnp.float32), token)
     return o, new.astype(values.dtype)
 
@@ -72,7 +72,7 @@ def dense_step(impl: str, values: jax.Array, token: Token) -> tuple[jax.Array, j
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token):
     """One in-window step ``(o [B, H, dv], state)`` on the chosen implementation."""
     if resolve_impl(config, state) == "pallas":
-        api, _ = _kernels()
+        api, _ = load_kernels()
         return api.leapquant_step(config, state, token)
     return windowed.step_reference(config, state, token)
 
@@ -84,7 +84,7 @@ def leapquant_maybe_flush(config: LeapQuantConfig, state: LeapQuantState) -> Lea
     reference flushes every sequence and keeps the full ones (``windowed.maybe_flush``).
     """
     if resolve_impl(config, state) == "pallas":
-        api, _ = _kernels()
+        api, _ = load_kernels()
         full = state.pos >= config.window
         return jax.lax.cond(jnp.any(full), lambda s: api.leapquant_flush_full(config, s), lambda s: s, state)
     return windowed.maybe_flush(config, state)

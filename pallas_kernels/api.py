@@ -39,6 +39,8 @@ from . import dense_step as _dense
 from . import mosaic_dense as _mosaic_dense
 from . import mosaic_step as _mosaic_step
 from ._compat import default_interpret
+from .chunk_scan import chunk_scan
+from .kda_scores import kda_pair_scores
 from .mosaic_shared import on_hopper
 from .support import unsupported_reason
 
@@ -94,5 +96,5 @@ def dense_step(values, token: Token):
     return _dense.dense_step(values, token, block_v=_dense_block(values))
 
 
-__all__ = ["dense_step", "dense_unsupported_reason", "leapquant_flush", "leapquant_flush_full", "leapquant_step",
+__all__ = ["chunk_scan", "dense_step", "dense_unsupported_reason", "kda_pair_scores", "leapquant_flush", "leapquant_flush_full", "leapquant_step",
            "takes_mosaic_dense", "takes_mosaic_step", "unsupported_reason"]

@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from leapquant_jax.chunked import scan_chunks
+from leapquant_jax.chunk_ops import scan_chunks
 
 from ._compat import compiler_params, default_interpret, is_pow2, pl, tensor_core_precision
 
@@ -124,7 +124,7 @@ def chunk_scan(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precisi
 
 
 def chunk_scan_reference(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precision.HIGHEST, **_unused):
-    """``chunk_scan``'s contract in pure JAX (``chunked.scan_chunks``, a ``lax.scan`` over the
+    """``chunk_scan``'s contract in pure JAX (``chunk_ops.scan_chunks``, a ``lax.scan`` over the
     chunks): ``(o [N, R, C, dv], S_N [R, dk, dv])``."""
     return scan_chunks(s0, w, uv, k_end, decay, q_start, p, precision=precision)
 

@@ -50,7 +50,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from leapquant_jax.chunked import SUB_CHUNK, pair_scores_kda
+from leapquant_jax.chunk_ops import SUB_CHUNK, pair_scores_kda
 
 from ._compat import compiler_params, default_interpret, is_pow2, pl, store, tensor_core_precision
 
@@ -165,7 +165,7 @@ def kda_pair_scores(q, k, G, *, precision=jax.lax.Precision.HIGHEST, num_warps=D
 
 
 def kda_pair_scores_reference(q, k, G, *, precision=jax.lax.Precision.HIGHEST, **_unused):
-    """``kda_pair_scores``'s contract in pure JAX (``chunked.pair_scores_kda``): ``[R, 2, C, C]``."""
+    """``kda_pair_scores``'s contract in pure JAX (``chunk_ops.pair_scores_kda``): ``[R, 2, C, C]``."""
     return pair_scores_kda(q, k, G, precision)
 
 

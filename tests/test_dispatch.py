@@ -16,7 +16,7 @@ def broken_kernels():
 
 
 def test_auto_on_a_gpu_refuses_a_kernels_package_that_fails_to_import(monkeypatch):
-    monkeypatch.setattr(dispatch, "_kernels", broken_kernels)
+    monkeypatch.setattr(dispatch, "load_kernels", broken_kernels)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     config = LeapQuantConfig()
     with pytest.raises(RuntimeError, match="not importable.*impl='reference'"):
@@ -26,7 +26,7 @@ def test_auto_on_a_gpu_refuses_a_kernels_package_that_fails_to_import(monkeypatc
 
 
 def test_auto_off_a_gpu_takes_the_reference_and_explicit_pallas_names_the_reason(monkeypatch):
-    monkeypatch.setattr(dispatch, "_kernels", broken_kernels)
+    monkeypatch.setattr(dispatch, "load_kernels", broken_kernels)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cpu")
     config = LeapQuantConfig()
     assert dispatch.resolve_impl(config, state_of(config)) == "reference"
