@@ -2,7 +2,7 @@
 
     python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
                             [--load-only] [--extra-bits 6 4] [--correctness full|ops|none] [--check-bits 8 6 4]
-                            [--check-flush-impls auto stream] [--modes gdn kda] [--time-budget SECONDS]
+                            [--check-flush-impls auto split] [--modes gdn kda] [--time-budget SECONDS]
                             [--long-decode TOKENS] [--commit HASH] [--out bench/results]
 
 In this order:
@@ -12,7 +12,7 @@ In this order:
 2. ``--sweep``: at the largest batch, block/warp/stage variants of the Pallas fp32 dense step,
    the LeapQuant step (``heads_per_program`` too; on Hopper the Mosaic GPU step, with the Triton
    step's defaults timed beside it when it is the fastest) and the flush (``fused``, ``split``,
-   ``stream``, ``auto``); the timings below use the fastest of each. A variant the kernels do not
+   ``auto``); the timings below use the fastest of each. A variant the kernels do not
    (yet) accept is reported with its error, not fatal.
    ``--load-only`` (on with ``--sweep``): a Pallas Triton kernel that reads exactly the bytes the
    LeapQuant step reads (``step_bytes``) and does only a trivial reduction of each, at 1, 2 and
@@ -479,11 +479,9 @@ def step_variants(config, dk, dv, mosaic=False):
 
 
 def flush_variants(kda, dv):
-    """Sweep options of the flush of full windows: fused, split (two stage-1 blocks), auto and
-    the streaming flush at 2, 4 and 8 warps."""
+    """Sweep options of the flush of full windows: fused, split (two stage-1 blocks) and auto."""
     out = [dict(impl="fused", num_warps=4 if kda else 8), dict(impl="split", block_v=min(32, dv)),
            dict(impl="split", block_v=min(64, dv)), dict(impl="auto")]
-    out += [dict(impl="stream", num_warps=nw) for nw in (4, 8, 2)]
     return _unique(out)
 
 
@@ -865,7 +863,7 @@ def main(argv=None):
                                        lambda o: leapquant_window_timer(config, "flush", flush_opts=o), 1) or {}
             # one sequence in 16 full: what a batch at spread-out positions pays
             sweep(f"leapquant int{args.bits} flush, 1/16 of sequences full",
-                  [dict(impl="fused"), dict(impl="split"), dict(impl="stream"), dict(impl="auto")], lq_state,
+                  [dict(impl="fused"), dict(impl="split"), dict(impl="auto")], lq_state,
                   lambda o: leapquant_window_timer(config, "flush-1/16", flush_opts=o), 1)
             flush_stages(kda, bsz)
     results["chosen_variants"] = {("KDA" if k else "GDN"): v for k, v in best.items()}

@@ -15,8 +15,7 @@ Its compiler and the one inside ``jaxlib`` on a GPU differ in version, and the I
 lowered (the GPU's pipeline first runs Triton's TTIR clean-up passes on it), so figures can
 differ a little from the device's (``bench.ncu_kernels`` measures those): on the old stream
 flush (8-bit GDN, 4 warps) 1,704 bytes of spill stores here against 1,820 with the clean-up
-passes run first. What holds is the ordering and whether a kernel spills. The stream flush's
-compile takes minutes; the other kernels' seconds.
+passes run first. What holds is the ordering and whether a kernel spills.
 """
 
 from __future__ import annotations

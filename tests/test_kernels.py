@@ -31,7 +31,7 @@ from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import api
 from pallas_kernels.dense_step import dense_step, dense_step_reference
-from pallas_kernels.leapquant_flush import flush_stream, leapquant_flush, leapquant_flush_reference
+from pallas_kernels.leapquant_flush import leapquant_flush, leapquant_flush_reference
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
 
@@ -358,7 +358,7 @@ def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", f
     return ker, ref
 
 
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("bits", [8, 6, 4])
 def test_flush_kernel_matches_reference(bits, kda, impl):
@@ -368,7 +368,7 @@ def test_flush_kernel_matches_reference(bits, kda, impl):
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 def test_flush_kernel_window_16_head_128(impl, kda):
     # p >= 16: the split flush's records term is one dot; warm start from the old K
     config = LeapQuantConfig(bits=8, window=16, warm_start=True)
@@ -377,7 +377,7 @@ def test_flush_kernel_window_16_head_128(impl, kda):
 
 
 @pytest.mark.parametrize("pos", [[4, 1, 4, 2, 3], [4, 1, 0, 2, 3]], ids=["split-branch", "fused-branch"])
-@pytest.mark.parametrize("impl", ["auto", "split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["auto", "split", "fused"])
 def test_flush_kernel_only_full_windows(impl, pos):
     # auto takes the split flush when enough windows are full (2 of 5 here), else the fused one
     # (1 of 5, below SPLIT_MIN_FULL_FRACTION)
@@ -389,20 +389,19 @@ def test_flush_kernel_only_full_windows(impl, pos):
         np.testing.assert_array_equal(a, b)                                   # a partial window is untouched
 
 
-@pytest.mark.parametrize("impl", ["auto", "stream"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_flush_kernel_fully_decayed_heads_and_zero_state(kda, impl):
+def test_flush_kernel_fully_decayed_heads_and_zero_state(kda):
     config = LeapQuantConfig(bits=8, window=4)
     st, _ = live_state(config, jax.random.PRNGKey(8), 2, 1, 64, 64, kda, pos=[4, 2], log_decay=-1e3, zero=True)
     # Only the newest record survives: a rank-1 state that the Compensator Tokens take whole,
     # leaving a residual of rounding noise (~1e-13) whose codes are arbitrary in both.
-    check_flush(config, st, codes_agree=False, impl=impl)
+    check_flush(config, st, codes_agree=False)
     st = windowed.init_state(config, 2, 1, 64, 64, kda)                        # all zero: zero codes, no NaN
-    ker = leapquant_flush(config, copy(st), impl=impl, interpret=INTERPRET)
+    ker = leapquant_flush(config, copy(st), interpret=INTERPRET)
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_flush_kernel_with_shared_key_records(kda, impl):
     # GVA: the flush program of value head j reads the key records of key head j // 2
@@ -414,7 +413,7 @@ def test_flush_kernel_with_shared_key_records(kda, impl):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 def test_flush_kernel_head_size_128_options(impl):
     config = LeapQuantConfig(bits=8, window=4, rank=2, fit_iters=2, smoothing=False)
     st, _ = live_state(config, jax.random.PRNGKey(9), 1, 1, 128, 128, False, pos=[4])
@@ -424,36 +423,11 @@ def test_flush_kernel_head_size_128_options(impl):
 @pytest.mark.parametrize("options, kda", [(dict(compensators=False), False), (dict(window=32, bits=4), True),
                                           (dict(compensators=False, smoothing=False), True)],
                          ids=["no-compensators", "window-32-int4-kda", "no-compensators-no-smoothing-kda"])
-def test_stream_flush_other_configs(options, kda):
+def test_flush_kernel_other_configs(options, kda):
     config = LeapQuantConfig(**options)
     p = config.window
     st, _ = live_state(config, jax.random.PRNGKey(11), 2, 1, 64, 64, kda, pos=[p, p // 2 - 1])
-    check_flush(config, st, impl="stream")
-
-
-def test_stream_flush_rejects_bad_chunks():
-    config = LeapQuantConfig(bits=8, window=4)
-    st = windowed.init_state(config, 1, 1, 64, 64)
-    for chunk in (8, 24, 128):
-        with pytest.raises(ValueError, match="chunk"):
-            flush_stream(config, st, only_full=False, chunk=chunk, interpret=INTERPRET)
-
-
-@pytest.mark.parametrize("bits, kda", [(8, True), (4, False), (6, False)])
-def test_stream_flush_small_chunks(bits, kda):
-    # chunk 16 at dk 64: several pieces per code part (the rolled loops over key-row chunks, up to
-    # four at 8 bits), and a window of 16 records, a dot operand's full 16 rows with no padding
-    config = LeapQuantConfig(bits=bits, window=16)
-    st, _ = live_state(config, jax.random.PRNGKey(12 + bits + kda), 2, 1, 64, 64, kda, pos=[16, 7])
-    ref = leapquant_flush_reference(config, st)
-    ker = flush_stream(config, copy(st), only_full=False, chunk=16, interpret=INTERPRET)
-    fmt = config.format
-    z_k, z_r = (np.asarray(fmt.integer_values(c.checkpoint.residual)) for c in (ker, ref))
-    assert np.abs(z_k - z_r).max() <= 1 and np.mean(z_k != z_r) < 0.01
-    dense = windowed.reconstruct_reference(config, st)
-    d_k, d_r = (windowed.decode_checkpoint(config, c.checkpoint) for c in (ker, ref))
-    assert np.all(np.isfinite(d_k))
-    assert rel(d_k, dense) <= 1.05 * rel(d_r, dense) + 1e-6
+    check_flush(config, st, impl="split")
 
 
 # ----------------------------------------------------------------------------- through the method
@@ -545,7 +519,6 @@ def test_kernels_lower_to_triton(bits, kda):
     for reduce in ("lanes",) if bits == 6 else ("dot", "dot_cols", "lanes"):
         lower(functools.partial(leapquant_step, config, reduce=reduce, interpret=False), st, tok)
     lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
-    lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
     lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
 
 
@@ -564,7 +537,6 @@ def test_kernels_with_shared_key_records_lower_to_triton(kda):
     for hp in (1, 2, 4):
         lower(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=False), st, tok)
     lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
-    lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
 
 
 def test_method_pallas_eager_step_with_active_mask():
