@@ -43,11 +43,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 
-from bench.kernels import load_only_step, random_sequence, random_state, token_at
+from bench.kernels import load_only_step, random_sequence, random_state, run_flush, token_at
 from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.dense_step import dense_step
-from pallas_kernels.leapquant_flush import leapquant_flush
 from pallas_kernels.leapquant_step import leapquant_step
 
 ORDER = ("dense", "load", "step", "flush")
@@ -70,7 +69,7 @@ def kernel_fns(config, pos, opts):
         return state, o
 
     def flush(state, tok):
-        state = leapquant_flush(config, at(state, p), only_full=True, **opts["flush"])
+        state = run_flush(config, at(state, p), only_full=True, **opts["flush"])
         return state, state.pos
 
     def dense(state, tok):

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch
+from .impls import AUTO, Impl, check_request
 from .chunk_ops import HI, SUB_CHUNK, kda_cumulative, masked_exp, pair_scores_kda, scan_chunks
 from .recurrence import check_lengths, check_sequence, expand_heads
 
@@ -62,8 +63,9 @@ LOG_DECAY_FLOOR = -104.0
 # in two groups for KDA on the H200, bench/results/prefill-20261201-045714).
 GROUP_CHUNK_ROWS = 32768
 
-# How the state crosses chunks (``chunk_delta_rule(inter=...)``).
-INTER_CHUNK = ("auto", "serial", "associative", "kernel")
+# How the state crosses chunks (``chunk_delta_rule(inter=...)``): the serial scan (a kernel runs it
+# where ``impl`` resolves to one) or the parallel prefix (reference only).
+INTER_CHUNK = ("serial", "associative")
 
 
 def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
@@ -162,14 +164,6 @@ def _scan_associative(state: Array, w, uv, k_end, decay, q_start, p, *, precisio
     return o, ends[-1]
 
 
-def _kernel_reason(dk: int, dv: int, chunk: int) -> Optional[str]:
-    """Why ``pallas_kernels.chunk_scan`` cannot take these sizes (``None`` when it can)."""
-    for name, size in (("dk", dk), ("dv", dv), ("chunk", chunk)):
-        if size < 16 or size & (size - 1):
-            return f"{name}={size} is not a power of two >= 16"
-    return None
-
-
 def _scan_kernel(chunk_scan, precision):
     """``scan_chunks`` on the kernel ``chunk_scan`` (``pallas_kernels.chunk_scan``), differentiable:
     a ``jax.custom_jvp`` whose derivative is ``scan_chunks``'s (the kernel has no derivative of its own)."""
@@ -209,23 +203,19 @@ def _kda_scores_kernel(kda_pair_scores, q: Array, k: Array, G: Array, precision)
     return run(q, k, G)
 
 
-def _resolve_inter(inter: str, dk: int, dv: int, chunk: int) -> str:
-    """``inter="auto"``: the kernel on a GPU where it takes the sizes, ``serial`` elsewhere; an
-    explicit ``"kernel"`` that cannot run is an error, and so, on a GPU, is a kernels package
-    that fails to import (never a quiet switch to the slower form)."""
-    if inter not in ("auto", "kernel"):
-        return inter
-    why = _kernel_reason(dk, dv, chunk)
-    if why is None:
-        _, why = dispatch.load_kernels()
-        if why is not None:
-            if inter == "auto" and jax.default_backend() == "gpu":
-                raise RuntimeError(f"inter='auto' on a GPU, but {why}; fix the installation or pass inter='serial'")
-    if inter == "kernel":
-        if why is not None:
-            raise ValueError(f"inter='kernel' cannot run: {why}")
-        return "kernel"
-    return "kernel" if why is None and jax.default_backend() == "gpu" else "serial"
+def _resolve(impl: str, inter: str, kda: bool, dk: int, dv: int, chunk: int) -> tuple[Impl, Impl]:
+    """The implementations of the chunk scan and of KDA's pair scores (``dispatch.resolve``); the
+    parallel prefix (``inter="associative"``) has no kernel, so it takes the reference or fails
+    for a request that must run one."""
+    check_request(impl, ("chunk_scan", "kda_scores"))
+    if inter == "associative":
+        if impl not in (AUTO, Impl.REFERENCE):
+            raise ValueError(f"impl={impl!r} cannot run inter='associative' (no kernel runs the parallel prefix); "
+                             "pass inter='serial' or impl='reference'")
+        return Impl.REFERENCE, Impl.REFERENCE
+    scan = dispatch.resolve("chunk_scan", impl, dk, dv, chunk)
+    scores = dispatch.resolve("kda_scores", impl, dk, chunk) if kda else Impl.REFERENCE
+    return scan, scores
 
 
 def _chunk_layout(x: Array, groups: int, per_group: int, chunk: int) -> Array:
@@ -248,7 +238,8 @@ def chunk_delta_rule(
     chunk: int = 64,
     group: Optional[int] = None,
     precision=HI,
-    inter: str = "auto",
+    inter: str = "serial",
+    impl: str = AUTO,
 ) -> tuple[Array, Array]:
     """The GDN/KDA delta rule over a sequence in chunkwise-parallel form (same result as
     ``recurrent_scan`` up to fp32 round-off), differentiable and jit-able.
@@ -268,12 +259,14 @@ def chunk_delta_rule(
         ``GROUP_CHUNK_ROWS // (B * H)`` chunks, at least one.
       precision: of the matmuls. ``HIGHEST`` (default) is fp32; ``DEFAULT`` lets a GPU use TF32
         (faster, about 1e-3 relative error).
-      inter: how the state crosses chunks. ``"serial"``: a ``lax.scan``, one dependent step per
-        chunk; ``"kernel"``: the same loop in one Pallas kernel (``pallas_kernels.chunk_scan``:
-        ``dk``, ``dv`` and ``chunk`` powers of two >= 16; its derivative is the serial form's);
-        ``"associative"``: a parallel prefix over the chunks' affine maps, log-depth in the
-        number of chunks but with ``dk x dk`` products; ``"auto"`` (default): the kernel on a GPU
-        where it takes the sizes, ``"serial"`` elsewhere (``python -m bench.prefill`` times them).
+      inter: how the state crosses chunks. ``"serial"`` (default): one dependent step per chunk
+        (``chunk_ops.scan_chunks``, or the kernel ``impl`` resolves to); ``"associative"``: a
+        parallel prefix over the chunks' affine maps, log-depth in the number of chunks but with
+        ``dk x dk`` products, reference only.
+      impl: which implementation runs the serial scan and KDA's pair scores (``impls``: ``"auto"``,
+        the Triton kernels on a GPU where they take the sizes, ``dk``, ``dv`` and ``chunk`` powers
+        of two >= 16; ``"reference"``; ``"triton"``; ``"pallas"``). A kernel's derivative is its
+        reference's. ``python -m bench.prefill`` times them.
     Returns ``(o [B, T, H, dv] fp32, final_state [B, H, dk, dv] fp32)``.
     """
     bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
@@ -286,6 +279,7 @@ def chunk_delta_rule(
         raise ValueError(f"group must be a positive number of chunks or None, got {group!r}")
     if inter not in INTER_CHUNK:
         raise ValueError(f"inter must be one of {INTER_CHUNK}, got {inter!r}")
+    scan_impl, scores_impl = _resolve(impl, inter, g.ndim == 4, dk, dv, chunk)
     if initial_state is None:
         initial_state = jnp.zeros((bsz, h, dk, dv), jnp.float32)
     elif initial_state.shape != (bsz, h, dk, dv):
@@ -314,15 +308,14 @@ def chunk_delta_rule(
         q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
     xs = tuple(_chunk_layout(x, groups, per_group, chunk) for x in (q, k, v, g, beta))   # [Ng, Npg, B, H, C, ...]
 
-    inter = _resolve_inter(inter, dk, dv, chunk)
-    scan_of = {"serial": functools.partial(scan_chunks, precision=precision),
-               "associative": functools.partial(_scan_associative, precision=precision)}.get(inter)
-    if scan_of is None:
-        api, _ = dispatch.load_kernels()
-        scan_of = _scan_kernel(api.chunk_scan, precision)
-        kda_scores = functools.partial(_kda_scores_kernel, api.kda_pair_scores)
+    if inter == "associative":
+        scan_of = functools.partial(_scan_associative, precision=precision)
+    elif scan_impl is Impl.REFERENCE:
+        scan_of = functools.partial(scan_chunks, precision=precision)
     else:
-        kda_scores = None
+        scan_of = _scan_kernel(dispatch.kernel("chunk_scan", scan_impl), precision)
+    kda_scores = (None if scores_impl is Impl.REFERENCE
+                  else functools.partial(_kda_scores_kernel, dispatch.kernel("kda_scores", scores_impl)))
 
     def run_group(state, xs):
         # Leading axes flattened: fewer dimensions compile faster (and XLA:CPU in JAX 0.10 crashes

@@ -114,7 +114,7 @@ class WindowedMethod(Runner):
         o, new = dispatch.leapquant_step(self.config, state, token)
         if active is not None:
             new = windowed.select_batch(active, new, state)
-        return o, dispatch.leapquant_maybe_flush(self.config, new)
+        return o, dispatch.leapquant_flush(self.config, new, only_full=True)
 
 
 def make_method(
@@ -133,8 +133,8 @@ def make_method(
     name: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8`` (per step), ``bf16-w``, ``int8-w``
     or ``leapquant``. The options (``bits``, ``window``, ``rank``, ``compensators``,
     ``smoothing`` and any other ``LeapQuantConfig`` field) apply to windowed methods; ``None``
-    keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``auto``,
-    ``reference``, ``pallas``: the dense-step kernel) on ``fp32`` and ``bf16``. ``calibration`` (a
+    keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``impls``:
+    which implementation runs the dense step) on ``fp32`` and ``bf16``. ``calibration`` (a
     ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option.
     """
     if name == "damp":

@@ -21,7 +21,8 @@ from .formats import STATE_FORMAT_NAMES, get_state_format
 from .quantizers import FloatTensor, QTensor
 from .recurrence import Token, recurrent_step_general
 from .runner import Runner, check_dense, check_dims, check_token
-from .state import IMPLS, resolve_key_heads
+from .impls import AUTO, check_request
+from .state import resolve_key_heads
 
 Array = jax.Array
 
@@ -36,16 +37,16 @@ class PerStepMethod(Runner):
     """Per-step baseline (eq. 2): the state lives in ``format`` and is re-quantized after every token."""
 
     format_name: str = "fp32"
-    # fp32 and bf16 states: the dense step on the Pallas kernel or the reference (dispatch's rule)
-    impl: str = "auto"
+    # fp32 and bf16 states: which implementation runs the dense step (impls, dispatch.resolve)
+    impl: str = AUTO
 
     def __post_init__(self):
         if self.format_name not in PER_STEP_METHODS:
             raise ValueError(f"per-step formats are {PER_STEP_METHODS}, got {self.format_name!r}")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.impl == "pallas" and self.format_name not in DENSE_KERNEL_FORMATS:
-            raise ValueError(f"impl='pallas' runs the fp32 and bf16 states only, not {self.format_name!r}")
+        check_request(self.impl, ("dense_step",))
+        if self.impl not in (AUTO, "reference") and self.format_name not in DENSE_KERNEL_FORMATS:
+            raise ValueError(f"impl={self.impl!r}: the dense-step kernels run the fp32 and bf16 states only, "
+                             f"not {self.format_name!r}")
 
     @property
     def name(self) -> str:
@@ -75,7 +76,7 @@ class PerStepMethod(Runner):
         """General-form step: dequantize, dense fp32 update, re-quantize. Returns ``(o, state)``."""
         check_token(state.shape, token, active)
         if self.format_name in DENSE_KERNEL_FORMATS:
-            o, values = dispatch.dense_step(self.impl, state.values, token)
+            o, values = dispatch.dense_step(state.values, token, impl=self.impl)
             new = FloatTensor(values=values)
         else:
             fmt = get_state_format(self.format_name)

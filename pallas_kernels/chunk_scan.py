@@ -71,11 +71,19 @@ def check_chunk_inputs(s0, w, uv, k_end, decay, q_start, p, block_v: int) -> Non
                            ("p", p, (n, rows, c, c))):
         if x.shape != shape:
             raise ValueError(f"{name} must be {shape} to match s0 {s0.shape} and w {w.shape}, got {x.shape}")
-    for name, size in (("dk", dk), ("dv", dv), ("chunk", c)):
-        if not (is_pow2(size) and size >= 16):
-            raise ValueError(f"{name}={size} must be a power of two >= 16 (Triton tiles)")
+    why = unsupported_reason(dk, dv, c)
+    if why is not None:
+        raise ValueError(why)
     if not (is_pow2(block_v) and block_v >= 16 and dv % block_v == 0):
         raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing dv={dv}")
+
+
+def unsupported_reason(dk: int, dv: int, chunk: int) -> str | None:
+    """Why the kernel cannot take heads of ``dk x dv`` in chunks of ``chunk`` tokens (``None`` when it can)."""
+    for name, size in (("dk", dk), ("dv", dv), ("chunk", chunk)):
+        if not (is_pow2(size) and size >= 16):
+            return f"{name}={size} is not a power of two >= 16 (Triton tiles)"
+    return None
 
 
 def default_block_v(rows: int, dv: int) -> int:
@@ -129,4 +137,5 @@ def chunk_scan_reference(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.l
     return scan_chunks(s0, w, uv, k_end, decay, q_start, p, precision=precision)
 
 
-__all__ = ["DEFAULT_BLOCK_V", "check_chunk_inputs", "chunk_scan", "chunk_scan_reference", "default_block_v"]
+__all__ = ["DEFAULT_BLOCK_V", "check_chunk_inputs", "chunk_scan", "chunk_scan_reference", "default_block_v",
+           "unsupported_reason"]

@@ -133,10 +133,17 @@ def check_score_inputs(q, k, G) -> None:
     for name, x in (("q", q), ("G", G)):
         if x.shape != k.shape:
             raise ValueError(f"{name} must be {k.shape} like k, got {x.shape}")
-    _, c, dk = k.shape
-    for name, size in (("chunk", c), ("dk", dk)):
+    why = unsupported_reason(k.shape[2], k.shape[1])
+    if why is not None:
+        raise ValueError(why)
+
+
+def unsupported_reason(dk: int, chunk: int) -> str | None:
+    """Why the kernel cannot take keys of ``dk`` channels in chunks of ``chunk`` tokens (``None`` when it can)."""
+    for name, size in (("chunk", chunk), ("dk", dk)):
         if not (is_pow2(size) and size >= 16):
-            raise ValueError(f"{name}={size} must be a power of two >= 16 (Triton tiles)")
+            return f"{name}={size} is not a power of two >= 16 (Triton tiles)"
+    return None
 
 
 @functools.partial(jax.jit, static_argnames=("precision", "num_warps", "interpret"))
@@ -169,4 +176,4 @@ def kda_pair_scores_reference(q, k, G, *, precision=jax.lax.Precision.HIGHEST, *
     return pair_scores_kda(q, k, G, precision)
 
 
-__all__ = ["check_score_inputs", "kda_pair_scores", "kda_pair_scores_reference"]
+__all__ = ["check_score_inputs", "kda_pair_scores", "kda_pair_scores_reference", "unsupported_reason"]

@@ -86,8 +86,6 @@ from ._compat import compiler_params, default_interpret, is_pow2, load, pl, roun
 from .shared import (
     cholesky_qr_round, load_code_parts, num_parts, scale_cols_to_unit_max, window_decay_part,
 )
-from . import mosaic_flush
-from .mosaic_shared import interpret_params, on_hopper
 from .support import unsupported_reason
 
 f32 = jnp.float32
@@ -431,35 +429,10 @@ def _group(state) -> int:
     return state.shape[1] // state.key_heads
 
 
-IMPLS = ("auto", "split", "fused", "mosaic")
-# ``auto`` with ``only_full``: the split flush when at least this fraction of the batch flushes,
-# else the fused one (which pays only for full windows). Break-even points measured on the H200
-# at batch 512 (bench/results/flush-time-20261201-0840-fills: all full, split 2680 us / fused
-# 5072 us for GDN, 3061 / 8207 us for KDA; one sequence in 16 full, split 808 / 828 us, fused
-# 311 / 430 us), interpolating both linearly: about 0.22 (GDN) and 0.13 (KDA).
-SPLIT_MIN_FULL_FRACTION = {False: 0.22, True: 0.13}
-# The same on Hopper, where ``auto`` takes the Mosaic GPU flush instead of the split one where it
-# can (``mosaic_flush.unsupported_reason``). It copies in every head whatever the positions, so
-# it costs about as much with few full windows as with all (2379 against 2428 us, GDN,
-# bench/results/mosaic-flush-20261202.md); all full it takes 1289 / 1346 us (GDN / KDA,
-# mosaic-flush-20261203-d-final), crossing the fused flush's line above at about 0.25 and 0.16
-# (now 1213 / 1222 us, mosaic-flush-20261204: with it cheaper, the crossings, not measured again,
-# lie a little lower).
-MOSAIC_MIN_FULL_FRACTION = {False: 0.25, True: 0.16}
-
-
-def takes_mosaic(config: LeapQuantConfig, state: LeapQuantState, interpret: bool) -> bool:
-    """Whether ``auto`` flushes with the Mosaic GPU flush: compiled on a Hopper GPU, for the
-    configs and states it takes (8 bits, 128 x 128 heads)."""
-    return not interpret and on_hopper() and mosaic_flush.unsupported_reason(config, state) is None
-
-
-def _check(config, state, impl):
+def _check(config, state):
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"leapquant_flush kernel cannot run: {why}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
 
 
 def _name(config, state, stage):
@@ -496,8 +469,12 @@ def _per_head_flush(config, state, kernel, stage, *, only_full, num_warps, inter
     return _new_state(config, state, res, only_full)
 
 
-def flush_fused(config, state, *, only_full, num_warps=None, interpret=None) -> LeapQuantState:
-    """The fused flush: one kernel, one program per (sequence, head)."""
+@functools.partial(jax.jit, static_argnames=("config", "only_full", "num_warps", "interpret"))
+def flush_fused(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, num_warps: int | None = None,
+                interpret: bool | None = None) -> LeapQuantState:
+    """The fused flush: one kernel, one program per (sequence, head) (``leapquant_flush``'s
+    contract, module docstring). ``num_warps``: 8 for GDN, 4 for KDA by default."""
+    _check(config, state)
     interpret = default_interpret() if interpret is None else interpret
     return _per_head_flush(config, state, _fused_kernel, "fused", only_full=only_full, interpret=interpret,
                            num_warps=num_warps or (4 if state.per_channel_decay else 8))
@@ -575,48 +552,17 @@ def split_quantize(config, state, dense, comp_k, comp_u, *, only_full, num_warps
     return _new_state(config, state, res, only_full)
 
 
-def flush_split(config, state, *, only_full, block_v=None, num_warps=None, interpret=None) -> LeapQuantState:
-    """The split flush: the three stages above."""
+@functools.partial(jax.jit, static_argnames=("config", "only_full", "block_v", "num_warps", "interpret"))
+def flush_split(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, block_v: int | None = None,
+                num_warps: int | None = None, interpret: bool | None = None) -> LeapQuantState:
+    """The split flush: the three stages above (``leapquant_flush``'s contract, module docstring).
+    ``block_v``: value columns per program of stage 1 (``default_reconstruct_block``);
+    ``num_warps``: of stage 3 (8 by default)."""
+    _check(config, state)
     dense, first_y = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
     comp_k, comp_u = split_fit(config, dense, first_y) if config.effective_rank else (None, None)
     return split_quantize(config, state, dense, comp_k, comp_u, only_full=only_full, num_warps=num_warps,
                           interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "only_full", "impl", "block_v", "num_warps", "interpret"))
-def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, impl: str = "auto",
-                    block_v: int | None = None, num_warps: int | None = None,
-                    interpret: bool | None = None) -> LeapQuantState:
-    """Window flush in place. ``only_full=False``: every sequence (``windowed.flush_reference``);
-    ``only_full=True``: only sequences with ``pos >= p`` (``windowed.maybe_flush``).
-
-    state: ``LeapQuantState`` (updated in place when the caller's ``jit`` donates it). Returns
-    the state with new checkpoints and ``pos = 0`` for the flushed sequences; the buffer is left
-    as it was (no read reaches a slot at or past ``pos``; the module docstring).
-    ``impl``: ``"split"``, ``"fused"`` (module docstring), ``"mosaic"`` (the Mosaic
-    GPU flush, ``mosaic_flush``, with its default options) or ``"auto"``: for every sequence the
-    split flush, or the Mosaic GPU one where ``takes_mosaic``; with ``only_full``, that or the
-    fused flush, chosen at run time by the fraction of full windows (``SPLIT_MIN_FULL_FRACTION``,
-    ``MOSAIC_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split flush's
-    first stage; ``num_warps``: of the per-head kernel (fused, or the split's last stage).
-    """
-    _check(config, state, impl)
-    interpret = default_interpret() if interpret is None else interpret
-    kw = dict(only_full=only_full, num_warps=num_warps, interpret=interpret)
-    mosaic = impl == "mosaic" or (impl == "auto" and takes_mosaic(config, state, interpret))
-
-    def whole(s):
-        if mosaic:
-            return mosaic_flush.leapquant_flush(config, s, only_full=only_full, interpret=interpret_params(interpret))
-        return flush_split(config, s, block_v=block_v, **kw)
-
-    if impl == "fused":
-        return flush_fused(config, state, **kw)
-    if impl in ("split", "mosaic") or not only_full:
-        return whole(state)
-    frac = jnp.mean((state.pos >= config.window).astype(f32))
-    least = (MOSAIC_MIN_FULL_FRACTION if mosaic else SPLIT_MIN_FULL_FRACTION)[state.per_channel_decay]
-    return jax.lax.cond(frac >= least, whole, lambda s: flush_fused(config, s, **kw), state)
 
 
 def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, impl: str = "split",
@@ -650,6 +596,5 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["IMPLS", "MOSAIC_MIN_FULL_FRACTION", "SPLIT_MIN_FULL_FRACTION", "default_reconstruct_block", "flush_bytes",
-           "flush_fused", "flush_split", "leapquant_flush", "leapquant_flush_reference", "split_fit",
-           "split_quantize", "split_reconstruct", "takes_mosaic"]
+__all__ = ["default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split", "leapquant_flush_reference",
+           "split_fit", "split_quantize", "split_reconstruct"]

@@ -25,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leapquant_jax import windowed
+from leapquant_jax import dispatch, windowed
 from leapquant_jax.methods import make_method
 from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels import api
+from pallas_kernels import support
 from pallas_kernels.dense_step import dense_step, dense_step_reference
-from pallas_kernels.leapquant_flush import leapquant_flush, leapquant_flush_reference
+from pallas_kernels.leapquant_flush import flush_fused, flush_split, leapquant_flush_reference
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
 
@@ -321,21 +321,25 @@ def test_step_kernel_rejects_mismatched_token_and_bad_options():
         leapquant_step(config, st, tok, reduce="dot", chunk=16, interpret=INTERPRET)
     with pytest.raises(ValueError, match="reduce"):
         leapquant_step(config, st, tok, reduce="mma", interpret=INTERPRET)
-    with pytest.raises(ValueError, match="impl"):
-        leapquant_flush(config, st, impl="chunked", interpret=INTERPRET)
+    with pytest.raises(ValueError, match="impl='chunked' is not an implementation of the flush"):
+        dispatch.leapquant_flush(config, st, impl="chunked")
 
 
 # ----------------------------------------------------------------------------- LeapQuant flush
 
 
+# The flush kernels by name; "auto": what dispatch runs on the kernels (interpreted here: the split
+# flush, or with only_full the fused one below dispatch.MIN_FULL_FRACTION of full windows).
+FLUSHES = {"split": functools.partial(flush_split, interpret=INTERPRET),
+           "fused": functools.partial(flush_fused, interpret=INTERPRET),
+           "auto": functools.partial(dispatch.leapquant_flush, impl="pallas")}
+
+
 def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", flush=None):
-    """A flush kernel (``leapquant_flush`` with ``impl``, or ``flush(config, state, only_full=...)``)
-    against the reference; returns both flushed states."""
+    """A flush kernel (``FLUSHES[impl]``, or ``flush(config, state, only_full=...)``) against the
+    reference; returns both flushed states."""
     ref = leapquant_flush_reference(config, st, only_full=only_full)
-    if flush is None:
-        ker = leapquant_flush(config, copy(st), only_full=only_full, impl=impl, interpret=INTERPRET)
-    else:
-        ker = flush(config, copy(st), only_full=only_full)
+    ker = (flush or FLUSHES[impl])(config, copy(st), only_full=only_full)
     np.testing.assert_array_equal(ker.pos, ref.pos)
     # The kernels leave the buffer as it was (every slot is then past pos = 0, never read), where
     # the reference zeroes it.
@@ -380,7 +384,7 @@ def test_flush_kernel_window_16_head_128(impl, kda):
 @pytest.mark.parametrize("impl", ["auto", "split", "fused"])
 def test_flush_kernel_only_full_windows(impl, pos):
     # auto takes the split flush when enough windows are full (2 of 5 here), else the fused one
-    # (1 of 5, below SPLIT_MIN_FULL_FRACTION)
+    # (1 of 5, below dispatch.MIN_FULL_FRACTION)
     config = LeapQuantConfig(bits=8, window=4, warm_start=True)
     st, _ = live_state(config, jax.random.PRNGKey(7), 5, 2, 64, 64, False, pos=pos)
     ker, ref = check_flush(config, st, only_full=True, impl=impl)
@@ -397,7 +401,7 @@ def test_flush_kernel_fully_decayed_heads_and_zero_state(kda):
     # leaving a residual of rounding noise (~1e-13) whose codes are arbitrary in both.
     check_flush(config, st, codes_agree=False)
     st = windowed.init_state(config, 2, 1, 64, 64, kda)                        # all zero: zero codes, no NaN
-    ker = leapquant_flush(config, copy(st), interpret=INTERPRET)
+    ker = FLUSHES["auto"](config, copy(st))
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
@@ -408,7 +412,7 @@ def test_flush_kernel_with_shared_key_records(kda, impl):
     config = LeapQuantConfig(bits=8, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(80 + kda), 2, 4, 64, 64, kda, pos=[8, 5], key_heads=2)
     ker, _ = check_flush(config, st, impl=impl)
-    ker_e = leapquant_flush(config, copy(expanded_state(st)), impl=impl, interpret=INTERPRET)
+    ker_e = FLUSHES[impl](config, copy(expanded_state(st)))
     for a, b in zip(jax.tree_util.tree_leaves(ker.checkpoint), jax.tree_util.tree_leaves(ker_e.checkpoint)):
         np.testing.assert_array_equal(a, b)
 
@@ -470,7 +474,7 @@ def test_method_pallas_matches_reference_through_flushes(kda, key_heads):
 def test_unsupported_reason_names_the_limit(options, dk, words):
     config = LeapQuantConfig(**options)
     st = windowed.init_state(config, 1, 1, dk, 64)
-    why = api.unsupported_reason(config, st)
+    why = support.unsupported_reason(config, st)
     assert why is not None and words in why
     m = make_method("leapquant", impl="pallas", **options)
     seq = sequence(jax.random.PRNGKey(0), 1, 1, 1, dk, 64, False)
@@ -501,7 +505,7 @@ def test_supported_configs_have_no_reason():
     for bits in (8, 6, 4):
         for kda in (False, True):
             config = LeapQuantConfig(bits=bits)
-            assert api.unsupported_reason(config, windowed.init_state(config, 2, 2, 64, 128, kda)) is None
+            assert support.unsupported_reason(config, windowed.init_state(config, 2, 2, 64, 128, kda)) is None
 
 
 @pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
@@ -518,7 +522,8 @@ def test_kernels_lower_to_triton(bits, kda):
     # 6 bits at dk = 64: 16-row code parts, too few for the int8 mma (the lanes sums only)
     for reduce in ("lanes",) if bits == 6 else ("dot", "dot_cols", "lanes"):
         lower(functools.partial(leapquant_step, config, reduce=reduce, interpret=False), st, tok)
-    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
+    for flush in (flush_split, flush_fused):
+        lower(functools.partial(flush, config, only_full=True, interpret=False), st)
     lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
 
 
@@ -536,7 +541,8 @@ def test_kernels_with_shared_key_records_lower_to_triton(kda):
 
     for hp in (1, 2, 4):
         lower(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=False), st, tok)
-    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
+    for flush in (flush_split, flush_fused):
+        lower(functools.partial(flush, config, only_full=True, interpret=False), st)
 
 
 def test_method_pallas_eager_step_with_active_mask():
@@ -628,21 +634,12 @@ def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
         np.testing.assert_array_equal(a[0], b[0])
 
 
-def test_auto_takes_the_mosaic_step_on_hopper_only(monkeypatch):
-    from pallas_kernels import api
-
+def test_the_mosaic_step_through_dispatch():
+    # impl="mosaic" through the front door: the Mosaic GPU step, interpreted here (which kernel
+    # auto takes where: test_dispatch)
     config = LeapQuantConfig(bits=8, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(12), 2, 4, 128, 128, False, pos=[3, 6])
-    assert not api.takes_mosaic_step(config, st)                 # no GPU here
-    monkeypatch.setattr(api, "on_hopper", lambda: True)
-    monkeypatch.setattr(api, "default_interpret", lambda: False)
-    assert api.takes_mosaic_step(config, st)
-    c6 = LeapQuantConfig(bits=6, window=8)
-    assert not api.takes_mosaic_step(c6, windowed.init_state(c6, 2, 4, 128, 128))
-    assert api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 128, 128, per_channel_decay=True))
-    assert not api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 64, 128))
-    # Through the front door: the Mosaic GPU step, interpreted here.
-    o_a, a = api.leapquant_step(config, copy(st), tok)
+    o_a, a = dispatch.leapquant_step(config, copy(st), tok, impl="mosaic")
     o_b, b = mosaic_step.leapquant_step(config, copy(st), tok)
     np.testing.assert_array_equal(o_a, o_b)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
