@@ -30,17 +30,10 @@ vector, whose norm sets the block magnitudes. When ``dk`` is not a multiple of t
 the last block of each column is shorter (the spec's zero padding: padded zeros never raise a
 block maximum, and are not stored).
 
-Element choice for 6 bits: e2m3 (3 mantissa bits, relative step 2^-4, range 0.125..7.5 in a
-block) rather than e3m2 (2 mantissa bits, range 0.0625..28). A block shares its scale, so
-the range an element needs is only the spread inside 32 (or 16) keys of one column; e2m3
-halves the rounding step of every element that is within 2^-3 of the block maximum, which
-is where the read's error comes from (``Minifloat(3, 2)`` is here for comparison).
-
-Sub-byte elements are stored as their sign-exponent-mantissa bit patterns (the OCP and
-``ml_dtypes`` encodings) packed along ``dk`` with ``quantizers.pack_codes``'s planar layouts.
-Element rounding is round-to-nearest-even with saturation at the element maximum; e4m3 uses
-``jnp.float8_e4m3fn``, the sub-byte grids are rounded here because the 6-bit JAX dtypes do not
-compile on CPU (the tests check every rounding against ``ml_dtypes``).
+Sub-byte elements are their sign-exponent-mantissa bit patterns (the OCP and ``ml_dtypes``
+encodings) packed along ``dk`` in ``quantizers.pack_codes``'s planar layouts; rounding is to
+nearest even, saturating at the element maximum (e4m3 through ``jnp.float8_e4m3fn``; the sub-byte
+grids here, since the 6-bit JAX dtypes do not compile on CPU; tests check them against ``ml_dtypes``).
 """
 
 from __future__ import annotations
@@ -204,6 +197,10 @@ class E4M3:
 Element = Union[Minifloat, E4M3]
 
 E2M1 = Minifloat(2, 1)
+# The 6-bit element: e2m3 (3 mantissa bits, relative step 2^-4, range 0.125..7.5 in a block) rather
+# than e3m2 (2 mantissa bits, range 0.0625..28). A block shares its scale, so an element needs only
+# the spread inside 32 (or 16) keys of one column; e2m3 halves the rounding step of every element
+# within 2^-3 of the block maximum, where the read's error comes from (e3m2 is here for comparison).
 E2M3 = Minifloat(2, 3)
 E3M2 = Minifloat(3, 2)
 

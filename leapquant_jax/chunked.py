@@ -1,40 +1,29 @@
 """The chunkwise-parallel form of the gated delta rule (GDN and KDA), for training and prefill.
 
-The token-serial recurrence (``recurrence.recurrent_scan``) is exact but serial in ``T``. Here
-the sequence is cut into chunks of ``C`` tokens. With ``G_i`` the cumulative log-decay from the
-chunk start to token ``i`` (inclusive; scalar for GDN, per key channel for KDA) and ``S0`` the
-state at the chunk start, the state after ``i`` tokens of the chunk is
+Contract: ``recurrence.recurrent_scan``'s result up to fp32 round-off, differentiable and jit-able
+(``chunk_delta_rule``: ``[B, T, H, ...]`` in, ``(o [B, T, H, dv], S [B, H, dk, dv])`` out).
 
-    S_i = Diag(e^{G_i}) S0 + sum_{j<=i} Diag(e^{G_i - G_j}) k_j u_j^T,
-
-and the corrections ``u_i = beta_i (v_i - S_{i-1}^T (alpha_i * k_i))`` solve a unit
-lower-triangular system ``(I + A) U = diag(beta) (V - Ktil S0)`` with
-``A_ij = beta_i k_i^T (e^{G_i - G_j} * k_j)`` (``j < i``) and ``Ktil_i = e^{G_i} * k_i``.
-Its inverse ``T = (I + A)^{-1}`` gives the WY / UT-transform representation
-
-    W = T diag(beta) Ktil,   Uv = T diag(beta) V,   U = Uv - W S0,
-
-all computed with matmuls for every chunk at once. The chunk's final state is
-``S_C = Diag(e^{G_C}) S0 + Khat^T U`` (``Khat_j = e^{G_C - G_j} * k_j``), an affine map of its initial one, ``S_C = M S0 + D`` with ``M = Diag(e^{G_C}) - Khat^T W`` and
-``D = Khat^T Uv``. The outputs
-``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again.
-Crossing chunks is the only serial part, in one of three forms (``inter``): a ``lax.scan``
-with four small matmuls per chunk (``U = Uv - W S0``, the outputs, then the state:
-``scan_chunks``); the same loop in one Pallas kernel that keeps the state in registers
-(``pallas_kernels.chunk_scan``, the default on a GPU); or a parallel prefix
-(``lax.associative_scan``) over the maps ``(M, D)``, log-depth in the number of chunks. Long
+The sequence is cut into chunks of ``C`` tokens. With ``G_i`` the cumulative log-decay from the
+chunk start to token ``i`` (scalar for GDN, per key channel for KDA) and ``S0`` the chunk's initial
+state, the corrections ``u_i = beta_i (v_i - S_{i-1}^T (alpha_i k_i))`` solve a unit
+lower-triangular system ``(I + A) U = diag(beta) (V - Ktil S0)``, ``A_ij = beta_i k_i^T (e^{G_i -
+G_j} k_j)`` (``j < i``), ``Ktil_i = e^{G_i} k_i``. Its inverse ``T = (I + A)^{-1}`` gives the WY
+representation ``W = T diag(beta) Ktil``, ``Uv = T diag(beta) V``, ``U = Uv - W S0``, computed for
+every chunk at once with matmuls (``_chunk_terms``); so are the outputs ``o_i = S0^T (e^{G_i} q_i) +
+sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} q_i))`` and the chunk's map ``S_C = Diag(e^{G_C}) S0 + Khat^T U``.
+Crossing chunks is the only serial part (``inter``): a scan over the chunks, four small matmuls
+each (``chunk_ops.scan_chunks``, or its kernel where ``impl`` resolves to one: the default on a
+GPU), or a parallel prefix over the chunks' affine maps (log-depth, ``dk x dk`` products). Long
 sequences run ``group`` chunks at a time (bounded memory).
 
-Numerics: every exponent is a difference ``G_i - G_j`` with ``j <= i`` (or a decay from the
-chunk start), so it is ``<= 0``; differences of the wrong sign are masked *before* ``exp``
-(neither the value nor its gradient can overflow), and no product of decays is ever divided
-by. For KDA the pairwise decay is per channel, so ``A`` and ``q k^T`` are not plain matmuls:
-pairs within a sub-chunk of 16 tokens are reduced directly from ``e^{G_i - G_j}``, and pairs
-across sub-chunks factor through the sub-chunk boundaries into two factors that are each
-``<= 1`` (FLA's ``chunk_kda`` uses the same split). Log-decays are clamped at ``-104``, below
-which ``exp`` is exactly 0 in fp32, so the recurrence's decay is unchanged while cumulative sums
-stay small. Pair decays are differences of cumulative sums within a chunk: after a token with
-log-decay ``-x`` earlier in the same chunk they carry an absolute error of about ``x * 2^-24``.
+Numerics: every exponent is a difference ``G_i - G_j <= 0`` (or a decay from the chunk start),
+masked *before* ``exp`` where its sign is wrong (neither value nor gradient can overflow), and no
+product of decays is divided by. KDA's pair terms are not plain matmuls: pairs within a sub-chunk
+of ``chunk_ops.SUB_CHUNK`` tokens are reduced from ``e^{G_i - G_j}`` directly, pairs across
+sub-chunks factor into two factors ``<= 1`` (``chunk_ops.pair_scores_kda``; FLA's ``chunk_kda``
+splits the same way). Log-decays are clamped at ``LOG_DECAY_FLOOR``, below which ``exp`` is 0 in
+fp32; pair decays are differences of cumulative sums within a chunk, so after a token of
+log-decay ``-x`` they carry an absolute error of about ``x * 2^-24``.
 """
 
 from __future__ import annotations
@@ -58,9 +47,8 @@ Array = jax.Array
 LOG_DECAY_FLOOR = -104.0
 
 # ``chunk_delta_rule(group=None)``: chunks x rows (batch x heads) whose intra-chunk terms are
-# formed at once; 128 chunks of a batch of 8 x 32 heads (about 5 GB of fp32 terms at 128 x 128
-# heads), all 1,024 chunks of a 64K-token prompt of 32 heads (one group: 23.3 ms against 26.3 ms
-# in two groups for KDA on the H200, bench/results/prefill-20261201-045714).
+# formed at once: 128 chunks of a batch of 8 x 32 heads (about 5 GB of fp32 terms at 128 x 128
+# heads), or a whole 64K-token prompt of 32 heads in one group (faster than two; docs/performance.md).
 GROUP_CHUNK_ROWS = 32768
 
 # How the state crosses chunks (``chunk_delta_rule(inter=...)``): the serial scan (a kernel runs it

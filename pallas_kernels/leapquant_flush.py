@@ -1,71 +1,34 @@
-"""LeapQuant window flush (docs/design.md §3, §6): reconstruct ``S_p``, fit, smooth, quantize, write.
+"""LeapQuant window flush on Pallas Triton (docs/design.md §3, §6): reconstruct ``S_p``, fit, smooth, quantize.
 
-Why: once per window the state is materialised in fp32 and rounded once into the next
-checkpoint. Three implementations with one contract (``impl``):
+Contract: ``windowed.flush_reference``'s (``only_full=False``: every sequence) or
+``windowed.maybe_flush``'s (``only_full=True``: the sequences at ``pos >= p``; the kernels read
+and write nothing for the others). The checkpoint (codes ``[B, H, packed_rows, dv]``, scale
+``[B, H, dv]``, smooth ``[B, H, dk]``, fp16 ``K [B, H, r, dk]``, ``U [B, H, r, dv]``) is written
+in place; ``pos`` is reset in XLA. No flush writes the buffer: every slot is then past the reset
+``pos``, and every read of a record stops at ``pos`` (the reference returns an empty buffer).
 
-* ``split`` (the fastest on the H200 when every window is full): three stages.
-  1. A kernel with one program per (sequence, head, value block ``BV``) reconstructs
-     ``S[:, block] = D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` (log-space decays,
-     masked before ``exp``: a fully decayed head gives zeros, not NaN; the window's records as
-     one dot for ``p >= 16``) and, while the block is on chip, its part of the first round of
-     subspace iteration, ``S_b (S_b^T Q_0)`` from the seeded start (or the warm start, the old
-     ``K`` topped up where it is zero): ``Y = S S^T Q_0`` is the sum of these parts over the
-     value blocks. It writes ``S`` in fp32 and the parts (``[B, H, dv / BV, r, dk]``).
-  2. XLA finishes the fit with ``compensators.fit_subspace`` (the reference's own code: the
-     parts summed, CholeskyQR2 unrolled for ``r <= 8``, ``U = S^T K^T`` clipped, fp16 factors),
-     reading ``S`` once. With only ``S^T Q_0`` from stage 1 it read ``S`` twice (``Y = S Z``
-     too): 3144 / 3595 us per flush (GDN / KDA, batch 512, H200) against 2680 / 3061 us now
-     (``bench/results/flush-time-20261201-0831-blocks``, ``-0840-fills``). Computing ``U`` in
-     stage 3 instead (which reads ``S`` anyway) was measured slower: its ``r`` cross-thread
-     sums per program doubled stage 3 (``bench/results``).
-  3. A kernel with one program per (sequence, head) forms the residual ``R = S - K^T U`` from
-     the rounded factors, smooths it by ``c_i = sqrt(mean_j |R_ij|)`` floored at 1e-12,
-     quantizes ``R / c`` with one scale per value column (round half to even), packs the codes
-     (planar 6/4-bit layout) and writes the checkpoint in place.
-  The fp32 state goes through device memory (written once, read twice), but every stage has
-  many programs in flight; see ``bench/results`` for the measured trade. A flush that never
-  writes ``S``, with the same (sequence, head, value block) programs rebuilding their block of
-  ``S`` from the codes and the records in each of three passes (the fit round, then ``K``,
-  ``U`` and the residual's row sums, then the quantization; the head's blocks coupled through
-  small partial sums in between), agreed with the reference but took 3717 / 5413 us per flush
-  (GDN / KDA, every window full) and 356 / 468 us with one window in 16 full, against the
-  fused flush's 311 / 430 us (commit 853d3c0): Nsight Compute shows each pass bound by the
-  SM's L1/shared-memory pipe (76% busy, DRAM 19%, the cross-thread sums), at 25% occupancy
-  (128 registers), so it was not kept.
-* ``fused``: one program per (sequence, head) does all of it with the whole fp32 tile in
-  registers (reading the checkpoint and the records, writing the checkpoint); the fit's
-  ``r (r + 1)`` Gram reductions and the records loop are serial per program, which leaves
-  it latency-bound at one or two programs per SM.
+Two flushes, one contract (``leapquant_jax.dispatch`` chooses between them):
 
-No flush writes the buffer: after it every slot is past the reset ``pos``, and every read of
-a record (the kernels' masked loads, the reference's decays masked before ``exp``) stops at
-``pos``, so zeroing it would only move bytes (``windowed.flush_reference`` returns an empty
-buffer; the kernels leave the old records, which no read reaches).
+* ``flush_split``, three stages. A kernel per (sequence, head, value block ``BV``) rebuilds
+  ``S[:, block] = D0 (c deq(Z) + K^T U) + sum_j (d_j k_j) u_j^T`` in fp32 and, while the block
+  is on chip, its part of the fit's first round ``S_b (S_b^T Q_0)``; XLA finishes the fit with
+  the reference's own ``compensators.fit_subspace`` (reading ``S`` once); a kernel per (sequence,
+  head) forms ``R = S - K^T U`` from the rounded factors, smooths, quantizes and packs. Why: many
+  programs in flight at every stage, at the cost of the fp32 state through device memory.
+* ``flush_fused``: one program per (sequence, head) does it all with the fp32 tile in registers.
+  Why: it reads nothing for a sequence whose window is not full, so few full windows cost little.
 
-Which sequences flush: ``only_full=True`` skips (the kernels read and write nothing for)
-sequences whose window is not full (``pos < p``); ``only_full=False`` flushes every sequence,
-the contract of ``windowed.flush_reference``. ``pos`` is reset in XLA after the kernels. The
-split flush's XLA stage runs over the whole batch whatever the positions, so ``impl="auto"``
-(the default, and what ``leapquant_jax.dispatch`` runs) takes the split flush when at least
-``SPLIT_MIN_FULL_FRACTION`` of the batch flushes and the fused one otherwise: a batch whose
-windows fill at once pays the split flush's rate, a batch at spread-out positions pays only
-for its full windows.
+Decays are log-space sums masked before ``exp`` (a fully decayed head gives zeros, not NaN). The
+fit starts from the seeded Gaussian (or the warm start: the old ``K``, a zero row topped up) and
+orthonormalises with the reference's CholeskyQR2. Smoothing ``c_i = sqrt(mean_j |R_ij|)`` floored
+at ``SMOOTH_FLOOR``; one scale per value column; codes rounded half to even, packed planar.
+Rounding: fp32 (stage 1's records dot as 3xTF32 on the GPU, about fp32); ``K``, ``U`` in fp16.
+The summation order differs from the reference's, so a code on a rounding boundary may differ by
+one step. GVA (``H = n Hk``): the program of value head ``j`` reads the key records of ``j // n``.
 
-Rounding: fp32 throughout; the split flush's records dot runs as 3xTF32 on the GPU (about
-fp32's accuracy); fp16 rounding of ``K``, ``U``; the code rounding. Summation order differs
-from the XLA reference, so a code sitting on a rounding boundary may differ by one step; the
-decoded states agree to a quantization step on those few elements.
-
-GVA (``H = n Hk``): the buffer keeps one key record per key head (``k [B, Hk, p, dk]``); a
-flush program of value head ``j`` reads those of key head ``j // n`` (the key records' block
-spec). No flush writes the buffer, so sharing changes nothing else.
-
-Bytes moved per flushed value head: ``flush_bytes`` (the fused count: read the
-checkpoint and the ``p`` records, the key records ``1 / n`` of theirs per value head, write the
-checkpoint; the split flush adds the fp32 state written once and read twice, ``12 dk dv``,
-plus stage 1's parts of ``Y`` and the factors).
-
-Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
+Defaults: ``default_reconstruct_block`` value columns in stage 1, 8 warps in stage 3, the fused
+flush on 8 (GDN) or 4 (KDA) warps: the fastest measured (docs/performance.md). Bytes per flushed
+value head: ``flush_bytes``. Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -482,7 +445,7 @@ def flush_fused(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bo
 
 def default_reconstruct_block(per_channel: bool, dv: int) -> int:
     """Value columns per program of the split flush's first kernel: 32 for GDN, 64 for KDA (the
-    fastest on the H200 at batch 512, ``bench/results``), at most ``dv``."""
+    fastest measured, docs/performance.md), at most ``dv``."""
     return min(64 if per_channel else 32, dv)
 
 
@@ -567,9 +530,11 @@ def flush_split(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bo
 
 def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, impl: str = "split",
                 group: int = 1) -> float:
-    """Bytes one flushed value head moves (the module docstring's count). ``group``: value heads
-    per key head (GVA), whose shared key records count ``1 / group`` per value head. An ``int``
-    when ``group`` divides them."""
+    """Bytes one flushed value head moves: read the checkpoint and the ``p`` records, write the
+    checkpoint (the fused count); ``impl="split"`` adds the fp32 state written once and read twice
+    (``12 dk dv``, two more reads per further fit round), stage 1's parts of ``Y`` and the factors.
+    ``group``: value heads per key head (GVA), whose shared key records count ``1 / group`` per
+    value head. An ``int`` when ``group`` divides them."""
     e = jnp.dtype(config.record_dtype).itemsize
     r = config.effective_rank
     ckpt = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
