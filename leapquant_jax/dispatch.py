@@ -34,7 +34,7 @@ from .state import LeapQuantConfig, LeapQuantState
 # A flush of full windows under auto or pallas: the whole-batch flush (split or Mosaic GPU) when at
 # least this fraction of the batch's windows is full, else the fused one. Why: the measured
 # break-even of the two on the H200 at batch 512, per decay kind (False: GDN, True: KDA;
-# docs/performance.md, "Which flush").
+# docs/performance.md, "Which implementation auto takes").
 MIN_FULL_FRACTION = {Impl.SPLIT: {False: 0.22, True: 0.13}, Impl.MOSAIC: {False: 0.25, True: 0.16}}
 
 

@@ -134,16 +134,6 @@ def resolve_interpret(interpret, what: str):
     return interpret
 
 
-def interpret_params(interpret: bool):
-    """The Mosaic GPU kernels' ``interpret`` for a Triton kernel's flag: the interpreter where
-    ``interpret`` (an error where this JAX has none), else ``False`` (compiled)."""
-    if not interpret:
-        return False
-    if InterpretGPUParams is None:
-        raise RuntimeError("the Mosaic GPU kernels' interpret mode needs JAX >= 0.10")
-    return InterpretGPUParams()
-
-
 def sm_count() -> int:
     """Streaming multiprocessors of the default device (1 where it does not say)."""
     try:
@@ -249,6 +239,6 @@ def run_kernel(kernel, values: dict) -> dict:
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
            "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "default_programs", "fold_vmap",
-           "interpret_params", "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
+           "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
            "rows_layout", "run_kernel", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout",
            "warp_parts"]
