@@ -1,9 +1,9 @@
 """Flush variants alone: µs per flush at batch 512 (one layer, 32 heads, 128 x 128, window 16,
 every window full, or one in ``--full-every``), after single-op checks of flush implementations against the reference.
 
-    python -m bench.flush_time --out DIR [--bits 8] [--modes gdn kda] [--check-bits 8] [--check-impls stream]
+    python -m bench.flush_time --out DIR [--bits 8] [--modes gdn kda] [--check-bits 8] [--check-impls split]
                                [--check-configs '[{}, {"warm_start": true}]'] [--full-every 1 16]
-                               [--variants '[{"impl": "split"}, {"impl": "stream", "num_warps": 4}]']
+                               [--variants '[{"impl": "split"}, {"impl": "fused", "num_warps": 4}]']
 
 ``impl="mosaic"`` (in ``--variants`` and ``--check-impls``) is the Mosaic GPU flush
 (``pallas_kernels.mosaic_flush``) with its own options; a ``--check-impls`` entry may be a JSON
@@ -32,12 +32,11 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--bits", type=int, nargs="+", default=[8])
     ap.add_argument("--modes", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
-    ap.add_argument("--variants", default='[{"impl": "split"}, {"impl": "stream", "num_warps": 4}, '
-                                          '{"impl": "stream", "num_warps": 8}]',
+    ap.add_argument("--variants", default='[{"impl": "split"}, {"impl": "fused"}]',
                     help="JSON list of leapquant_flush keyword options, one per variant "
                          '(impl "mosaic": the Mosaic GPU flush, with its options)')
     ap.add_argument("--check-bits", type=int, nargs="*", default=[8])
-    ap.add_argument("--check-impls", nargs="+", default=["stream"],
+    ap.add_argument("--check-impls", nargs="+", default=["split"],
                     help="flush implementations checked (leapquant_flush's impl, or mosaic: the Mosaic GPU flush; "
                          "or a JSON object of run_flush options with its impl)")
     ap.add_argument("--check-configs", default="[{}]",

@@ -2,7 +2,7 @@
 
     python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
                             [--load-only] [--extra-bits 6 4] [--correctness full|ops|none] [--check-bits 8 6 4]
-                            [--check-flush-impls auto stream] [--modes gdn kda] [--time-budget SECONDS]
+                            [--check-flush-impls auto split] [--modes gdn kda] [--time-budget SECONDS]
                             [--long-decode TOKENS] [--commit HASH] [--out bench/results]
 
 In this order:
@@ -12,7 +12,7 @@ In this order:
 2. ``--sweep``: at the largest batch, block/warp/stage variants of the Pallas fp32 dense step,
    the LeapQuant step (``heads_per_program`` too; on Hopper the Mosaic GPU step, with the Triton
    step's defaults timed beside it when it is the fastest) and the flush (``fused``, ``split``,
-   ``stream``, ``auto``); the timings below use the fastest of each. A variant the kernels do not
+   ``auto``); the timings below use the fastest of each. A variant the kernels do not
    (yet) accept is reported with its error, not fatal.
    ``--load-only`` (on with ``--sweep``): a Pallas Triton kernel that reads exactly the bytes the
    LeapQuant step reads (``step_bytes``) and does only a trivial reduction of each, at 1, 2 and
@@ -67,21 +67,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leapquant_jax import windowed
+from leapquant_jax import dispatch, windowed
+from leapquant_jax.impls import OPS, Impl
 from leapquant_jax.methods import make_method
 from leapquant_jax.quantizers import packed_rows
 from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 from pallas_kernels._compat import compiler_params, default_interpret, is_pow2, load, pl
 from pallas_kernels.dense_step import dense_step, dense_step_bytes, dense_step_reference
-from pallas_kernels.leapquant_flush import IMPLS as FLUSH_IMPLS
-from pallas_kernels.leapquant_flush import (
-    flush_bytes, leapquant_flush, split_fit, split_quantize, split_reconstruct, takes_mosaic,
-)
+from pallas_kernels.leapquant_flush import flush_bytes, split_fit, split_quantize, split_reconstruct
 from pallas_kernels.leapquant_step import check_token, leapquant_step, step_bytes
 from pallas_kernels import mosaic_dense, mosaic_flush, mosaic_step
-from pallas_kernels.api import takes_mosaic_dense, takes_mosaic_step
-from pallas_kernels.mosaic_shared import on_hopper
 from pallas_kernels.shared import num_parts
 
 
@@ -136,11 +132,23 @@ def ragged_decode(method, state, seq, offsets):
     return jnp.moveaxis(o, 0, 1), state
 
 
-def run_flush(config, state, impl="auto", **options):
-    """``leapquant_flush`` with ``impl``, or the Mosaic GPU flush for ``impl="mosaic"``."""
-    if impl == "mosaic":
-        return mosaic_flush.leapquant_flush(config, state, **options)
-    return leapquant_flush(config, state, impl=impl, **options)
+# The flushes a run can name: a flush kernel (leapquant_jax.impls) or auto, what dispatch runs on the kernels.
+FLUSH_IMPLS = ("auto",) + tuple(i for i in OPS["flush"] if i != Impl.REFERENCE)
+
+
+def takes_mosaic(op, *operands) -> bool:
+    """Whether ``dispatch`` runs ``op`` on its Mosaic GPU kernel here (``impl="pallas"``)."""
+    return dispatch.resolve(op, "pallas", *operands) is Impl.MOSAIC
+
+
+def run_flush(config, state, impl="auto", *, only_full=False, **options):
+    """The flush kernel ``impl`` names with its ``options``, or for ``"auto"`` (no options) what
+    ``dispatch.leapquant_flush`` runs on the kernels (``impl="pallas"``)."""
+    if impl == "auto":
+        if options:
+            raise ValueError(f"the auto flush takes no kernel options, got {sorted(options)}")
+        return dispatch.leapquant_flush(config, state, only_full=only_full, impl="pallas")
+    return dispatch.kernel("flush", Impl(impl))(config, state, only_full=only_full, **options)
 
 
 def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=("auto",),
@@ -166,7 +174,7 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=(
             for reduce in ("dot", "lanes"):
                 o_k, n_k = leapquant_step(config, jax.tree_util.tree_map(jnp.copy, st), tok, reduce=reduce)
                 step_errs[reduce] = rel(o_k, o_r)
-            if takes_mosaic_step(config, st):       # what auto runs on Hopper
+            if takes_mosaic("step", config, st):       # what auto runs on Hopper
                 o_m, _ = mosaic_step.leapquant_step(config, jax.tree_util.tree_map(jnp.copy, st), tok)
                 step_errs["mosaic"] = rel(o_m, o_r)
             buf_err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(n_r.buffer)))
@@ -441,7 +449,7 @@ def impl_flush_bytes(config, dk, dv, kda, impl):
 def bytes_impl(flush_opts, mosaic: bool = False) -> str:
     """The ``flush_bytes`` impl of flush options: every window is full in the timings, where
     ``auto`` runs the split flush, or the Mosaic GPU one where ``mosaic``
-    (``leapquant_flush.takes_mosaic``); any other impl counts as itself."""
+    (``takes_mosaic("flush", ...)``); any other impl counts as itself."""
     impl = (flush_opts or {}).get("impl", "auto")
     return ("mosaic" if mosaic else "split") if impl == "auto" else impl
 
@@ -479,11 +487,9 @@ def step_variants(config, dk, dv, mosaic=False):
 
 
 def flush_variants(kda, dv):
-    """Sweep options of the flush of full windows: fused, split (two stage-1 blocks), auto and
-    the streaming flush at 2, 4 and 8 warps."""
+    """Sweep options of the flush of full windows: fused, split (two stage-1 blocks) and auto."""
     out = [dict(impl="fused", num_warps=4 if kda else 8), dict(impl="split", block_v=min(32, dv)),
            dict(impl="split", block_v=min(64, dv)), dict(impl="auto")]
-    out += [dict(impl="stream", num_warps=nw) for nw in (4, 8, 2)]
     return _unique(out)
 
 
@@ -858,14 +864,14 @@ def main(argv=None):
             best[kda]["dense"] = sweep("pallas fp32 dense step", dense_variants(dv), dense_state,
                                        lambda o, toks=toks: dense_timer("float32", toks, **o), p) or best[kda]["dense"]
             probe = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), 8, h, dk, dv), per_channel_decay=kda)
-            mosaic = on_hopper() and not default_interpret() and mosaic_step.unsupported_reason(config, probe) is None
+            mosaic = takes_mosaic("step", config, probe)
             best[kda]["step"] = sweep(f"leapquant int{args.bits} step (no flush)", step_variants(config, dk, dv, mosaic),
                                       lq_state, lambda o: leapquant_window_timer(config, "steps", o), p) or {}
             best[kda]["flush"] = sweep(f"leapquant int{args.bits} flush (per flush)", flush_variants(kda, dv), lq_state,
                                        lambda o: leapquant_window_timer(config, "flush", flush_opts=o), 1) or {}
             # one sequence in 16 full: what a batch at spread-out positions pays
             sweep(f"leapquant int{args.bits} flush, 1/16 of sequences full",
-                  [dict(impl="fused"), dict(impl="split"), dict(impl="stream"), dict(impl="auto")], lq_state,
+                  [dict(impl="fused"), dict(impl="split"), dict(impl="auto")], lq_state,
                   lambda o: leapquant_window_timer(config, "flush-1/16", flush_opts=o), 1)
             flush_stages(kda, bsz)
     results["chosen_variants"] = {("KDA" if k else "GDN"): v for k, v in best.items()}
@@ -884,11 +890,11 @@ def main(argv=None):
                 fresh = lambda dt=dt: random_state(jax.random.PRNGKey(3), bsz, h, dk, dv).astype(dt)
                 nb = dense_step_bytes(dk, dv, isz, kda) * bsz * h
                 s = fresh()
-                mosaic = takes_mosaic_dense(s, toks[0])
+                mosaic = takes_mosaic("dense_step", s, toks[0])
                 us = time_jax(dense_timer(dt, toks, **best[kda]["dense"]), s, toks, p)
                 triton = dict(impl=f"Pallas {dt} dense step", kind=f"dense-{dt}", us=us, bytes=nb)
                 if mosaic:
-                    # what the dense methods run on Hopper (api.dense_step); the Triton row beside it
+                    # what the dense methods run on Hopper (dispatch.dense_step); the Triton row beside it
                     us = time_jax(step_timer(mosaic_dense.dense_step), fresh(), toks, p)
                     rows.append(dict(impl=f"Pallas {dt} dense step (Mosaic GPU, auto on Hopper)", kind=f"dense-{dt}",
                                      us=us, bytes=nb))
@@ -896,11 +902,10 @@ def main(argv=None):
                 rows.append(triton)
             s = random_state(jax.random.PRNGKey(3), bsz, h, dk, dv)
             flush_impl = bytes_impl(best[kda]["flush"],
-                                    takes_mosaic(config, windowed.from_dense(config, s[:1], per_channel_decay=kda),
-                                                 default_interpret()))
+                                    takes_mosaic("flush", config, windowed.from_dense(config, s[:1], per_channel_decay=kda)))
             step_opts = best[kda]["step"]
             step_kernel = " (Mosaic GPU step)"
-            if not args.sweep and takes_mosaic_step(config, windowed.from_dense(config, s, per_channel_decay=kda)):
+            if not args.sweep and takes_mosaic("step", config, windowed.from_dense(config, s, per_channel_decay=kda)):
                 step_opts, step_kernel = dict(kernel="mosaic"), " (Mosaic GPU step, auto on Hopper)"
             mosaic_step_row = step_opts.get("kernel") == "mosaic"     # the sweep's fastest step, or auto's
             step_kernel = step_kernel if mosaic_step_row else ""

@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leapquant_jax import windowed
+from leapquant_jax import dispatch, windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import leapquant_step as triton_step
 from pallas_kernels import mosaic_shared, mosaic_step
-from pallas_kernels.leapquant_flush import leapquant_flush
 from bench.kernels import git_commit, random_sequence, random_state, rel, results_log, time_copy, time_loop, token_at
 
 
@@ -57,7 +56,7 @@ def window_fn(step, config, flush=False):
         for tok in toks:
             o, state = step(config, state, tok)
         if flush:
-            state = leapquant_flush(config, state, only_full=True)
+            state = dispatch.leapquant_flush(config, state, only_full=True, impl="pallas")
         return state, o
 
     return jax.jit(run, donate_argnums=(0,))

@@ -11,7 +11,7 @@ The second writes ``bench/results/ncu-step-gdn-int8.ncu-rep`` (read it back with
 
 ``N`` (``--launch-skip``) counts only launches that match ``-k``: the warm-up call launches each
 kernel once, so ``N = 1`` profiles the first launch after compilation for a one-kernel op
-(step, load-only, dense step, fused or stream flush). The split flush (``--flush-opts
+(step, load-only, dense step, fused flush). The split flush (``--flush-opts
 '{"impl": "split"}'``, and ``auto`` with every window full) launches two matching kernels per
 call, ``reconstruct`` then ``quantize``: ``N = 2`` with ``--launch-count 2``, or name one stage.
 With ``--what all`` the order is dense, load, step, flush; pick one with ``-k``.
@@ -21,7 +21,7 @@ Kernel names (the Pallas ``name=``, which is the CUDA kernel's name):
 * ``leapquant_step_{gdn,kda}_int{8,6,4}``: the LeapQuant step (``--what step``);
 * ``leapquant_load_only_{gdn,kda}_int{bits}``: ``bench.kernels.load_only_step``, the step's
   bytes with a trivial reduction (``--what load``);
-* ``leapquant_flush_{fused,stream,reconstruct,quantize}_{gdn,kda}_int{bits}``: the flush
+* ``leapquant_flush_{fused,reconstruct,quantize}_{gdn,kda}_int{bits}``: the flush
   (``--what flush``; ``reconstruct`` and ``quantize`` are the split flush's two kernels, its
   middle stage is XLA);
 * ``dense_step_{gdn,kda}_{float32,bfloat16}``: the Pallas dense step (``--what dense``; match it
@@ -43,11 +43,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 
-from bench.kernels import load_only_step, random_sequence, random_state, token_at
+from bench.kernels import load_only_step, random_sequence, random_state, run_flush, token_at
 from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.dense_step import dense_step
-from pallas_kernels.leapquant_flush import leapquant_flush
 from pallas_kernels.leapquant_step import leapquant_step
 
 ORDER = ("dense", "load", "step", "flush")
@@ -70,7 +69,7 @@ def kernel_fns(config, pos, opts):
         return state, o
 
     def flush(state, tok):
-        state = leapquant_flush(config, at(state, p), only_full=True, **opts["flush"])
+        state = run_flush(config, at(state, p), only_full=True, **opts["flush"])
         return state, state.pos
 
     def dense(state, tok):

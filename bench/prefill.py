@@ -11,7 +11,8 @@ One layer of ``--heads`` heads, ``dk = dv = --dim``, GDN and KDA, fp32 inputs (L
 with a few outlier channels, decays near 1, ``beta`` in (0, 1), as in ``bench.kernels``), every
 ``(T, batch)`` in one run. Ours is ``jax.jit(chunk_delta_rule)`` in each ``--variants`` entry
 ``INTER:PRECISION``: ``inter`` how the state crosses chunks (``kernel``: the Pallas chunk scan,
-the function's default on a GPU; ``serial``: a ``lax.scan``; or ``associative``), ``precision`` of its matmuls (``highest``: fp32, the function's
+``impl="triton"``; ``serial``: a ``lax.scan``, ``impl="reference"``; ``associative``; ``auto``: the
+function's defaults), ``precision`` of its matmuls (``highest``: fp32, the function's
 default; ``default``: TF32 on the GPU, the math FLA's fp32 kernels use, so the like-for-like
 comparison). In this order:
 
@@ -60,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels import environment, git_commit, random_sequence, rel, time_loop
-from leapquant_jax.chunked import INTER_CHUNK, chunk_delta_rule
+from leapquant_jax.chunked import chunk_delta_rule
 from leapquant_jax.recurrence import recurrent_scan
 
 PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
@@ -209,11 +210,16 @@ def run_fla(args, cases, check, log):
 # ----------------------------------------------------------------------------- ours
 
 
+# INTER of a variant -> chunk_delta_rule's inter and impl
+INTER_CHUNK = {"auto": dict(), "serial": dict(inter="serial", impl="reference"),
+               "associative": dict(inter="associative", impl="reference"), "kernel": dict(inter="serial", impl="triton")}
+
+
 def parse_variant(text: str) -> tuple[str, str]:
     """``"INTER:PRECISION"`` (``serial:default``) -> ``(inter, precision)``, checked."""
     inter, _, pname = text.partition(":")
     if inter not in INTER_CHUNK or pname not in PRECISIONS:
-        raise argparse.ArgumentTypeError(f"a variant is INTER:PRECISION with INTER in {INTER_CHUNK} and PRECISION in "
+        raise argparse.ArgumentTypeError(f"a variant is INTER:PRECISION with INTER in {tuple(INTER_CHUNK)} and PRECISION in "
                                          f"{sorted(PRECISIONS)}, got {text!r}")
     return inter, pname
 
@@ -236,7 +242,7 @@ def variant_label(inter: str, pname: str) -> str:
 
 def ours(chunk, group, precision, inter="serial"):
     return jax.jit(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=chunk, group=group,
-                                                  precision=precision, inter=inter))
+                                                  precision=precision, **INTER_CHUNK[inter]))
 
 
 def compile_ahead(jobs: dict, threads: int, log) -> dict:

@@ -15,8 +15,7 @@ Its compiler and the one inside ``jaxlib`` on a GPU differ in version, and the I
 lowered (the GPU's pipeline first runs Triton's TTIR clean-up passes on it), so figures can
 differ a little from the device's (``bench.ncu_kernels`` measures those): on the old stream
 flush (8-bit GDN, 4 warps) 1,704 bytes of spill stores here against 1,820 with the clean-up
-passes run first. What holds is the ordering and whether a kernel spills. The stream flush's
-compile takes minutes; the other kernels' seconds.
+passes run first. What holds is the ordering and whether a kernel spills.
 """
 
 from __future__ import annotations
@@ -130,7 +129,8 @@ def kernel_calls(what, bits, kda, opts, *, batch=2, heads=32, dim=128, window=16
     from leapquant_jax import windowed
     from leapquant_jax.state import LeapQuantConfig
     from pallas_kernels.dense_step import dense_step
-    from pallas_kernels.leapquant_flush import leapquant_flush
+    from pallas_kernels.leapquant_flush import flush_fused, flush_split
+    from pallas_kernels.mosaic_flush import leapquant_flush as flush_mosaic
     from pallas_kernels.leapquant_step import leapquant_step
 
     if isinstance(opts.get("precision"), str):           # JSON names a precision: "DEFAULT" or "HIGHEST"
@@ -142,7 +142,16 @@ def kernel_calls(what, bits, kda, opts, *, batch=2, heads=32, dim=128, window=16
     if what == "step":
         return [("step", functools.partial(leapquant_step, config, interpret=False, **opts), (state, tok))]
     if what == "flush":
-        return [("flush", functools.partial(leapquant_flush, config, only_full=True, interpret=False, **opts), (state,))]
+        # impl "auto" (the default): both kernels a flush of full windows may take, split and fused
+        opts = dict(opts)
+        impl = opts.pop("impl", "auto")
+        flushes = {"auto": (flush_split, flush_fused), "split": (flush_split,), "fused": (flush_fused,),
+                   "mosaic": (flush_mosaic,)}[impl]
+
+        def flush(state):
+            return tuple(f(config, state, only_full=True, interpret=False, **opts) for f in flushes)
+
+        return [("flush", flush, (state,))]
     if what == "dense":
         return [("dense", functools.partial(dense_step, interpret=False, **opts), (dense0, tok))]
     from leapquant_jax.chunked import kda_cumulative

@@ -1,74 +1,28 @@
 """KV-cache quantization methods adapted to a recurrent state (KVQuant, QuaRot, TurboQuant).
 
-``FORMATS`` maps each per-step method name to a zero-argument constructor of its format (an
-object with ``name``, ``quantize(x [..., dk, dv]) -> pytree`` and ``dequantize(t) -> fp32``).
-A per-step method re-quantizes the state after every decode token, so each format below is
-applied to the whole state ``S [..., dk, dv]`` (keys index rows, values index columns) once per
-token, not to a stream of cached key/value vectors written once.
+``FORMATS`` maps each per-step method name to a zero-argument constructor of its format (``name``,
+``quantize(x [..., dk, dv]) -> pytree``, ``dequantize(t) -> fp32``). A per-step method re-quantizes
+the whole state after every decode token, so each format is applied to ``S [..., dk, dv]`` once per
+token, not to cached key/value vectors written once.
 
-How each method maps from a KV cache to a state
------------------------------------------------
+The mapping from a KV cache: the state is ``S = sum_t decay * k_t u_t^T``, so its *rows* are key
+channels and its *columns* value channels, and a read ``o = S^T q`` contracts the key axis with the
+query, like ``q^T K`` in attention. The key axis of the state plays the role of the cached keys'
+head dimension, and each value column ``S[:, j]`` is one vector read against the query:
 
-A KV cache holds one key and one value vector per token; the state holds
-``S = sum_t decay * k_t u_t^T``, so its *rows* are key channels (row ``i`` is built from key
-coordinate ``k_t[i]`` of every token) and its *columns* are value channels. A read is
-``o = S^T q``: it contracts the key axis with the query, exactly like ``q^T K`` in attention.
-The key dimension of the state therefore plays the role of the head dimension of the cached keys,
-and each value column ``S[:, j]`` is one vector read against the query.
+* ``quarot`` (``QuaRotFormat``): QuaRot's shared Hadamard rotation of queries and keys, here along
+  the key axis (``S' = H S``), then per-value-column integers.
+* ``kvquant`` (``KVQuantFormat``): KVQuant's per-key-channel scales, here one per key *row* (a key
+  channel's outliers make its whole row large), the largest 1% of magnitudes kept in fp16 with
+  their indices, a NormalFloat codebook for the rest.
+* ``turboquant`` (``TurboQuantFormat``): TurboQuant's random rotation of each vector (here each
+  value column), Lloyd–Max levels for the rotated coordinates and a 1-bit QJL sketch of the
+  residual, which makes each read unbiased.
 
-* ``quarot`` (QuaRot-style, :class:`QuaRotFormat`). QuaRot rotates queries and keys by the
-  same orthogonal Hadamard matrix ``H`` (``(H q)^T (H k) = q^T k``) so that outlier channels are
-  spread over all channels before per-token integer quantization. Here ``H`` is the normalized
-  Sylvester Hadamard matrix along the key axis (``dk`` a power of two), ``S' = H S``, and ``S'``
-  is stored by :class:`quantizers.IntFormat` at ``b`` bits (one fp32 scale per value column, the
-  read vector of the KV analogy). Dequantize is ``H^T deq(S')`` (``H`` is symmetric and
-  orthogonal, so ``H^T = H``). A kernel would not rotate back: it reads ``(H q)^T deq(S')``
-  and writes ``H k`` (``H S`` after a rank-one update ``k u^T`` is ``H S + (H k) u^T``), so the
-  rotation costs one ``O(dk log dk)`` transform of ``q`` and ``k`` per token; rotating back here is
-  the reference. Bits per value at ``dk = dv = 128``: ``b + 0.25`` (8.25, 6.25, 4.25).
-
-* ``kvquant`` (KVQuant-style, :class:`KVQuantFormat`). KVQuant quantizes keys *per channel*
-  because a few key channels carry outliers, values per token, keeps the largest ~1% of
-  magnitudes exactly in a sparse part and rounds the rest to a non-uniform codebook. In a
-  delta-rule state the outliers of a key channel make a whole *row* large (row ``i`` scales with
-  ``k[i]``), so the per-channel scale here is one fp32 scale per **key row** (``[..., dk]``); the
-  largest entries of outlier value columns go to the sparse part. On the synthetic heads of
-  ``synthetic.py`` (4 outlier key channels, 4 value channels 8x larger, dk = dv = 128) one
-  rounding of a decoded state with per-key-row scales has relative error 0.008 at 8 bits against
-  0.011 with per-value-column scales, but 0.088 against 0.072 at 4 bits, where the 8x value
-  columns dominate; the KVQuant choice (per key channel) is kept at every width. The
-  sparse part has a fixed size ``k = ceil(0.01 dk dv)`` per head (static shapes): the ``k``
-  largest magnitudes, as fp16 values relative to one fp32 head scale (the largest magnitude, so
-  fp16 cannot overflow for any finite input) with uint16 flat indices (``dk dv <= 65536``). The
-  remaining entries (the outlier positions set to zero) are divided by their row's max magnitude
-  and rounded to the nearest of ``2^b - 1`` NormalFloat-style levels (normal quantiles
-  normalized to ``[-1, 1]``, symmetric with an exact zero), stored as an fp16 codebook shared by
-  every head and layer (a constant of the format, ``2^b - 1`` fp16 values per model, so it is not
-  in the per-head pytree); codes are packed with ``quantizers.pack_codes``. KVQuant's per-layer
-  sensitivity-weighted k-means codebooks, pre-RoPE keys and attention-sink handling have no state
-  analogue and are left out. Bits per value at ``dk = dv = 128``:
-  ``b + (512 + 164 * 4 + 4) * 8 / 16384 = b + 0.572265625``.
-
-* ``turboquant`` (TurboQuant-style, :class:`TurboQuantFormat`). TurboQuant applies a random
-  rotation to each vector so its coordinates are nearly independent Gaussians, rounds each
-  coordinate with the Lloyd–Max quantizer of that distribution, and adds a 1-bit QJL sketch of
-  the residual so inner products with queries are unbiased. Here each value column is the
-  vector: the rotation is ``P = H diag(s)`` along the key axis (``s`` random signs from
-  ``seed``), each rotated column ``y = P S[:, j]`` is divided by its RMS (one fp32 scale per value
-  column) and rounded to the ``b``-bit Lloyd–Max levels for N(0, 1) (computed once per process in
-  NumPy). The residual ``r`` (normalized units) is sketched as ``sign(G r)`` with a fixed
-  Gaussian ``G [dk, dk]`` (from ``seed``) and ``|r|`` in fp16; dequantize adds the unbiased
-  estimate ``sqrt(pi/2) / m * |r| * G^T sign(G r)`` (``m = dk`` rows of ``G``; ``E[...] = r``) before scaling and rotating
-  back with ``P^T``. The paper splits a ``b``-bit budget into ``b - 1`` MSE bits plus the 1-bit
-  sketch; the project packs 8, 6 and 4 bits, so here the MSE stage has ``b`` bits and the sketch
-  comes on top. Bits per value at ``dk = dv = 128``: ``b + 0.25 + 1 + 0.125 = b + 1.375``.
-  The sketch makes each read unbiased but adds variance, and a per-step method re-quantizes that
-  noise with the state after every token: on the decode inputs of the tests (dk = dv = 16, 40
-  tokens) the output error with the sketch is 0.014, 0.05 and 0.29 at 8, 6 and 4 bits against
-  0.009, 0.037 and 0.14 without it (``TurboQuantFormat(sketch=False)``, not registered).
-
-The state formats take any float dtype and return fp32 from ``dequantize``; a zero state
-round-trips to exact zeros (every scale is replaced by 1 where it is 0 before dividing).
+Each class says its layout, bits per value and what of the original method has no state analogue.
+The formats take any float dtype and return fp32 from ``dequantize``; a zero state round-trips to
+exact zeros (every scale is replaced by 1 where it is 0 before dividing). docs/design.md §2 has the
+measured choices.
 """
 
 from __future__ import annotations
@@ -83,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .quantizers import IntFormat, IntTensor, _check_state, _safe_divisor, pack_codes, unpack_codes
+from .quantizers import IntFormat, IntTensor, check_state, pack_codes, safe_divisor, unpack_codes
 
 Array = jax.Array
 
@@ -142,6 +96,13 @@ class QuaRotTensor:
 class QuaRotFormat:
     """QuaRot-style: ``H S`` along the key axis, then ``IntFormat(bits)`` (one scale per value column).
 
+    ``H`` is the normalized Sylvester Hadamard matrix along the key axis (``dk`` a power of two);
+    QuaRot rotates queries and keys by it (``(H q)^T (H k) = q^T k``) so that outlier channels are
+    spread over all of them. Dequantize is ``H deq(S')`` (``H`` symmetric and orthogonal). A kernel
+    would not rotate back: it reads ``(H q)^T deq(S')`` and writes ``H k`` (``H S`` after ``k u^T`` is
+    ``H S + (H k) u^T``), one ``O(dk log dk)`` transform of ``q`` and ``k`` per token; rotating back
+    here is the reference.
+
     Layout: ``QuaRotTensor(IntTensor)``; ``b + 0.25`` bits per value at ``dk = dv = 128``.
     """
 
@@ -156,7 +117,7 @@ class QuaRotFormat:
 
     def quantize(self, x: Array) -> QuaRotTensor:
         """``x [..., dk, dv]`` (dk a power of two) -> ``QuaRotTensor``."""
-        _check_state(x)
+        check_state(x)
         _check_power_of_two(x.shape[-2], self.name)
         return QuaRotTensor(rotated=IntFormat(self.bits).quantize(hadamard_transform(x.astype(jnp.float32))))
 
@@ -211,7 +172,17 @@ def sparse_count(dk: int, dv: int) -> int:
 class KVQuantFormat:
     """KVQuant-style: per-key-row NormalFloat codebook at ``bits`` + top-1% sparse fp16 outliers.
 
-    Layout: ``KVQuantTensor``; ``b + 0.572265625`` bits per value at ``dk = dv = 128``.
+    The sparse part has a fixed size ``k = sparse_count(dk, dv) = ceil(0.01 dk dv)`` per head
+    (static shapes): the ``k`` largest magnitudes, fp16 relative to one fp32 head scale (the largest
+    magnitude, so fp16 cannot overflow), with uint16 flat indices (``dk dv <= 65536``). The rest
+    (outlier positions set to zero) is divided by its key row's largest magnitude and rounded to the
+    nearest of ``2^b - 1`` NormalFloat-style levels (normal quantiles in ``[-1, 1]``, symmetric with
+    an exact zero): an fp16 codebook that is a constant of the format, not in the per-head pytree.
+    KVQuant's per-layer sensitivity-weighted k-means codebooks, pre-RoPE keys and attention-sink
+    handling have no state analogue and are left out.
+
+    Layout: ``KVQuantTensor``; ``b + (512 + 164 * 4 + 4) * 8 / 16384 = b + 0.572265625`` bits per
+    value at ``dk = dv = 128``.
     """
 
     bits: int = 8
@@ -230,7 +201,7 @@ class KVQuantFormat:
 
     def quantize(self, x: Array) -> KVQuantTensor:
         """``x [..., dk, dv]`` (``dk dv <= 65536``) -> ``KVQuantTensor``."""
-        _check_state(x)
+        check_state(x)
         *lead, dk, dv = x.shape
         if dk * dv > 2 ** 16:
             raise ValueError(f"{self.name} stores uint16 flat indices: dk * dv must be <= 65536, got {dk} * {dv}")
@@ -239,10 +210,10 @@ class KVQuantFormat:
         _, idx = jax.lax.top_k(jnp.abs(flat), sparse_count(dk, dv))
         vals = jnp.take_along_axis(flat, idx, axis=-1)
         head_scale = jnp.max(jnp.abs(vals), axis=-1)
-        sparse = (vals / _safe_divisor(head_scale)[..., None]).astype(jnp.float16)
+        sparse = (vals / safe_divisor(head_scale)[..., None]).astype(jnp.float16)
         dense = jnp.put_along_axis(flat, idx, 0.0, axis=-1, inplace=False).reshape(x.shape)
         scale = jnp.max(jnp.abs(dense), axis=-1)
-        codes = _nearest_level(dense / _safe_divisor(scale)[..., None], self.codebook)
+        codes = _nearest_level(dense / safe_divisor(scale)[..., None], self.codebook)
         return KVQuantTensor(codes=pack_codes(codes, self.bits), scale=scale, sparse_values=sparse,
                              sparse_index=idx.astype(jnp.uint16), sparse_scale=head_scale, bits=self.bits, dk=dk)
 
@@ -365,9 +336,17 @@ class TurboQuantTensor:
 class TurboQuantFormat:
     """TurboQuant-style: random-sign Hadamard rotation, Lloyd–Max levels per column RMS, 1-bit QJL residual sketch.
 
-    Layout: ``TurboQuantTensor``; ``b + 1.375`` bits per value at ``dk = dv = 128``; ``dk`` a power
-    of two >= 8. ``sketch=False`` drops the residual estimate at dequantize (the stored sketch is
-    then ignored; for ablations).
+    Each value column is the vector: ``y = P S[:, j]`` with ``P = H diag(s)`` (``s`` random signs
+    from ``seed``), divided by its RMS (one fp32 scale per value column) and rounded to the
+    ``b``-bit Lloyd–Max levels for N(0, 1) (``lloyd_max_levels``). The residual ``r`` (normalized
+    units) is sketched as ``sign(G r)`` with a fixed Gaussian ``G [dk, dk]`` (from ``seed``) and
+    ``|r|`` in fp16; dequantize adds the unbiased estimate ``sqrt(pi/2) / dk * |r| * G^T sign(G r)``
+    before scaling and rotating back. The paper splits ``b`` bits into ``b - 1`` MSE bits and the
+    sketch; the project packs 8, 6 and 4 bits, so here the sketch comes on top of ``b`` MSE bits.
+
+    Layout: ``TurboQuantTensor``; ``b + 0.25 + 1 + 0.125 = b + 1.375`` bits per value at ``dk = dv =
+    128``; ``dk`` a power of two >= 8. ``sketch=False`` drops the residual estimate at dequantize
+    (the stored sketch is then ignored; for ablations).
     """
 
     bits: int = 8
@@ -383,7 +362,7 @@ class TurboQuantFormat:
 
     def quantize(self, x: Array) -> TurboQuantTensor:
         """``x [..., dk, dv]`` -> ``TurboQuantTensor``."""
-        _check_state(x)
+        check_state(x)
         dk = x.shape[-2]
         _check_power_of_two(dk, self.name)
         if dk < 8:
@@ -392,8 +371,8 @@ class TurboQuantFormat:
         y = hadamard_transform(x.astype(jnp.float32) * signs[:, None])
         # RMS through the column max so that squaring cannot overflow for huge finite inputs.
         amax = jnp.max(jnp.abs(y), axis=-2)
-        scale = amax * jnp.sqrt(jnp.mean(jnp.square(y / _safe_divisor(amax)[..., None, :]), axis=-2))
-        z = y / _safe_divisor(scale)[..., None, :]
+        scale = amax * jnp.sqrt(jnp.mean(jnp.square(y / safe_divisor(amax)[..., None, :]), axis=-2))
+        z = y / safe_divisor(scale)[..., None, :]
         levels = lloyd_max_levels(self.bits).astype(np.float32)
         codes = _nearest_level(z, levels)
         bits, norm = qjl_sketch(z - jnp.asarray(levels)[codes], jnp.asarray(g))

@@ -30,17 +30,10 @@ vector, whose norm sets the block magnitudes. When ``dk`` is not a multiple of t
 the last block of each column is shorter (the spec's zero padding: padded zeros never raise a
 block maximum, and are not stored).
 
-Element choice for 6 bits: e2m3 (3 mantissa bits, relative step 2^-4, range 0.125..7.5 in a
-block) rather than e3m2 (2 mantissa bits, range 0.0625..28). A block shares its scale, so
-the range an element needs is only the spread inside 32 (or 16) keys of one column; e2m3
-halves the rounding step of every element that is within 2^-3 of the block maximum, which
-is where the read's error comes from (``Minifloat(3, 2)`` is here for comparison).
-
-Sub-byte elements are stored as their sign-exponent-mantissa bit patterns (the OCP and
-``ml_dtypes`` encodings) packed along ``dk`` with ``quantizers.pack_codes``'s planar layouts.
-Element rounding is round-to-nearest-even with saturation at the element maximum; e4m3 uses
-``jnp.float8_e4m3fn``, the sub-byte grids are rounded here because the 6-bit JAX dtypes do not
-compile on CPU (the tests check every rounding against ``ml_dtypes``).
+Sub-byte elements are their sign-exponent-mantissa bit patterns (the OCP and ``ml_dtypes``
+encodings) packed along ``dk`` in ``quantizers.pack_codes``'s planar layouts; rounding is to
+nearest even, saturating at the element maximum (e4m3 through ``jnp.float8_e4m3fn``; the sub-byte
+grids here, since the 6-bit JAX dtypes do not compile on CPU; tests check them against ``ml_dtypes``).
 """
 
 from __future__ import annotations
@@ -59,9 +52,9 @@ from .quantizers import (
     IntFormat,
     IntTensor,
     ScaledFloatTensor,
-    _check_state,
-    _safe_divisor,
+    check_state,
     pack_codes,
+    safe_divisor,
     unpack_codes,
 )
 
@@ -204,6 +197,10 @@ class E4M3:
 Element = Union[Minifloat, E4M3]
 
 E2M1 = Minifloat(2, 1)
+# The 6-bit element: e2m3 (3 mantissa bits, relative step 2^-4, range 0.125..7.5 in a block) rather
+# than e3m2 (2 mantissa bits, range 0.0625..28). A block shares its scale, so an element needs only
+# the spread inside 32 (or 16) keys of one column; e2m3 halves the rounding step of every element
+# within 2^-3 of the block maximum, where the read's error comes from (e3m2 is here for comparison).
 E2M3 = Minifloat(2, 3)
 E3M2 = Minifloat(3, 2)
 
@@ -242,7 +239,7 @@ def expand_blocks(s: Array, block: int, dk: int) -> Array:
 
 
 def _check_block_input(x: Array, block: int, element: Element) -> None:
-    _check_state(x)
+    check_state(x)
     dk = x.shape[-2]
     multiple = {8: 1, 6: 4, 4: 2}[element.bits]
     if dk % multiple:
@@ -363,10 +360,10 @@ class NVFPFormat:
         x = x.astype(jnp.float32)
         dk = x.shape[-2]
         tensor_scale = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True) * _reciprocal(FP8_E4M3_MAX * elem.max)
-        bs = block_absmax(x, self.block) * _reciprocal(elem.max) / _safe_divisor(tensor_scale)
+        bs = block_absmax(x, self.block) * _reciprocal(elem.max) / safe_divisor(tensor_scale)
         block_scale = jnp.clip(bs, 0.0, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
         divisor = expand_blocks(block_scale.astype(jnp.float32), self.block, dk) * tensor_scale
-        return NVTensor(elements=elem.store(x / _safe_divisor(divisor)), block_scale=block_scale,
+        return NVTensor(elements=elem.store(x / safe_divisor(divisor)), block_scale=block_scale,
                         tensor_scale=tensor_scale, dk=dk)
 
     def dequantize(self, t: NVTensor) -> Array:
@@ -397,11 +394,11 @@ class TensorInt8Format:
 
     def quantize(self, x: Array) -> IntTensor:
         """``x [..., dk, dv]`` float -> ``IntTensor`` (int8 codes, scale ``[..., 1]``)."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         base = IntFormat(8)
         scale = _head_absmax(x) * _reciprocal(base.qmax)
-        q = jnp.clip(jnp.round(x / _safe_divisor(scale)[..., None, :]), -base.qmax, base.qmax)
+        q = jnp.clip(jnp.round(x / safe_divisor(scale)[..., None, :]), -base.qmax, base.qmax)
         return IntTensor(codes=pack_codes((q + base.qmax + 1).astype(jnp.int32), 8), scale=scale, bits=8,
                          dk=x.shape[-2])
 
@@ -424,10 +421,10 @@ class TensorFp8Format:
 
     def quantize(self, x: Array) -> ScaledFloatTensor:
         """``x [..., dk, dv]`` float -> ``ScaledFloatTensor`` (e4m3 values, scale ``[..., 1]``)."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         scale = _head_absmax(x) * _reciprocal(FP8_E4M3_MAX)
-        return ScaledFloatTensor(values=E4M3().store(x / _safe_divisor(scale)[..., None, :]), scale=scale)
+        return ScaledFloatTensor(values=E4M3().store(x / safe_divisor(scale)[..., None, :]), scale=scale)
 
     def dequantize(self, t: ScaledFloatTensor) -> Array:
         """``ScaledFloatTensor`` -> fp32 ``[..., dk, dv]``."""
@@ -465,10 +462,10 @@ class Int16Format:
 
     def quantize(self, x: Array) -> Int16Tensor:
         """``x [..., dk, dv]`` float -> ``Int16Tensor`` (codes int16, scale ``[..., dk]``)."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         scale = jnp.max(jnp.abs(x), axis=-1) * _reciprocal(self.qmax)
-        q = jnp.clip(jnp.round(x / _safe_divisor(scale)[..., None]), -self.qmax, self.qmax)
+        q = jnp.clip(jnp.round(x / safe_divisor(scale)[..., None]), -self.qmax, self.qmax)
         return Int16Tensor(codes=q.astype(jnp.int16), scale=scale)
 
     def dequantize(self, t: Int16Tensor) -> Array:

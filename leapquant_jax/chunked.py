@@ -1,72 +1,59 @@
 """The chunkwise-parallel form of the gated delta rule (GDN and KDA), for training and prefill.
 
-The token-serial recurrence (``recurrence.recurrent_scan``) is exact but serial in ``T``. Here
-the sequence is cut into chunks of ``C`` tokens. With ``G_i`` the cumulative log-decay from the
-chunk start to token ``i`` (inclusive; scalar for GDN, per key channel for KDA) and ``S0`` the
-state at the chunk start, the state after ``i`` tokens of the chunk is
+Contract: ``recurrence.recurrent_scan``'s result up to fp32 round-off, differentiable and jit-able
+(``chunk_delta_rule``: ``[B, T, H, ...]`` in, ``(o [B, T, H, dv], S [B, H, dk, dv])`` out).
 
-    S_i = Diag(e^{G_i}) S0 + sum_{j<=i} Diag(e^{G_i - G_j}) k_j u_j^T,
-
-and the corrections ``u_i = beta_i (v_i - S_{i-1}^T (alpha_i * k_i))`` solve a unit
-lower-triangular system ``(I + A) U = diag(beta) (V - Ktil S0)`` with
-``A_ij = beta_i k_i^T (e^{G_i - G_j} * k_j)`` (``j < i``) and ``Ktil_i = e^{G_i} * k_i``.
-Its inverse ``T = (I + A)^{-1}`` gives the WY / UT-transform representation
-
-    W = T diag(beta) Ktil,   Uv = T diag(beta) V,   U = Uv - W S0,
-
-all computed with matmuls for every chunk at once. The chunk's final state is
-``S_C = Diag(e^{G_C}) S0 + Khat^T U`` (``Khat_j = e^{G_C - G_j} * k_j``), an affine map of its initial one, ``S_C = M S0 + D`` with ``M = Diag(e^{G_C}) - Khat^T W`` and
-``D = Khat^T Uv``. The outputs
-``o_i = S0^T (e^{G_i} * q_i) + sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} * q_i))`` are matmuls again.
-Crossing chunks is the only serial part, in one of three forms (``inter``): a ``lax.scan``
-with four small matmuls per chunk (``U = Uv - W S0``, the outputs, then the state:
-``scan_chunks``); the same loop in one Pallas kernel that keeps the state in registers
-(``pallas_kernels.chunk_scan``, the default on a GPU); or a parallel prefix
-(``lax.associative_scan``) over the maps ``(M, D)``, log-depth in the number of chunks. Long
+The sequence is cut into chunks of ``C`` tokens. With ``G_i`` the cumulative log-decay from the
+chunk start to token ``i`` (scalar for GDN, per key channel for KDA) and ``S0`` the chunk's initial
+state, the corrections ``u_i = beta_i (v_i - S_{i-1}^T (alpha_i k_i))`` solve a unit
+lower-triangular system ``(I + A) U = diag(beta) (V - Ktil S0)``, ``A_ij = beta_i k_i^T (e^{G_i -
+G_j} k_j)`` (``j < i``), ``Ktil_i = e^{G_i} k_i``. Its inverse ``T = (I + A)^{-1}`` gives the WY
+representation ``W = T diag(beta) Ktil``, ``Uv = T diag(beta) V``, ``U = Uv - W S0``, computed for
+every chunk at once with matmuls (``_chunk_terms``); so are the outputs ``o_i = S0^T (e^{G_i} q_i) +
+sum_{j<=i} u_j (k_j^T (e^{G_i - G_j} q_i))`` and the chunk's map ``S_C = Diag(e^{G_C}) S0 + Khat^T U``.
+Crossing chunks is the only serial part (``inter``): a scan over the chunks, four small matmuls
+each (``chunk_ops.scan_chunks``, or its kernel where ``impl`` resolves to one: the default on a
+GPU), or a parallel prefix over the chunks' affine maps (log-depth, ``dk x dk`` products). Long
 sequences run ``group`` chunks at a time (bounded memory).
 
-Numerics: every exponent is a difference ``G_i - G_j`` with ``j <= i`` (or a decay from the
-chunk start), so it is ``<= 0``; differences of the wrong sign are masked *before* ``exp``
-(neither the value nor its gradient can overflow), and no product of decays is ever divided
-by. For KDA the pairwise decay is per channel, so ``A`` and ``q k^T`` are not plain matmuls:
-pairs within a sub-chunk of 16 tokens are reduced directly from ``e^{G_i - G_j}``, and pairs
-across sub-chunks factor through the sub-chunk boundaries into two factors that are each
-``<= 1`` (FLA's ``chunk_kda`` uses the same split). Log-decays are clamped at ``-104``, below
-which ``exp`` is exactly 0 in fp32, so the recurrence's decay is unchanged while cumulative sums
-stay small. Pair decays are differences of cumulative sums within a chunk: after a token with
-log-decay ``-x`` earlier in the same chunk they carry an absolute error of about ``x * 2^-24``.
+Numerics: every exponent is a difference ``G_i - G_j <= 0`` (or a decay from the chunk start),
+masked *before* ``exp`` where its sign is wrong (neither value nor gradient can overflow), and no
+product of decays is divided by. KDA's pair terms are not plain matmuls: pairs within a sub-chunk
+of ``chunk_ops.SUB_CHUNK`` tokens are reduced from ``e^{G_i - G_j}`` directly, pairs across
+sub-chunks factor into two factors ``<= 1`` (``chunk_ops.pair_scores_kda``; FLA's ``chunk_kda``
+splits the same way). Log-decays are clamped at ``LOG_DECAY_FLOOR``, below which ``exp`` is 0 in
+fp32; pair decays are differences of cumulative sums within a chunk, so after a token of
+log-decay ``-x`` they carry an absolute error of about ``x * 2^-24``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import dispatch
+from .impls import AUTO, Impl, check_request
+from .chunk_ops import HI, SUB_CHUNK, kda_cumulative, masked_exp, pair_scores_kda, scan_chunks
 from .recurrence import check_lengths, check_sequence, expand_heads
 
 Array = jax.Array
-HI = jax.lax.Precision.HIGHEST
 
 # exp(x) rounds to 0 in fp32 (subnormals included) for x < -103.97: clamping log-decays here
 # leaves every decay of the recurrence unchanged and keeps a chunk's cumulative sums small.
 LOG_DECAY_FLOOR = -104.0
 
-# KDA: token pairs inside a sub-chunk of this many tokens are reduced elementwise.
-SUB_CHUNK = 16
-
 # ``chunk_delta_rule(group=None)``: chunks x rows (batch x heads) whose intra-chunk terms are
-# formed at once; 128 chunks of a batch of 8 x 32 heads (about 5 GB of fp32 terms at 128 x 128
-# heads), all 1,024 chunks of a 64K-token prompt of 32 heads (one group: 23.3 ms against 26.3 ms
-# in two groups for KDA on the H200, bench/results/prefill-20261201-045714).
+# formed at once: 128 chunks of a batch of 8 x 32 heads (about 5 GB of fp32 terms at 128 x 128
+# heads), or a whole 64K-token prompt of 32 heads in one group (faster than two; docs/performance.md).
 GROUP_CHUNK_ROWS = 32768
 
-# How the state crosses chunks (``chunk_delta_rule(inter=...)``).
-INTER_CHUNK = ("auto", "serial", "associative", "kernel")
+# How the state crosses chunks (``chunk_delta_rule(inter=...)``): the serial scan (a kernel runs it
+# where ``impl`` resolves to one) or the parallel prefix (reference only).
+INTER_CHUNK = ("serial", "associative")
 
 
 def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
@@ -94,12 +81,6 @@ def unit_lower_inverse(a: Array, *, precision=HI) -> Array:
     return inv.reshape(lead + (n, n))
 
 
-def _masked_exp(x: Array, mask: Array) -> Array:
-    """``exp(x)`` where ``mask``, 0 elsewhere; the argument is masked first, so a large positive
-    ``x`` outside the mask overflows neither the value nor the gradient."""
-    return jnp.exp(jnp.where(mask, x, -jnp.inf))
-
-
 def _pair_scores_gdn(q: Array, k: Array, G: Array, precision) -> Array:
     """GDN: ``[k_i . k_j, q_i . k_j] * e^{G_i - G_j}`` for ``j <= i``, 0 above.
 
@@ -107,59 +88,9 @@ def _pair_scores_gdn(q: Array, k: Array, G: Array, precision) -> Array:
     """
     c = G.shape[-1]
     causal = jnp.tril(jnp.ones((c, c), bool))
-    decay = _masked_exp(G[..., :, None] - G[..., None, :], causal)
+    decay = masked_exp(G[..., :, None] - G[..., None, :], causal)
     scores = jnp.einsum("...xic,...jc->...xij", jnp.stack([k, q], axis=-3), k, precision=precision)
     return scores * decay[..., None, :, :]
-
-
-def kda_cumulative(g: Array) -> Array:
-    """KDA: the chunk-relative cumulative log-decay ``G [..., C, dk]`` (inclusive) of per-token
-    log-decays ``g [..., C, dk]``, summed inside sub-chunks of ``SUB_CHUNK`` tokens and then
-    across them (shorter sums than one running sum over the chunk)."""
-    *lead, c, dk = g.shape
-    s = min(SUB_CHUNK, c)
-    L = jnp.cumsum(g.reshape(tuple(lead) + (c // s, s, dk)), axis=-2)          # [.., n, s, dk] local inclusive
-    ctot = jnp.cumsum(L[..., -1, :], axis=-2)                                  # through the end of each sub-chunk
-    start = jnp.concatenate([jnp.zeros_like(ctot[..., :1, :]), ctot[..., :-1, :]], axis=-2)
-    return (start[..., :, None, :] + L).reshape(g.shape)
-
-
-def pair_scores_kda(q: Array, k: Array, G: Array, precision) -> Array:
-    """KDA: ``sum_c [k_ic, q_ic] k_jc e^{G_ic - G_jc}`` for ``j <= i``, 0 above.
-
-    q, k ``[..., C, dk]``; G ``[..., C, dk]`` (``kda_cumulative``). Returns ``[..., 2, C, C]``
-    (``k k^T`` then ``q k^T``, decayed); ``pallas_kernels.kda_scores`` computes the same.
-
-    With sub-chunks of ``s`` tokens and ``S_a`` the cumulative log-decay at the last token
-    before sub-chunk ``a``: for ``i`` in ``a`` and ``j`` before it, ``G_i - G_j = (G_i - S_a) +
-    (S_a - G_j)``, two non-positive terms, so the pair is a matmul of ``x_i e^{G_i - S_a}`` by
-    ``k_j e^{S_a - G_j}``, factors ``<= 1``. Pairs inside one sub-chunk use ``e^{G_i - G_j}``
-    directly: an elementwise product reduced over ``dk``.
-    """
-    *lead, c, dk = k.shape
-    lead = tuple(lead)
-    s = min(SUB_CHUNK, c)
-    n = c // s
-    rows = jnp.stack([k, q], axis=-3)                                         # [.., 2, C, dk]
-    Gs, ks = G.reshape(lead + (n, s, dk)), k.reshape(lead + (n, s, dk))
-    rows_s = rows.reshape(lead + (2, n, s, dk))
-
-    # within a sub-chunk
-    causal = jnp.tril(jnp.ones((s, s), bool))[..., None]
-    decay = _masked_exp(Gs[..., :, None, :] - Gs[..., None, :, :], causal)             # [.., n, s, s, dk]
-    inner = jnp.sum(rows_s[..., :, None, :] * (ks[..., None, :, :] * decay)[..., None, :, :, :, :], axis=-1)
-    # block-diagonal placement [.., 2, n, s, n, s]: elementwise, so no matmul rounds it
-    scores = (inner[..., :, :, None, :] * jnp.eye(n, dtype=k.dtype)[:, None, :, None]).reshape(lead + (2, n, s, c))
-    if n > 1:
-        # across sub-chunks: sub-chunk a >= 1 (rows) reads the tokens before its start (columns)
-        S = G[..., s - 1:c - 1:s, :]                                                       # [.., n-1, dk]
-        before = (jnp.arange(c)[None, :] < (jnp.arange(1, n) * s)[:, None])[..., None]     # [n-1, C, 1]
-        right = jnp.where(before, k[..., None, :, :] * _masked_exp(S[..., :, None, :] - G[..., None, :, :], before),
-                          0.0)                                                             # [.., n-1, C, dk]
-        left = rows_s[..., 1:, :, :] * jnp.exp(Gs[..., 1:, :, :] - S[..., :, None, :])[..., None, :, :, :]
-        cross = jnp.einsum("...xaic,...ajc->...xaij", left, right, precision=precision)    # [.., 2, n-1, s, C]
-        scores = scores + jnp.concatenate([jnp.zeros_like(scores[..., :1, :, :]), cross], axis=-3)
-    return scores.reshape(lead + (2, c, c))
 
 
 def _chunk_terms(q: Array, k: Array, v: Array, g: Array, beta: Array, precision, kda_scores=None):
@@ -202,28 +133,6 @@ def _affine_maps(w: Array, uv: Array, k_end: Array, decay: Array, precision) -> 
     return trans, drive
 
 
-def scan_chunks(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI) -> tuple[Array, Array]:
-    """The chunks' serial part, chunk after chunk: ``U_n = uv_n - w_n S_n``,
-    ``o_n = q_n S_n + p_n U_n``, ``S_{n+1} = Diag(decay_n) S_n + k_end_n^T U_n``.
-
-    state ``[..., dk, dv]``; per chunk (chunks first): w, k_end, q_start ``[N, ..., C, dk]``,
-    uv ``[N, ..., C, dv]``, decay ``[N, ..., dk]``, p ``[N, ..., C, C]``. Returns
-    ``(o [N, ..., C, dv], S_N [..., dk, dv])``. Four matmuls of at most ``C x dk x dv`` per chunk,
-    and nothing of size ``dk x dk`` is ever formed: the form with the least memory traffic when
-    many heads and rows share each step. ``pallas_kernels.chunk_scan`` runs the same loop in one
-    kernel.
-    """
-    def step(s, xs):
-        w_n, uv_n, k_n, d_n, q_n, p_n = xs
-        u = uv_n - jnp.matmul(w_n, s, precision=precision)
-        o = jnp.matmul(q_n, s, precision=precision) + jnp.matmul(p_n, u, precision=precision)
-        s_next = d_n[..., :, None] * s + jnp.einsum("...ck,...cv->...kv", k_n, u, precision=precision)
-        return s_next, o
-
-    state, o = jax.lax.scan(step, state, (w, uv, k_end, decay, q_start, p), unroll=min(2, w.shape[0]))
-    return o, state
-
-
 def _scan_associative(state: Array, w, uv, k_end, decay, q_start, p, *, precision=HI):
     """``scan_chunks``'s contract by a parallel prefix over the chunks' affine maps
     ``S -> trans S + drive`` (``jax.lax.associative_scan``): log-depth instead of one dependent
@@ -243,18 +152,9 @@ def _scan_associative(state: Array, w, uv, k_end, decay, q_start, p, *, precisio
     return o, ends[-1]
 
 
-def _kernel_reason(dk: int, dv: int, chunk: int) -> Optional[str]:
-    """Why ``pallas_kernels.chunk_scan`` cannot take these sizes (``None`` when it can)."""
-    for name, size in (("dk", dk), ("dv", dv), ("chunk", chunk)):
-        if size < 16 or size & (size - 1):
-            return f"{name}={size} is not a power of two >= 16"
-    return None
-
-
-def _scan_kernel(precision):
-    """``scan_chunks`` on the Pallas kernel, differentiable: a ``jax.custom_jvp`` whose derivative
-    is ``scan_chunks``'s (the kernel has no derivative of its own)."""
-    from pallas_kernels.chunk_scan import chunk_scan
+def _scan_kernel(chunk_scan, precision):
+    """``scan_chunks`` on the kernel ``chunk_scan`` (``pallas_kernels.chunk_scan``), differentiable:
+    a ``jax.custom_jvp`` whose derivative is ``scan_chunks``'s (the kernel has no derivative of its own)."""
 
     def flat(state, *terms):
         # kernel layout: rows x heads flattened, [N, R, ...]
@@ -276,10 +176,9 @@ def _scan_kernel(precision):
     return run
 
 
-def _kda_scores_kernel(q: Array, k: Array, G: Array, precision) -> Array:
-    """``pair_scores_kda`` on the Pallas kernel (inputs ``[R, C, dk]``), differentiable: a
-    ``jax.custom_jvp`` whose derivative is ``pair_scores_kda``'s."""
-    from pallas_kernels.kda_scores import kda_pair_scores
+def _kda_scores_kernel(kda_pair_scores, q: Array, k: Array, G: Array, precision) -> Array:
+    """``pair_scores_kda`` on the kernel ``kda_pair_scores`` (``pallas_kernels.kda_scores``; inputs
+    ``[R, C, dk]``), differentiable: a ``jax.custom_jvp`` whose derivative is ``pair_scores_kda``'s."""
 
     @jax.custom_jvp
     def run(q, k, G):
@@ -292,26 +191,19 @@ def _kda_scores_kernel(q: Array, k: Array, G: Array, precision) -> Array:
     return run(q, k, G)
 
 
-def _resolve_inter(inter: str, dk: int, dv: int, chunk: int) -> str:
-    """``inter="auto"``: the kernel on a GPU where it takes the sizes, ``serial`` elsewhere; an
-    explicit ``"kernel"`` that cannot run is an error, and so, on a GPU, is a kernels package
-    that fails to import (never a quiet switch to the slower form)."""
-    if inter not in ("auto", "kernel"):
-        return inter
-    why = _kernel_reason(dk, dv, chunk)
-    if why is None:
-        try:
-            for name in ("chunk_scan", "kda_scores"):
-                importlib.import_module(f"pallas_kernels.{name}")
-        except ImportError as err:
-            why = f"pallas_kernels is not importable ({err})"
-            if inter == "auto" and jax.default_backend() == "gpu":
-                raise RuntimeError(f"inter='auto' on a GPU, but {why}; fix the installation or pass inter='serial'")
-    if inter == "kernel":
-        if why is not None:
-            raise ValueError(f"inter='kernel' cannot run: {why}")
-        return "kernel"
-    return "kernel" if why is None and jax.default_backend() == "gpu" else "serial"
+def _resolve(impl: str, inter: str, kda: bool, dk: int, dv: int, chunk: int) -> tuple[Impl, Impl]:
+    """The implementations of the chunk scan and of KDA's pair scores (``dispatch.resolve``); the
+    parallel prefix (``inter="associative"``) has no kernel, so it takes the reference or fails
+    for a request that must run one."""
+    check_request(impl, ("chunk_scan", "kda_scores"))
+    if inter == "associative":
+        if impl not in (AUTO, Impl.REFERENCE):
+            raise ValueError(f"impl={impl!r} cannot run inter='associative' (no kernel runs the parallel prefix); "
+                             "pass inter='serial' or impl='reference'")
+        return Impl.REFERENCE, Impl.REFERENCE
+    scan = dispatch.resolve("chunk_scan", impl, dk, dv, chunk)
+    scores = dispatch.resolve("kda_scores", impl, dk, chunk) if kda else Impl.REFERENCE
+    return scan, scores
 
 
 def _chunk_layout(x: Array, groups: int, per_group: int, chunk: int) -> Array:
@@ -334,7 +226,8 @@ def chunk_delta_rule(
     chunk: int = 64,
     group: Optional[int] = None,
     precision=HI,
-    inter: str = "auto",
+    inter: str = "serial",
+    impl: str = AUTO,
 ) -> tuple[Array, Array]:
     """The GDN/KDA delta rule over a sequence in chunkwise-parallel form (same result as
     ``recurrent_scan`` up to fp32 round-off), differentiable and jit-able.
@@ -354,12 +247,14 @@ def chunk_delta_rule(
         ``GROUP_CHUNK_ROWS // (B * H)`` chunks, at least one.
       precision: of the matmuls. ``HIGHEST`` (default) is fp32; ``DEFAULT`` lets a GPU use TF32
         (faster, about 1e-3 relative error).
-      inter: how the state crosses chunks. ``"serial"``: a ``lax.scan``, one dependent step per
-        chunk; ``"kernel"``: the same loop in one Pallas kernel (``pallas_kernels.chunk_scan``:
-        ``dk``, ``dv`` and ``chunk`` powers of two >= 16; its derivative is the serial form's);
-        ``"associative"``: a parallel prefix over the chunks' affine maps, log-depth in the
-        number of chunks but with ``dk x dk`` products; ``"auto"`` (default): the kernel on a GPU
-        where it takes the sizes, ``"serial"`` elsewhere (``python -m bench.prefill`` times them).
+      inter: how the state crosses chunks. ``"serial"`` (default): one dependent step per chunk
+        (``chunk_ops.scan_chunks``, or the kernel ``impl`` resolves to); ``"associative"``: a
+        parallel prefix over the chunks' affine maps, log-depth in the number of chunks but with
+        ``dk x dk`` products, reference only.
+      impl: which implementation runs the serial scan and KDA's pair scores (``impls``: ``"auto"``,
+        the Triton kernels on a GPU where they take the sizes, ``dk``, ``dv`` and ``chunk`` powers
+        of two >= 16; ``"reference"``; ``"triton"``; ``"pallas"``). A kernel's derivative is its
+        reference's. ``python -m bench.prefill`` times them.
     Returns ``(o [B, T, H, dv] fp32, final_state [B, H, dk, dv] fp32)``.
     """
     bsz, t, h = check_sequence(q=q, k=k, v=v, g=g, beta=beta)
@@ -372,6 +267,7 @@ def chunk_delta_rule(
         raise ValueError(f"group must be a positive number of chunks or None, got {group!r}")
     if inter not in INTER_CHUNK:
         raise ValueError(f"inter must be one of {INTER_CHUNK}, got {inter!r}")
+    scan_impl, scores_impl = _resolve(impl, inter, g.ndim == 4, dk, dv, chunk)
     if initial_state is None:
         initial_state = jnp.zeros((bsz, h, dk, dv), jnp.float32)
     elif initial_state.shape != (bsz, h, dk, dv):
@@ -400,17 +296,21 @@ def chunk_delta_rule(
         q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
     xs = tuple(_chunk_layout(x, groups, per_group, chunk) for x in (q, k, v, g, beta))   # [Ng, Npg, B, H, C, ...]
 
-    inter = _resolve_inter(inter, dk, dv, chunk)
-    scan_of = {"serial": functools.partial(scan_chunks, precision=precision),
-               "associative": functools.partial(_scan_associative, precision=precision)}.get(inter)
-    scan_of = scan_of or _scan_kernel(precision)
+    if inter == "associative":
+        scan_of = functools.partial(_scan_associative, precision=precision)
+    elif scan_impl is Impl.REFERENCE:
+        scan_of = functools.partial(scan_chunks, precision=precision)
+    else:
+        scan_of = _scan_kernel(dispatch.kernel("chunk_scan", scan_impl), precision)
+    kda_scores = (None if scores_impl is Impl.REFERENCE
+                  else functools.partial(_kda_scores_kernel, dispatch.kernel("kda_scores", scores_impl)))
 
     def run_group(state, xs):
         # Leading axes flattened: fewer dimensions compile faster (and XLA:CPU in JAX 0.10 crashes
         # on the gradient of the KDA pair reduction with six leading dimensions).
         lead = xs[0].shape[:3]                                                             # [Npg, B, H]
         flat = tuple(x.reshape((-1,) + x.shape[3:]) for x in xs)
-        terms = _chunk_terms(*flat, precision, kda_scores=_kda_scores_kernel if inter == "kernel" else None)
+        terms = _chunk_terms(*flat, precision, kda_scores=kda_scores)
         w, uv, k_end, decay, q_start, p = (x.reshape(lead + x.shape[1:]) for x in terms)
         o, state = scan_of(state, w, uv, k_end, decay, q_start, p)                          # o [Npg, B, H, C, dv]
         return state, o

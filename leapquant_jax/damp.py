@@ -44,7 +44,8 @@ import numpy as np
 
 from . import windowed
 from .adapted_formats import hadamard_transform
-from .quantizers import _check_state
+from .per_step import PerStepMethod
+from .quantizers import check_state
 from .recurrence import Token, recurrent_step_general
 from .runner import Runner, check_dense, check_dims, check_token
 from .state import resolve_key_heads
@@ -273,13 +274,11 @@ def calibrate(traces: dict, *, k_hi: int = DEFAULT_CHANNELS, tau: int = DEFAULT_
     Returns ``(calibration, scores)``, ``scores = {layer: {"energy", "persistence", "risk": [H, dk]
     lists}}`` for the file.
     """
-    from .methods import make_method
-
     if not traces:
         raise ValueError("damp calibration needs the traces of at least one linear-attention layer")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive integer, got {every!r}")
-    fp32 = make_method("fp32")
+    fp32 = PerStepMethod("fp32")
     layers = sorted(traces)
     first = traces[layers[0]]
     b, t, heads, dv = first["v"].shape
@@ -306,9 +305,7 @@ def calibrate(traces: dict, *, k_hi: int = DEFAULT_CHANNELS, tau: int = DEFAULT_
 @jax.jit
 def _fp32_samples(state, blocks):
     # blocks {name: [S, B, every, ...]} -> the exact state after each block, [S, B, H, dk, dv].
-    from .methods import make_method
-
-    fp32 = make_method("fp32")
+    fp32 = PerStepMethod("fp32")
 
     def body(s, xs):
         _, s = fp32.decode(s, **xs)
@@ -392,7 +389,7 @@ class DampMethod(Runner):
                    key_heads: Optional[int] = None) -> DampState:
         """Rounds ``[B, H, dk, dv]`` fp32 into the layer's DAMP layout."""
         _, h, dk, dv = check_dense(state)
-        _check_state(state)
+        check_state(state)
         perm, _ = _permutation(self._table(h, dk, dv), dk)
         x = _take_rows(state.astype(jnp.float32), perm)
         return DampState(hi=jnp.clip(x[..., :self.k_hi, :], -FP16_MAX, FP16_MAX).astype(jnp.float16),

@@ -1,12 +1,24 @@
-"""Chooses between the Pallas kernels and the pure-JAX reference for the LeapQuant step and flush,
-and for the per-step ``fp32``/``bf16`` methods' dense step.
+"""The one dispatch: which implementation runs each kernel-backed op, and the core's one seam to the
+kernels (``pallas_kernels``, imported here and nowhere else in the core, lazily: it is optional).
 
-``LeapQuantConfig.impl`` decides: ``"reference"`` always runs ``windowed``'s reference;
-``"pallas"`` runs the kernels and fails with the kernels' reason where they cannot run
-(never a silent fallback); ``"auto"`` runs the kernels on a GPU when they support the
-shapes and the reference everywhere else. On a GPU, ``"auto"`` with a kernels package that
-fails to import is an error, not a quiet switch to the (much slower) reference. Both paths
-have the same signatures.
+``resolve(op, impl, *operands)`` turns a request (``impls``: ``"auto"``, ``"pallas"`` or an
+implementation's name) into the ``Impl`` that runs ``op`` on ``operands`` (the arguments of the op's
+``unsupported_reason``: ``(config, state)`` for the step and the flush, ``(values, token)`` for the
+dense step, ``(dk, dv, chunk)`` for the chunk scan, ``(dk, chunk)`` for KDA's pair scores):
+
+* ``"reference"`` is always the reference;
+* an explicit kernel runs, or raises ``ValueError`` with the kernel's reason (never a silent fallback);
+* ``"auto"`` takes the first kernel of ``impls.AUTO_ORDER[op]`` whose reason is ``None`` on a GPU,
+  the reference otherwise; ``"pallas"`` the same on any device, and raises when none runs. Mosaic
+  GPU kernels are candidates only on a GPU (interpreted, the Triton kernels are the ones checked);
+* on a GPU, ``"auto"`` with a kernels package that fails to import is an error, not a quiet
+  switch to the much slower reference.
+
+The ops below run what ``resolve`` chose, with the reference's signatures. A flush of the full
+windows only, under ``"auto"`` or ``"pallas"``, runs the fused flush when fewer than
+``MIN_FULL_FRACTION`` of the batch's windows are full (it reads nothing for the others, where the
+whole-batch flushes cost the same whatever the positions). A kernel's ``custom_jvp`` and its
+reference derivative are wired by the core module that calls it (``chunked``).
 """
 
 from __future__ import annotations
@@ -15,76 +27,116 @@ import jax
 import jax.numpy as jnp
 
 from . import windowed
-from .recurrence import Token
+from .impls import AUTO, AUTO_ORDER, PALLAS, Impl, request_for
+from .recurrence import Token, recurrent_step_general
 from .state import LeapQuantConfig, LeapQuantState
 
+# A flush of full windows under auto or pallas: the whole-batch flush (split or Mosaic GPU) when at
+# least this fraction of the batch's windows is full, else the fused one. Why: the measured
+# break-even of the two on the H200 at batch 512, per decay kind (False: GDN, True: KDA;
+# docs/performance.md, "Which implementation auto takes").
+MIN_FULL_FRACTION = {Impl.SPLIT: {False: 0.22, True: 0.13}, Impl.MOSAIC: {False: 0.25, True: 0.16}}
 
-def _kernels():
+
+def load_kernels():
+    """``(pallas_kernels.api, None)``, or ``(None, why)`` when the kernels package fails to import."""
     try:
         from pallas_kernels import api
-    except ImportError as err:  # the kernels package is optional at run time
+    except ImportError as err:
         return None, f"pallas_kernels is not importable ({err})"
     return api, None
 
 
-def _resolve(impl: str, reason) -> str:
-    # reason(api) -> why the kernels cannot take the inputs, or None
-    if impl not in ("auto", "reference", "pallas"):
-        raise ValueError(f"impl must be 'auto', 'reference' or 'pallas', got {impl!r}")
-    if impl == "reference":
-        return "reference"
-    api, why = _kernels()
-    if why is None:
-        why = reason(api)
-    if impl == "pallas":
-        if why is not None:
-            raise ValueError(f"impl='pallas' cannot run here: {why}")
-        return "pallas"
+def resolve(op: str, impl: str, *operands) -> Impl:
+    """The ``Impl`` that runs ``op`` for the request ``impl`` on ``operands`` (module docstring).
+
+    Raises ``ValueError`` for an unknown request or one that cannot run here (naming why), and
+    ``RuntimeError`` for ``"auto"`` on a GPU whose kernels package fails to import.
+    """
+    choice = request_for(op, impl)
+    if choice is Impl.REFERENCE:
+        return choice
+    api, broken = load_kernels()
     on_gpu = jax.default_backend() == "gpu"
-    if api is None and on_gpu:
-        raise RuntimeError(f"impl='auto' on a GPU, but {why}; fix the installation or pass impl='reference'")
-    return "pallas" if why is None and on_gpu else "reference"
+    if isinstance(choice, Impl):
+        why = broken or api.unsupported_reason(op, choice, *operands)
+        if why is not None:
+            raise ValueError(f"impl={impl!r} cannot run the {op} here: {why}")
+        return choice
+    if broken is not None:
+        if choice == AUTO and not on_gpu:
+            return Impl.REFERENCE
+        if choice == AUTO:
+            raise RuntimeError(f"impl='auto' on a GPU, but {broken}; fix the installation or pass impl='reference'")
+        raise ValueError(f"impl={impl!r} cannot run the {op} here: {broken}")
+    if choice == AUTO and not on_gpu:
+        return Impl.REFERENCE
+    why = None
+    for candidate in AUTO_ORDER[op]:
+        if candidate is Impl.MOSAIC and not on_gpu:
+            continue
+        why = api.unsupported_reason(op, candidate, *operands)
+        if why is None:
+            return candidate
+    if choice == PALLAS:
+        raise ValueError(f"impl={impl!r} cannot run the {op} here: {why}")
+    return Impl.REFERENCE
 
 
-def resolve_impl(config: LeapQuantConfig, state: LeapQuantState) -> str:
-    """``"pallas"`` or ``"reference"`` for this config and state; raises if ``"pallas"`` cannot run."""
-    return _resolve(config.impl, lambda api: api.unsupported_reason(config, state))
+def kernel(op: str, impl: Impl):
+    """The kernel entry point of ``op`` on ``impl`` (not the reference), from ``pallas_kernels.api``."""
+    api, broken = load_kernels()
+    if broken is not None:
+        raise ValueError(f"impl={str(impl)!r} cannot run the {op} here: {broken}")
+    return api.entry_point(op, impl)
 
 
-def resolve_dense_impl(impl: str, values: jax.Array, token: Token) -> str:
-    """``"pallas"`` or ``"reference"`` for a per-step dense state ``values [B, H, dk, dv]`` (fp32 or
-    bf16), by the same rule as ``resolve_impl``."""
-    return _resolve(impl, lambda api: api.dense_unsupported_reason(values, token))
+def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, impl: str | None = None):
+    """One in-window step ``(o [B, H, dv] fp32, state with pos + 1)`` (``windowed.step_reference``'s
+    contract) on ``impl`` (``None``: ``config.impl``)."""
+    chosen = resolve("step", config.impl if impl is None else impl, config, state)
+    if chosen is Impl.REFERENCE:
+        return windowed.step_reference(config, state, token)
+    return kernel("step", chosen)(config, state, token)
 
 
-def dense_step(impl: str, values: jax.Array, token: Token) -> tuple[jax.Array, jax.Array]:
-    """One per-step dense update ``(o [B, H, dv] fp32, new values in values.dtype)``: the new state is
-    computed in fp32 and rounded to nearest even once; ``o`` is read from the unrounded state."""
-    if resolve_dense_impl(impl, values, token) == "pallas":
-        api, _ = _kernels()
-        return api.dense_step(values, token)
-    from .recurrence import recurrent_step_general
+def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
+                    impl: str | None = None) -> LeapQuantState:
+    """The window flush on ``impl`` (``None``: ``config.impl``): every sequence
+    (``windowed.flush_reference``'s contract), or with ``only_full`` the sequences whose window is
+    full (``pos >= p``; ``windowed.maybe_flush``'s), the others untouched. The kernels leave the
+    buffer's records, all past the reset ``pos`` and so never read, where the reference zeroes them.
+    """
+    request = config.impl if impl is None else impl
+    chosen = resolve("flush", request, config, state)
+    if chosen is Impl.REFERENCE:
+        return windowed.maybe_flush(config, state) if only_full else windowed.flush_reference(config, state)
+    run = kernel("flush", chosen)
+    if not only_full:
+        return run(config, state, only_full=False)
+    full = state.pos >= config.window
 
+    def flush_full(s):
+        if request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION:
+            least = MIN_FULL_FRACTION[chosen][state.per_channel_decay]
+            fused = kernel("flush", Impl.FUSED)
+            return jax.lax.cond(jnp.mean(full.astype(jnp.float32)) >= least, lambda s: run(config, s, only_full=True),
+                                lambda s: fused(config, s, only_full=True), s)
+        return run(config, s, only_full=True)
+
+    return jax.lax.cond(jnp.any(full), flush_full, lambda s: s, state)
+
+
+def dense_step(values: jax.Array, token: Token, *, impl: str = AUTO) -> tuple[jax.Array, jax.Array]:
+    """One per-step dense update of ``values [B, H, dk, dv]`` (fp32 or bf16) on ``impl``:
+    ``(o [B, H, dv] fp32, new values in values.dtype)``, the new state computed in fp32 and rounded
+    to nearest even once, ``o`` read from the unrounded state."""
+    chosen = resolve("dense_step", impl, values, token)
+    if chosen is not Impl.REFERENCE:
+        return kernel("dense_step", chosen)(values, token)
     o, new = recurrent_step_general(values.astype(jnp.float32), token)
     return o, new.astype(values.dtype)
 
 
-def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token):
-    """One in-window step ``(o [B, H, dv], state)`` on the chosen implementation."""
-    if resolve_impl(config, state) == "pallas":
-        api, _ = _kernels()
-        return api.leapquant_step(config, state, token)
-    return windowed.step_reference(config, state, token)
-
-
-def leapquant_maybe_flush(config: LeapQuantConfig, state: LeapQuantState) -> LeapQuantState:
-    """Flushes the sequences whose window is full (``pos == p``) on the chosen implementation.
-
-    The kernel skips the other sequences itself (reading and writing nothing for them); the
-    reference flushes every sequence and keeps the full ones (``windowed.maybe_flush``).
-    """
-    if resolve_impl(config, state) == "pallas":
-        api, _ = _kernels()
-        full = state.pos >= config.window
-        return jax.lax.cond(jnp.any(full), lambda s: api.leapquant_flush_full(config, s), lambda s: s, state)
-    return windowed.maybe_flush(config, state)
+__all__ = ["MIN_FULL_FRACTION", "dense_step", "kernel", "leapquant_flush", "leapquant_step", "load_kernels",
+           "resolve"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from . import adapted_formats, block_formats, quantizers, tile_formats
 
 _BASE = ("fp32", "bf16", "fp16", "int8", "fp8", "int6", "int4")
-_REGISTRY = {**{n: quantizers._FORMATS[n] for n in _BASE}, **block_formats.FORMATS, **adapted_formats.FORMATS,
+_REGISTRY = {**{n: quantizers.FORMATS[n] for n in _BASE}, **block_formats.FORMATS, **adapted_formats.FORMATS,
              **tile_formats.FORMATS}
 
 STATE_FORMAT_NAMES = tuple(_REGISTRY)

@@ -27,77 +27,17 @@ import jax.numpy as jnp
 from . import dispatch, windowed
 from .damp import DampCalibration, DampMethod
 from .feedback import METHODS as STATEFUL_PER_STEP
-from .formats import STATE_FORMAT_NAMES, get_state_format
-from .quantizers import FloatTensor, QTensor
-from .recurrence import Token, recurrent_step_general
+from .per_step import DENSE_KERNEL_FORMATS, PER_STEP_METHODS, PerStepMethod
+from .recurrence import Token
 from .runner import Runner, check_dense, check_dims, check_token
-from .state import IMPLS, LeapQuantConfig, LeapQuantState, resolve_key_heads
+from .state import LeapQuantConfig, LeapQuantState
 
 Array = jax.Array
 
-# Every per-step format: the base ones first (their names and meanings fixed since the start).
-PER_STEP_METHODS = STATE_FORMAT_NAMES
 WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant")
-# Per-step formats whose step may run on the Pallas dense-step kernel (``PerStepMethod.impl``).
-DENSE_KERNEL_FORMATS = ("fp32", "bf16")
-# Per-step methods whose state carries more than the rounded values (error feedback, stochastic
-# rounding), then DAMP (calibrated per layer).
+# The per-step formats, then the per-step methods whose state carries more than the rounded
+# values (error feedback, stochastic rounding), then DAMP (calibrated per layer), then the windowed ones.
 METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS
-
-
-@dataclasses.dataclass(frozen=True)
-class PerStepMethod(Runner):
-    """Per-step baseline (eq. 2): the state lives in ``format`` and is re-quantized after every token."""
-
-    format_name: str = "fp32"
-    # fp32 and bf16 states: the dense step on the Pallas kernel or the reference (dispatch's rule)
-    impl: str = "auto"
-
-    def __post_init__(self):
-        if self.format_name not in PER_STEP_METHODS:
-            raise ValueError(f"per-step formats are {PER_STEP_METHODS}, got {self.format_name!r}")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.impl == "pallas" and self.format_name not in DENSE_KERNEL_FORMATS:
-            raise ValueError(f"impl='pallas' runs the fp32 and bf16 states only, not {self.format_name!r}")
-
-    @property
-    def name(self) -> str:
-        return self.format_name
-
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
-             key_heads: Optional[int] = None) -> QTensor:
-        """A zero state ``[batch, heads, dk, dv]`` in this format (for GDN and KDA tokens alike;
-        ``key_heads`` is checked, and the state keeps no keys)."""
-        check_dims(batch, heads, dk, dv)
-        resolve_key_heads(heads, key_heads)
-        return self.from_dense(jnp.zeros((batch, heads, dk, dv), jnp.float32))
-
-    def from_dense(self, state: Array, *, per_channel_decay: bool = False, key_heads: Optional[int] = None) -> QTensor:
-        """Rounds ``[B, H, dk, dv]`` fp32 into the format."""
-        check_dense(state)
-        return get_state_format(self.format_name).quantize(state)
-
-    def to_dense(self, state: QTensor) -> Array:
-        """``[B, H, dk, dv]`` fp32."""
-        return get_state_format(self.format_name).dequantize(state)
-
-    def records_held(self, state: QTensor) -> Array:
-        return jnp.zeros((state.shape[0],), jnp.int32)
-
-    def step_token(self, state: QTensor, token: Token, *, active: Optional[Array] = None):
-        """General-form step: dequantize, dense fp32 update, re-quantize. Returns ``(o, state)``."""
-        check_token(state.shape, token, active)
-        if self.format_name in DENSE_KERNEL_FORMATS:
-            o, values = dispatch.dense_step(self.impl, state.values, token)
-            new = FloatTensor(values=values)
-        else:
-            fmt = get_state_format(self.format_name)
-            o, dense = recurrent_step_general(fmt.dequantize(state), token)
-            new = fmt.quantize(dense)
-        if active is not None:
-            new = windowed.select_batch(active, new, state)
-        return o, new
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,18 +105,16 @@ class WindowedMethod(Runner):
 
     def step_token(self, state: LeapQuantState, token: Token, *, active: Optional[Array] = None):
         """Read, append the record, output; flush the sequences whose window filled."""
-        from .dispatch import leapquant_maybe_flush, leapquant_step
-
         token = windowed.match_key_heads(token, state.key_heads)
         check_token(state.shape, token, active, key_heads=state.key_heads)
         if token.per_channel_decay:
             state = self.with_decay_layout(state, True)
         elif state.per_channel_decay:
             token = token.replace(g=jnp.broadcast_to(token.g[..., None], token.q.shape))
-        o, new = leapquant_step(self.config, state, token)
+        o, new = dispatch.leapquant_step(self.config, state, token)
         if active is not None:
             new = windowed.select_batch(active, new, state)
-        return o, leapquant_maybe_flush(self.config, new)
+        return o, dispatch.leapquant_flush(self.config, new, only_full=True)
 
 
 def make_method(
@@ -195,8 +133,8 @@ def make_method(
     name: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8`` (per step), ``bf16-w``, ``int8-w``
     or ``leapquant``. The options (``bits``, ``window``, ``rank``, ``compensators``,
     ``smoothing`` and any other ``LeapQuantConfig`` field) apply to windowed methods; ``None``
-    keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``auto``,
-    ``reference``, ``pallas``: the dense-step kernel) on ``fp32`` and ``bf16``. ``calibration`` (a
+    keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``impls``:
+    which implementation runs the dense step) on ``fp32`` and ``bf16``. ``calibration`` (a
     ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option.
     """
     if name == "damp":

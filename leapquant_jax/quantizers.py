@@ -39,7 +39,8 @@ def qmax_for_bits(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def _check_state(x: Array, name: str = "state") -> None:
+def check_state(x: Array, name: str = "state") -> None:
+    """Raises unless ``x`` is a floating-point ``[..., dk, dv]`` state (every format's ``quantize`` checks it)."""
     if x.ndim < 2:
         raise ValueError(f"{name} must be [..., dk, dv], got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -51,8 +52,9 @@ def column_absmax(x: Array) -> Array:
     return jnp.max(jnp.abs(x), axis=-2)
 
 
-def _safe_divisor(scale: Array) -> Array:
-    # An all-zero column has scale 0; dividing by 1 there keeps its codes at 0 instead of NaN.
+def safe_divisor(scale: Array) -> Array:
+    """``scale`` with zeros replaced by 1: an all-zero column has scale 0, and dividing by 1 there
+    keeps its codes at 0 instead of NaN."""
     return jnp.where(scale > 0, scale, 1.0)
 
 
@@ -177,7 +179,7 @@ class FloatFormat:
 
     def quantize(self, x: Array) -> FloatTensor:
         """``x [..., dk, dv]`` float -> ``FloatTensor``."""
-        _check_state(x)
+        check_state(x)
         return FloatTensor(values=x.astype(self.dtype))
 
     def dequantize(self, t: FloatTensor) -> Array:
@@ -195,10 +197,10 @@ class Fp8Format:
 
     def quantize(self, x: Array) -> ScaledFloatTensor:
         """``x [..., dk, dv]`` -> ``ScaledFloatTensor(values e4m3, scale [..., dv])``."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         scale = column_absmax(x) / FP8_E4M3_MAX
-        y = jnp.clip(x / _safe_divisor(scale)[..., None, :], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        y = jnp.clip(x / safe_divisor(scale)[..., None, :], -FP8_E4M3_MAX, FP8_E4M3_MAX)
         return ScaledFloatTensor(values=y.astype(jnp.float8_e4m3fn), scale=scale)
 
     def dequantize(self, t: ScaledFloatTensor) -> Array:
@@ -228,10 +230,10 @@ class IntFormat:
 
     def quantize(self, x: Array) -> IntTensor:
         """``x [..., dk, dv]`` -> ``IntTensor`` (packed codes, scale ``[..., dv]``)."""
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         scale = column_absmax(x) / self.qmax
-        q = jnp.clip(jnp.round(x / _safe_divisor(scale)[..., None, :]), -self.qmax, self.qmax)
+        q = jnp.clip(jnp.round(x / safe_divisor(scale)[..., None, :]), -self.qmax, self.qmax)
         codes = pack_codes((q + self.qmax + 1).astype(jnp.int32), self.bits)
         return IntTensor(codes=codes, scale=scale, bits=self.bits, dk=x.shape[-2])
 
@@ -245,7 +247,7 @@ class IntFormat:
 
 Format = Union[FloatFormat, Fp8Format, IntFormat]
 
-_FORMATS = {
+FORMATS = {
     "fp32": lambda: FloatFormat("float32"),
     "bf16": lambda: FloatFormat("bfloat16"),
     "fp16": lambda: FloatFormat("float16"),
@@ -255,13 +257,13 @@ _FORMATS = {
     "int4": lambda: IntFormat(4),
 }
 
-FORMAT_NAMES = tuple(_FORMATS)
+FORMAT_NAMES = tuple(FORMATS)
 
 
 def get_format(name: str) -> Format:
     """Looks a state format up by name (``fp32``, ``bf16``, ``fp16``, ``fp8``, ``int8``, ``int6``, ``int4``)."""
     try:
-        return _FORMATS[name]()
+        return FORMATS[name]()
     except KeyError:
         raise ValueError(f"unknown state format {name!r}; known: {', '.join(FORMAT_NAMES)}") from None
 
@@ -272,6 +274,7 @@ def tree_bytes(tree) -> int:
 
 
 __all__ = [
+    "FORMATS",
     "FORMAT_NAMES",
     "FloatFormat",
     "FloatTensor",
@@ -281,12 +284,14 @@ __all__ = [
     "IntTensor",
     "QTensor",
     "ScaledFloatTensor",
+    "check_state",
     "code_parts",
     "column_absmax",
     "get_format",
     "pack_codes",
     "packed_rows",
     "qmax_for_bits",
+    "safe_divisor",
     "tree_bytes",
     "unpack_codes",
 ]

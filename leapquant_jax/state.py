@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .impls import check_request
 from .quantizers import Format, QTensor, get_format
 
 Array = jax.Array
 
 RECORD_DTYPES = ("float16", "bfloat16", "float32")
 FITS = ("subspace", "svd")
-IMPLS = ("auto", "reference", "pallas")
 
 
 def _is_int(x) -> bool:
@@ -54,8 +54,9 @@ class LeapQuantConfig:
     seed: seed of the Gaussian start.
     residual_format: overrides the residual's storage (``bf16``, ``fp16``, ``fp8``, ``fp32``
       = identity); ``None`` means ``int{bits}``.
-    impl: ``"auto"`` (Pallas kernels on a GPU, the reference elsewhere), ``"reference"`` or
-      ``"pallas"`` (fails with a reason where the kernels cannot run).
+    impl: which implementation runs the step and the flush (``impls``): ``"auto"`` (the kernels
+      on a GPU where they take the state, the reference elsewhere), ``"reference"``, ``"pallas"``
+      (the kernels or an error naming why), ``"triton"`` or ``"mosaic"``.
     """
 
     bits: int = 8
@@ -91,8 +92,7 @@ class LeapQuantConfig:
             raise ValueError(f"fit must be one of {FITS}, got {self.fit!r}")
         if not _is_int(self.fit_iters) or self.fit_iters < 1:
             raise ValueError(f"fit_iters must be an integer >= 1, got {self.fit_iters!r}")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        check_request(self.impl, ("step", "flush"))
 
     @property
     def effective_rank(self) -> int:

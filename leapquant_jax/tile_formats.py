@@ -19,7 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .quantizers import FP8_E4M3_MAX, _check_state
+from .quantizers import FP8_E4M3_MAX, check_state
 
 Array = jax.Array
 
@@ -101,7 +101,7 @@ class Fp8TileFormat:
         u: ``None`` rounds to nearest (even); uniform ``[0, 1)`` noise of ``x``'s shape rounds
         stochastically (``e4m3_stochastic_round``) instead.
         """
-        _check_state(x)
+        check_state(x)
         x = x.astype(jnp.float32)
         scale = self.tile_absmax(x) / FP8_E4M3_MAX
         # An all-zero tile has scale 0; dividing by 1 there keeps its values at 0 instead of NaN.

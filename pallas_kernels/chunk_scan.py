@@ -1,24 +1,25 @@
-"""The serial part of the chunkwise-parallel delta rule (prefill) as one Pallas kernel.
+"""The serial part of the chunked delta rule (prefill) as one Pallas Triton kernel.
 
-Why: in ``leapquant_jax.chunked`` everything about a chunk that does not depend on its initial
-state is computed for all chunks at once with matmuls; what is left is serial in the chunks,
+Contract: ``leapquant_jax.chunk_ops.scan_chunks``'s. s0 ``[R, dk, dv]`` (``R`` rows x heads); per
+chunk ``n`` of ``N``: w, k_end, q_start ``[N, R, C, dk]``, uv ``[N, R, C, dv]``, decay ``[N, R, dk]``,
+p ``[N, R, C, C]`` -> ``(o [N, R, C, dv], S_N [R, dk, dv])``, all fp32:
 
-    U_n = uv_n - w_n S_n,   o_n = q_n S_n + p_n U_n,   S_{n+1} = Diag(decay_n) S_n + k_n^T U_n,
+    U_n = uv_n - w_n S_n,   o_n = q_n S_n + p_n U_n,   S_{n+1} = Diag(decay_n) S_n + k_n^T U_n.
 
-four small matmuls per chunk. As a ``lax.scan`` every chunk costs several kernel launches and
-writes its start state ``S_n`` to device memory (and reads it back for ``o``); a single long
+Why: everything about a chunk that does not depend on its initial state is computed for all chunks
+at once with matmuls; what is left is four small matmuls per chunk in a row. As a ``lax.scan``
+every chunk costs several launches and writes its start state to device memory; a single long
 prompt has too few heads to hide that. Here one program per (row, value block ``BV``) keeps
-``S [dk, BV]`` in registers for the whole loop over the chunks, and writes only ``o`` and the
-final state.
+``S [dk, BV]`` in registers for the whole loop and writes only ``o`` and the final state.
 
-Precision: ``Precision.HIGHEST`` is three TF32 passes per product on the GPU (about fp32
-round-off, as the LeapQuant flush kernels do); ``Precision.DEFAULT`` one TF32 pass (the math of
-FLA's fp32 chunk kernels). Interpret mode computes in fp32.
-
+Precision: ``HIGHEST`` is three TF32 passes per product on the GPU (about fp32 round-off);
+``DEFAULT`` one TF32 pass (the math of FLA's fp32 chunk kernels); interpret mode computes in fp32.
 Not differentiable by itself: ``leapquant_jax.chunked`` wraps it in a ``jax.custom_jvp`` whose
-derivative is that of ``chunk_scan_reference``, so ``jax.grad`` works through either path.
+derivative is ``scan_chunks``'s.
 
-Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
+Defaults: ``default_block_v`` (64 columns, 32 when few rows leave the GPU idle), 4 warps, one
+stage (two stages need more shared memory than an SM has at 128 x 128 heads). Tested with JAX
+0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from leapquant_jax.chunked import scan_chunks
+from leapquant_jax.chunk_ops import scan_chunks
 
 from ._compat import compiler_params, default_interpret, is_pow2, pl, tensor_core_precision
 
@@ -71,11 +72,19 @@ def check_chunk_inputs(s0, w, uv, k_end, decay, q_start, p, block_v: int) -> Non
                            ("p", p, (n, rows, c, c))):
         if x.shape != shape:
             raise ValueError(f"{name} must be {shape} to match s0 {s0.shape} and w {w.shape}, got {x.shape}")
-    for name, size in (("dk", dk), ("dv", dv), ("chunk", c)):
-        if not (is_pow2(size) and size >= 16):
-            raise ValueError(f"{name}={size} must be a power of two >= 16 (Triton tiles)")
+    why = unsupported_reason(dk, dv, c)
+    if why is not None:
+        raise ValueError(why)
     if not (is_pow2(block_v) and block_v >= 16 and dv % block_v == 0):
         raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing dv={dv}")
+
+
+def unsupported_reason(dk: int, dv: int, chunk: int) -> str | None:
+    """Why the kernel cannot take heads of ``dk x dv`` in chunks of ``chunk`` tokens (``None`` when it can)."""
+    for name, size in (("dk", dk), ("dv", dv), ("chunk", chunk)):
+        if not (is_pow2(size) and size >= 16):
+            return f"{name}={size} is not a power of two >= 16 (Triton tiles)"
+    return None
 
 
 def default_block_v(rows: int, dv: int) -> int:
@@ -93,8 +102,7 @@ def chunk_scan(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precisi
     ``[N, R, C, dk]``, uv ``[N, R, C, dv]``, decay ``[N, R, dk]``, p ``[N, R, C, C]`` (the
     chunk terms of ``leapquant_jax.chunked``). Returns ``(o [N, R, C, dv], S_N [R, dk, dv])``, all fp32.
     ``num_stages > 1`` lets Triton load the next chunks' tiles while the current one computes,
-    shared memory permitting: at ``dk = dv = 128`` two stages need 245 KB (``block_v`` 16) to
-    262 KB (32), more than an H200 SM has (``python -m bench.registers --what chunk``).
+    shared memory permitting (not at ``dk = dv = 128``: ``python -m bench.registers --what chunk``).
     """
     rows, dk, dv = s0.shape
     bv = default_block_v(rows, dv) if block_v is None else block_v
@@ -124,9 +132,10 @@ def chunk_scan(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precisi
 
 
 def chunk_scan_reference(s0, w, uv, k_end, decay, q_start, p, *, precision=jax.lax.Precision.HIGHEST, **_unused):
-    """``chunk_scan``'s contract in pure JAX (``chunked.scan_chunks``, a ``lax.scan`` over the
+    """``chunk_scan``'s contract in pure JAX (``chunk_ops.scan_chunks``, a ``lax.scan`` over the
     chunks): ``(o [N, R, C, dv], S_N [R, dk, dv])``."""
     return scan_chunks(s0, w, uv, k_end, decay, q_start, p, precision=precision)
 
 
-__all__ = ["DEFAULT_BLOCK_V", "check_chunk_inputs", "chunk_scan", "chunk_scan_reference", "default_block_v"]
+__all__ = ["DEFAULT_BLOCK_V", "check_chunk_inputs", "chunk_scan", "chunk_scan_reference", "default_block_v",
+           "unsupported_reason"]

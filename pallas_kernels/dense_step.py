@@ -32,7 +32,7 @@ from leapquant_jax.recurrence import Token, recurrent_step_general
 from ._compat import compiler_params, default_interpret, is_pow2, pl
 
 STATE_DTYPES = ("float32", "bfloat16")
-# Value columns per program: the block ``bench.kernels`` times the dense steps with.
+# Value columns per program (at most dv): the block ``bench.kernels`` times the dense steps with.
 DEFAULT_BLOCK_V = 64
 
 
@@ -72,12 +72,30 @@ def check_dense_inputs(state: jax.Array, token: Token, block_v: int) -> None:
         raise ValueError(f"block_v={block_v} must be a power of two dividing dv={dv}")
 
 
+def default_block_v(state: jax.Array) -> int:
+    """``DEFAULT_BLOCK_V`` value columns per program, at most ``dv``."""
+    return min(DEFAULT_BLOCK_V, state.shape[-1]) if state.ndim == 4 else DEFAULT_BLOCK_V
+
+
+def unsupported_reason(state: jax.Array, token: Token) -> str | None:
+    """Why ``dense_step`` cannot take ``state [B, H, dk, dv]`` and ``token`` at its default block
+    (``None`` when it can)."""
+    try:
+        check_dense_inputs(state, token, default_block_v(state))
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
-def dense_step(state: jax.Array, token: Token, *, block_v: int = DEFAULT_BLOCK_V, num_warps: int = 4, interpret: bool | None = None):
+def dense_step(state: jax.Array, token: Token, *, block_v: int | None = None, num_warps: int = 4,
+               interpret: bool | None = None):
     """One dense step on a ``[B, H, dk, dv]`` fp32 or bf16 state.
 
     token: general-form ``Token`` with ``H`` value heads. Returns ``(o [B, H, dv] fp32, state)``.
+    ``block_v``: value columns per program (``default_block_v``).
     """
+    block_v = default_block_v(state) if block_v is None else block_v
     check_dense_inputs(state, token, block_v)
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
@@ -117,4 +135,5 @@ def dense_step_reference(state: jax.Array, token: Token, **_unused):
     return o, new.astype(state.dtype)
 
 
-__all__ = ["STATE_DTYPES", "check_dense_inputs", "dense_step", "dense_step_bytes", "dense_step_reference"]
+__all__ = ["DEFAULT_BLOCK_V", "STATE_DTYPES", "check_dense_inputs", "default_block_v", "dense_step", "dense_step_bytes",
+           "dense_step_reference", "unsupported_reason"]

@@ -1,46 +1,30 @@
-"""KDA's decayed pair scores of a chunk (the chunkwise-parallel form's one non-matmul part) as a Pallas kernel.
+"""KDA's decayed pair scores of a chunk (the chunked form's one non-matmul part) on Pallas Triton.
 
-Why: with a decay per key channel, ``sum_c x_ic k_jc e^{G_ic - G_jc}`` is not a plain matmul.
-``leapquant_jax.chunked`` reduces pairs inside a sub-chunk of ``SUB_CHUNK`` tokens elementwise,
-which XLA materialises as ``[C/s, s, s, dk]`` per chunk (half a megabyte at ``C = 64``,
-``dk = 128``) and reads back. Here one program per chunk writes the ``[C, C]`` scores one column
-block of ``s`` columns (sub-chunk ``b``) at a time, in a loop (not unrolled):
+Contract: ``leapquant_jax.chunk_ops.pair_scores_kda``'s. q, k, G ``[R, C, dk]`` (``R`` chunks, ``G``
+the cumulative log-decay from each chunk's start, inclusive) -> ``[R, 2, C, C]`` fp32:
+``sum_c x_ic k_jc e^{G_ic - G_jc}`` for ``j <= i`` with ``x = k`` then ``x = q``, zero above.
+
+Why: with a decay per key channel this is not a plain matmul, and XLA materialises the
+in-sub-chunk pairs as ``[C/s, s, s, dk]`` per chunk and reads them back. Here one program per
+chunk writes the scores one column block of ``s = SUB_CHUNK`` columns (sub-chunk ``b``) at a
+time, in a loop:
 
 * pairs inside sub-chunk ``b`` (the diagonal ``[s, s]`` block): one column ``j`` at a time,
   ``e^{G_i - G_j}`` for ``i >= j``, over ``dk`` in ``DIAG_SLICE``-wide tiles;
 * pairs of ``j`` in ``b`` with ``i`` after it: with ``T`` the cumulative log-decay at ``b``'s last
-  token, a ``[C, s]`` product of ``x_i e^{G_i - T}`` by ``k_j e^{T - G_j}``, both factors ``<= 1``,
-  accumulated over ``dk`` in ``KEY_SLICE``-wide steps (operands ``[C, 16]`` and ``[s, 16]``, so no
-  operand tile is held whole); rows up to ``b``'s end have their left factor masked to 0, and the
-  store leaves out the diagonal block, so the rows above it get zeros. The last column block has
-  no later rows: its diagonal block and zeros above it.
+  token, a ``[C, s]`` product of ``x_i e^{G_i - T}`` by ``k_j e^{T - G_j}`` (both factors ``<= 1``),
+  accumulated over ``dk`` in ``KEY_SLICE``-wide steps; the rows above the block get zeros.
 
-``chunked.pair_scores_kda`` splits the across-sub-chunk pairs at the row's sub-chunk start
-instead of the column's end; both splits are exact, so the two differ by rounding only. Every
-exponent is masked or clamped to ``<= 0`` before ``exp``, so fully decayed channels give zeros,
-not NaN or inf. The products run at the caller's precision (three TF32 passes for ``HIGHEST`` on
-the GPU, one for ``DEFAULT``); the in-sub-chunk sums are fp32. Not differentiable by itself:
-``leapquant_jax.chunked`` wraps it in a ``jax.custom_jvp`` with the pure-JAX form's derivative.
+``pair_scores_kda`` splits the across-sub-chunk pairs at the row's sub-chunk start instead of the
+column's end; both splits are exact, so the two differ by rounding only. Every exponent is
+masked or clamped to ``<= 0`` before ``exp``, so fully decayed channels give zeros, not NaN. The
+products run at the caller's precision (three TF32 passes for ``HIGHEST`` on the GPU, one for
+``DEFAULT``); the in-sub-chunk sums are fp32. Not differentiable by itself: ``leapquant_jax.chunked``
+wraps it in a ``jax.custom_jvp`` with the pure-JAX form's derivative.
 
-Registers (``python -m bench.registers --what scores``: ``ptxas -v`` for sm_90 with the pip
-``triton`` 3.6 compiler, ``C = 64``, ``dk = 128``; registers, spill stores/loads in bytes):
-
-    warps   DEFAULT          HIGHEST
-    2       228, 0/0         236, 0/0
-    4       122, 0/0         123, 0/0
-    8        75, 0/0          80, 0/0
-
-(the previous form, one ``[s, C]`` product per sub-chunk over whole ``[C, dk]`` tiles: 255
-registers at every width, spilling 860/1016 B at 4 warps DEFAULT and 2708/2912 B HIGHEST).
-``DEFAULT_NUM_WARPS = 8`` was chosen from this table (no spills, then fewest registers). On
-the H200, 8,192 chunks of KDA at TF32 take 2.36 ms at 8 warps and 2.23 ms at 4, against about
-2.8 ms for the previous form and 5.1 ms for the pure-JAX form
-(``bench/results/prefill-20261201-045842``). ``DIAG_SLICE = 64`` measured
-73-76 registers at 8 warps against 123-127 with whole ``dk = 128`` tiles (which also spill at 2
-warps); ``KEY_SLICE = 32`` 104-124 with twice the shared memory.
-
-Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200: the prefill
-benchmark's check against the token-serial recurrence).
+Defaults (``DEFAULT_NUM_WARPS``, ``KEY_SLICE``, ``DIAG_SLICE``): no register spills, then the
+fewest registers and the fastest measured (``python -m bench.registers --what scores``;
+docs/performance.md). Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -50,12 +34,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from leapquant_jax.chunked import SUB_CHUNK, pair_scores_kda
+from leapquant_jax.chunk_ops import SUB_CHUNK, pair_scores_kda
 
 from ._compat import compiler_params, default_interpret, is_pow2, pl, store, tensor_core_precision
 
 f32 = jnp.float32
-DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_WARPS = 8  # no register spills, then the fewest registers (bench.registers; docs/performance.md)
 KEY_SLICE = 16        # dk columns per step of the across-sub-chunk products (operands [C, 16] and [s, 16])
 DIAG_SLICE = 64       # dk columns per step of the in-sub-chunk column loop (tiles [s, 64])
 
@@ -133,10 +117,17 @@ def check_score_inputs(q, k, G) -> None:
     for name, x in (("q", q), ("G", G)):
         if x.shape != k.shape:
             raise ValueError(f"{name} must be {k.shape} like k, got {x.shape}")
-    _, c, dk = k.shape
-    for name, size in (("chunk", c), ("dk", dk)):
+    why = unsupported_reason(k.shape[2], k.shape[1])
+    if why is not None:
+        raise ValueError(why)
+
+
+def unsupported_reason(dk: int, chunk: int) -> str | None:
+    """Why the kernel cannot take keys of ``dk`` channels in chunks of ``chunk`` tokens (``None`` when it can)."""
+    for name, size in (("chunk", chunk), ("dk", dk)):
         if not (is_pow2(size) and size >= 16):
-            raise ValueError(f"{name}={size} must be a power of two >= 16 (Triton tiles)")
+            return f"{name}={size} is not a power of two >= 16 (Triton tiles)"
+    return None
 
 
 @functools.partial(jax.jit, static_argnames=("precision", "num_warps", "interpret"))
@@ -165,8 +156,8 @@ def kda_pair_scores(q, k, G, *, precision=jax.lax.Precision.HIGHEST, num_warps=D
 
 
 def kda_pair_scores_reference(q, k, G, *, precision=jax.lax.Precision.HIGHEST, **_unused):
-    """``kda_pair_scores``'s contract in pure JAX (``chunked.pair_scores_kda``): ``[R, 2, C, C]``."""
+    """``kda_pair_scores``'s contract in pure JAX (``chunk_ops.pair_scores_kda``): ``[R, 2, C, C]``."""
     return pair_scores_kda(q, k, G, precision)
 
 
-__all__ = ["check_score_inputs", "kda_pair_scores", "kda_pair_scores_reference"]
+__all__ = ["check_score_inputs", "kda_pair_scores", "kda_pair_scores_reference", "unsupported_reason"]

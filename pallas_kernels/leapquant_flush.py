@@ -1,106 +1,34 @@
-"""LeapQuant window flush (docs/design.md §3, §6): reconstruct ``S_p``, fit, smooth, quantize, write.
+"""LeapQuant window flush on Pallas Triton (docs/design.md §3, §6): reconstruct ``S_p``, fit, smooth, quantize.
 
-Why: once per window the state is materialised in fp32 and rounded once into the next
-checkpoint. Three implementations with one contract (``impl``):
+Contract: ``windowed.flush_reference``'s (``only_full=False``: every sequence) or
+``windowed.maybe_flush``'s (``only_full=True``: the sequences at ``pos >= p``; the kernels read
+and write nothing for the others). The checkpoint (codes ``[B, H, packed_rows, dv]``, scale
+``[B, H, dv]``, smooth ``[B, H, dk]``, fp16 ``K [B, H, r, dk]``, ``U [B, H, r, dv]``) is written
+in place; ``pos`` is reset in XLA. No flush writes the buffer: every slot is then past the reset
+``pos``, and every read of a record stops at ``pos`` (the reference returns an empty buffer).
 
-* ``split`` (the fastest on the H200 when every window is full): three stages.
-  1. A kernel with one program per (sequence, head, value block ``BV``) reconstructs
-     ``S[:, block] = D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` (log-space decays,
-     masked before ``exp``: a fully decayed head gives zeros, not NaN; the window's records as
-     one dot for ``p >= 16``) and, while the block is on chip, its part of the first round of
-     subspace iteration, ``S_b (S_b^T Q_0)`` from the seeded start (or the warm start, the old
-     ``K`` topped up where it is zero): ``Y = S S^T Q_0`` is the sum of these parts over the
-     value blocks. It writes ``S`` in fp32 and the parts (``[B, H, dv / BV, r, dk]``).
-  2. XLA finishes the fit with ``compensators.fit_subspace`` (the reference's own code: the
-     parts summed, CholeskyQR2 unrolled for ``r <= 8``, ``U = S^T K^T`` clipped, fp16 factors),
-     reading ``S`` once. With only ``S^T Q_0`` from stage 1 it read ``S`` twice (``Y = S Z``
-     too): 3144 / 3595 us per flush (GDN / KDA, batch 512, H200) against 2680 / 3061 us now
-     (``bench/results/flush-time-20261201-0831-blocks``, ``-0840-fills``). Computing ``U`` in
-     stage 3 instead (which reads ``S`` anyway) was measured slower: its ``r`` cross-thread
-     sums per program doubled stage 3 (``bench/results``).
-  3. A kernel with one program per (sequence, head) forms the residual ``R = S - K^T U`` from
-     the rounded factors, smooths it by ``c_i = sqrt(mean_j |R_ij|)`` floored at 1e-12,
-     quantizes ``R / c`` with one scale per value column (round half to even), packs the codes
-     (planar 6/4-bit layout) and writes the checkpoint in place.
-  The fp32 state goes through device memory (written once, read twice), but every stage has
-  many programs in flight; see ``bench/results`` for the measured trade. A flush that never
-  writes ``S``, with the same (sequence, head, value block) programs rebuilding their block of
-  ``S`` from the codes and the records in each of three passes (the fit round, then ``K``,
-  ``U`` and the residual's row sums, then the quantization; the head's blocks coupled through
-  small partial sums in between), agreed with the reference but took 3717 / 5413 us per flush
-  (GDN / KDA, every window full) and 356 / 468 us with one window in 16 full, against the
-  fused flush's 311 / 430 us (commit 853d3c0): Nsight Compute shows each pass bound by the
-  SM's L1/shared-memory pipe (76% busy, DRAM 19%, the cross-thread sums), at 25% occupancy
-  (128 registers), so it was not kept.
-* ``fused``: one program per (sequence, head) does all of it with the whole fp32 tile in
-  registers (reading the checkpoint and the records, writing the checkpoint); the fit's
-  ``r (r + 1)`` Gram reductions and the records loop are serial per program, which leaves
-  it latency-bound at one or two programs per SM.
-* ``stream``: one program per (sequence, head) that never forms the fp32 state as a whole.
-  ``S = base * deq(Z) + Kd^T Ur + Ko^T Uo`` with ``base = D0 c``, ``Kd`` the key records times
-  their decays, ``Ur`` the value records, ``Ko = D0 K_old`` and ``Uo = U_old``. The program walks
-  the key rows in pieces of ``STREAM_CHUNK`` rows, in rolled loops, and loads each tile from its
-  ref where it is used instead of holding it across the program: the records, factors and seeds
-  as zero-padded 16-row tiles (one masked load each, ``shared.load_rows``), the decays
-  recomputed from the log-decays (a cumulative sum over the window rows, masked before ``exp``:
-  a fully decayed head gives zeros, not NaN), the codes one part at a time
-  (``shared.load_code_part``). The fit's products ``Q S`` and ``Z S^T`` are read off the codes
-  with the step's exact int8-digit dots plus small dots through ``Kd``, ``Ko``, ``Ur``, ``Uo``,
-  each contracting at most ``max(STREAM_CHUNK, 16)`` rows (a Triton dot holds its operands whole
-  in registers); CholeskyQR2 sums each Gram matrix over the pieces and applies the triangular
-  solve as one dot per piece; the residual is rebuilt chunk by chunk twice, for the smoothing
-  scales and column maxima and then to quantize. It reads the checkpoint and the records from
-  device memory once (the re-reads are meant to hit the L1/L2) and writes the checkpoint once
-  (``flush_bytes``: 49 KB per GDN head, 53 KB per KDA head at 8 bits, window 16).
-  Before this structure (every record row loaded at the top, ``[r + p, n]`` tiles held through
-  the program) it agreed with the reference compiled on the H200 (8-bit GDN: codes within one
-  step, 5e-5 of them different) but ran at 8.8 ms per flush at batch 512 with 8 warps (54 ms with
-  4), against the split flush's 3.2 ms (``bench/results/kernels-20261130-225439``): ``ptxas``
-  showed 255 registers and 1820 bytes of spill stores per thread at 4 warps (8-bit GDN, measured
-  as below). The present structure, compiled on the H200 at batch 512 (``python -m bench.flush_time --check-bits 8``,
-  ``bench/results/flush-time-20261201-0603.log``), agrees with the reference (8-bit GDN and
-  KDA: the decoded state's error 5.411e-3 / 5.368e-3, the reference's to 4 digits) and takes
-  5.75 ms (GDN) and 6.70 ms (KDA) per flush at 4 warps, 9.16 / 11.06 ms at 8, against the split
-  flush's 3.37 / 3.83 ms in the same run: ten times faster than before at 4 warps, but still
-  slower than the split flush, so the limit is no longer spilling but the length of each
-  program's serial chain (about 90 us per head at two programs per SM, 255 registers of 128
-  threads each). Its ``ptxas -v`` figures (sm_90a, Triton 3.6, the kernel's Triton IR put
-  through Triton's own TTIR passes first, as on the GPU, then ``ptxas``) are 255 registers,
-  with fewer spills at 8 bits (bytes stored per thread: GDN 48 at 8 warps and 488 at 4, KDA 68
-  and 220) but more at 6 bits (GDN 1992 at 8 warps, 4192 at 4), where the four code parts of a
-  piece are unrolled rather than looped. 8 warps spill least, but 4 run faster on the GPU,
-  hence ``STREAM_NUM_WARPS = 4``; ``auto`` does not take this flush.
+Two flushes, one contract (``leapquant_jax.dispatch`` chooses between them):
 
-No flush writes the buffer: after it every slot is past the reset ``pos``, and every read of
-a record (the kernels' masked loads, the reference's decays masked before ``exp``) stops at
-``pos``, so zeroing it would only move bytes (``windowed.flush_reference`` returns an empty
-buffer; the kernels leave the old records, which no read reaches).
+* ``flush_split``, three stages. A kernel per (sequence, head, value block ``BV``) rebuilds
+  ``S[:, block] = D0 (c deq(Z) + K^T U) + sum_j (d_j k_j) u_j^T`` in fp32 and, while the block
+  is on chip, its part of the fit's first round ``S_b (S_b^T Q_0)``; XLA finishes the fit with
+  the reference's own ``compensators.fit_subspace`` (reading ``S`` once); a kernel per (sequence,
+  head) forms ``R = S - K^T U`` from the rounded factors, smooths, quantizes and packs. Why: many
+  programs in flight at every stage, at the cost of the fp32 state through device memory.
+* ``flush_fused``: one program per (sequence, head) does it all with the fp32 tile in registers.
+  Why: it reads nothing for a sequence whose window is not full, so few full windows cost little.
 
-Which sequences flush: ``only_full=True`` skips (the kernels read and write nothing for)
-sequences whose window is not full (``pos < p``); ``only_full=False`` flushes every sequence,
-the contract of ``windowed.flush_reference``. ``pos`` is reset in XLA after the kernels. The
-split flush's XLA stage runs over the whole batch whatever the positions, so ``impl="auto"``
-(the default, and what ``leapquant_jax.dispatch`` runs) takes the split flush when at least
-``SPLIT_MIN_FULL_FRACTION`` of the batch flushes and the fused one otherwise: a batch whose
-windows fill at once pays the split flush's rate, a batch at spread-out positions pays only
-for its full windows.
+Decays are log-space sums masked before ``exp`` (a fully decayed head gives zeros, not NaN). The
+fit starts from the seeded Gaussian (or the warm start: the old ``K``, a zero row topped up) and
+orthonormalises with the reference's CholeskyQR2. Smoothing ``c_i = sqrt(mean_j |R_ij|)`` floored
+at ``SMOOTH_FLOOR``; one scale per value column; codes rounded half to even, packed planar.
+Rounding: fp32 (stage 1's records dot as 3xTF32 on the GPU, about fp32); ``K``, ``U`` in fp16.
+The summation order differs from the reference's, so a code on a rounding boundary may differ by
+one step. GVA (``H = n Hk``): the program of value head ``j`` reads the key records of ``j // n``.
 
-Rounding: fp32 throughout; the split flush's records dot and the stream flush's small dots run
-as 3xTF32 on the GPU (about fp32's accuracy), the stream flush's code reads as exact int32
-sums of a 22-bit fixed-point split of each vector; fp16 rounding of ``K``, ``U``; the code rounding. Summation order differs
-from the XLA reference, so a code sitting on a rounding boundary may differ by one step; the
-decoded states agree to a quantization step on those few elements.
-
-GVA (``H = n Hk``): the buffer keeps one key record per key head (``k [B, Hk, p, dk]``); a
-flush program of value head ``j`` reads those of key head ``j // n`` (the key records' block
-spec). No flush writes the buffer, so sharing changes nothing else.
-
-Bytes moved per flushed value head: ``flush_bytes`` (the fused and stream count: read the
-checkpoint and the ``p`` records, the key records ``1 / n`` of theirs per value head, write the
-checkpoint; the split flush adds the fp32 state written once and read twice, ``12 dk dv``,
-plus stage 1's parts of ``Y`` and the factors).
-
-Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
+Defaults: ``default_reconstruct_block`` value columns in stage 1, 8 warps in stage 3, the fused
+flush on 8 (GDN) or 4 (KDA) warps: the fastest measured (docs/performance.md). Bytes per flushed
+value head: ``flush_bytes``. Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -112,18 +40,15 @@ import jax.numpy as jnp
 
 from leapquant_jax import windowed
 from leapquant_jax.compensators import (
-    FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, gram_shift, random_start, unrolled_cholesky,
+    FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, random_start,
 )
 from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
 from .shared import (
-    DIGITS, cholesky_qr_round, digit_scales, int8_digits, load_code_part, load_code_parts, load_rows, num_parts,
-    scale_cols_to_unit_max, tile_rows, undigit, window_decay_part, window_decays,
+    cholesky_qr_round, load_code_parts, num_parts, scale_cols_to_unit_max, window_decay_part,
 )
-from . import mosaic_flush
-from .mosaic_shared import interpret_params, on_hopper
 from .support import unsupported_reason
 
 f32 = jnp.float32
@@ -406,286 +331,6 @@ def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
     _run(body, pos, window, only_full)
 
 
-def _pad16(n: int) -> int:
-    """Rows of a dot operand holding ``n`` rows: a power of two, at least 16 (a Triton dot's least size)."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
-
-
-def _entries(x, k):
-    """``x [R, R]`` -> nested lists ``e[a][b] = x[a, b]`` for ``a, b < k`` (scalars, by equal splits)."""
-    rows = tile_rows(x, k)
-    return [[v.reshape(()) for v in jnp.split(row, row.shape[0])[:k]] for row in rows]
-
-
-def _stream_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, warm_start, fit_iters, only_full,
-                   chunk, precision):
-    """The stream flush: one program per (sequence, head), no fp32 state in device memory.
-
-    It works on ``S = base * deq(Z) + Kd^T Ur + Ko^T Uo`` without forming it, in pieces of
-    ``chunk`` key rows (``pieces``) and ``cv`` value columns: ``base = D0 c`` (``[chunk]``; a
-    scalar ``D0`` for GDN without smoothing), ``Kd [pw, chunk]`` the key records times their
-    decays, ``Ur [pw, cv]`` the value records, ``Ko = D0 K_old [rp, chunk]`` and
-    ``Uo = U_old [rp, cv]`` (``pw``, ``rp``: the window and the rank padded to a dot operand's 16
-    rows, zero below). Every dot contracts at most ``max(chunk, pw)`` (a Triton dot holds its
-    whole operands in registers), and each tile is loaded from its ref where it is used and
-    dropped after (the decays recomputed each time): reloads hit the L1/L2, spills cost more.
-    """
-    it = iter(refs)
-    pos_ref, start_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = _input_refs(
-        it, smoothing, rank)
-    codes_out, scale_out, smooth_out, ck_out, cu_out = _checkpoint_outs(it, smoothing, rank)
-
-    pos = pos_ref[...]
-    parts = num_parts(bits)
-    n = dk // parts
-    nc = n // chunk
-    pieces = [(i, j * chunk) for i in range(parts) for j in range(nc)]           # (part, first row in it)
-    cv = min(chunk, dv)
-    cols = [(c, cv) for c in range(0, dv, cv)]                                    # value column chunks
-    rp, pw = _pad16(rank), _pad16(window)
-    qmax = qmax_for_bits(bits)
-
-    def dot(a, b, contract):
-        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=f32)
-
-    def idot(a, b, contract):
-        return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.int32)
-
-    def decays(piece):
-        """``D0`` (``[chunk]`` or ``[]``) and ``d`` (``[pw, chunk]`` or ``[pw]``) of the key rows of ``piece``."""
-        i, start = piece
-        live = jnp.arange(pw) < pos      # slots read: dead ones and the padding load as zeros
-        return window_decays(load_rows(bg_ref, pw, (i * n + start, chunk) if per_channel else None, live), live)
-
-    def base_of(piece, D0):
-        """``base = D0 c`` of the key rows of ``piece`` (``[chunk]``, or ``[]`` for GDN without smoothing)."""
-        i, start = piece
-        return D0 * smooth_ref[pl.ds(i * n + start, chunk)] if smoothing else D0
-
-    def key_side(piece):
-        """``base``, ``Kd [pw, chunk]`` and ``Ko [rp, chunk]`` (None without factors) of the key rows of ``piece``."""
-        i, start = piece
-        col = i * n + start
-        live = jnp.arange(pw) < pos
-        D0, d = decays(piece)
-        kd = load_rows(bk_ref, pw, (col, chunk), live).astype(f32) * (d if per_channel else d[:, None])
-        ko = load_rows(ck_ref, rp, (col, chunk)).astype(f32) * (D0[None, :] if per_channel else D0) if rank else None
-        return base_of(piece, D0), kd, ko
-
-    def value_side(cs):
-        """``Ur [pw, width]`` and ``Uo [rp, width]`` (None without factors) of value columns ``cs``."""
-        live = jnp.arange(pw) < pos
-        return load_rows(bu_ref, pw, cs, live).astype(f32), load_rows(cu_ref, rp, cs).astype(f32) if rank else None
-
-    def codes(piece, dtype):
-        i, start = piece
-        return load_code_part(codes_ref, bits, dk, i, start, chunk, dtype=dtype)         # [chunk, dv]
-
-    def across(base):      # base as a factor of columns: [rows] -> [1, rows]
-        return base[None, :] if base.ndim else base
-
-    def down(base):        # base as a factor of rows: [rows] -> [rows, 1]
-        return base[:, None] if base.ndim else base
-
-    def pick(x, i, j):
-        """Piece ``(i, j)`` of the pieces ``x`` for a traced ``j`` (a where-chain: registers
-        cannot be indexed)."""
-        out = x[i * nc]
-        for jj in range(1, nc):
-            out = jnp.where(j == jj, x[i * nc + jj], out)
-        return out
-
-    def loop(body, init):
-        """``body(j, carry)`` over the key-row chunks: a rolled loop, so that one chunk's tiles
-        (and addresses) are live at a time and the program stays small. The trip count is one
-        the compiler cannot see (``min(pos, 0) = 0``): with a constant one LLVM unrolls
-        the loop and the scheduler interleaves the chunks, which is what spilled."""
-        if nc == 1:
-            return body(0, init)
-        return jax.lax.fori_loop(0, nc + jnp.minimum(pos, 0), body, init)
-
-    def read(x):
-        """``x S`` for rows ``x`` (pieces ``[rp, chunk]``, part-major) -> ``[rp, dv]``."""
-        def small(j, carry):
-            m, sd, so = carry
-            for i in range(parts):
-                x_ = pick(x, i, j)
-                base, kd, ko = key_side((i, j * chunk))
-                m = jnp.maximum(m, jnp.max(jnp.abs(x_ * across(base)), axis=1))
-                sd, so = sd + dot(x_, kd, ((1,), (1,))), so + dot(x_, ko, ((1,), (1,)))      # [rp, pw], [rp, rp]
-            return m, sd, so
-
-        m, small_d, small_o = loop(small, (jnp.zeros((rp,), f32), jnp.zeros((rp, pw), f32), jnp.zeros((rp, rp), f32)))
-        inv, back = digit_scales([m[:, None]])
-
-        def digit_dots(j, accs):
-            for i in range(parts):
-                piece = (i, j * chunk)
-                xb = pick(x, i, j) * across(base_of(piece, decays(piece)[0]))
-                c = codes(piece, jnp.int8)                                                # [chunk, dv]
-                accs = tuple(a + idot(d.astype(jnp.int8), c, ((1,), (0,))) for a, d in zip(accs, int8_digits(xb, inv)))
-            return accs
-
-        accs = loop(digit_dots, (jnp.zeros((rp, dv), jnp.int32),) * DIGITS)
-        ur, uo = value_side(None)
-        return (undigit(accs, back) * scale_ref[...][None, :] + dot(small_d, ur, ((1,), (0,)))
-                + dot(small_o, uo, ((1,), (0,))))
-
-    def read_t(z):
-        """``z S^T`` for rows ``z [rp, dv]`` -> pieces ``[rp, chunk]`` (part-major)."""
-        small_d, small_o = 0.0, 0.0
-        for z_, cs in zip(_column_chunks(z, len(cols)), cols):
-            # the f32 dots contract value columns a chunk at a time (a dot holds its operands whole)
-            ur, uo = value_side(cs)
-            small_d = small_d + dot(z_, ur, ((1,), (1,)))                                 # [rp, pw]
-            small_o = small_o + dot(z_, uo, ((1,), (1,)))                                 # [rp, rp]
-        zs = z * scale_ref[...][None, :]
-        inv, back = digit_scales([zs])
-        digits = [d.astype(jnp.int8) for d in int8_digits(zs, inv)]                      # [rp, dv] each
-
-        def one(j, out):
-            out = list(out)
-            for i in range(parts):
-                piece = (i, j * chunk)
-                c = codes(piece, jnp.int8)
-                accs = [idot(d, c, ((1,), (1,))) for d in digits]                          # [rp, chunk]
-                base, kd, ko = key_side(piece)
-                y = undigit(accs, back) * across(base) + dot(small_d, kd, ((1,), (0,))) + dot(small_o, ko, ((1,), (0,)))
-                for jj in range(nc):
-                    out[i * nc + jj] = y if nc == 1 else jnp.where(j == jj, y, out[i * nc + jj])
-            return tuple(out)
-
-        return list(loop(one, tuple(jnp.zeros((rp, chunk), f32) for _ in pieces)))
-
-    def residual(piece, scale, k16, u16):
-        """The smoothed residual rows of ``piece``: ``(R [chunk, dv], c [chunk] or None)``.
-
-        ``R = S - K^T U`` from the rounded factors (``k16 [rp, chunk]``: the rows of ``K`` of the
-        piece, ``u16 [rp, dv]``), divided by the smoothing scales ``c``.
-        """
-        base, kd, ko = key_side(piece)
-        ur, uo = value_side(None)
-        r = down(base) * (codes(piece, f32) * scale[None, :]) + dot(kd, ur, ((0,), (0,)))   # [chunk, dv]
-        if rank:
-            r = r + (dot(ko, uo, ((0,), (0,))) - dot(k16, u16, ((0,), (0,))))
-        if not smoothing:
-            return r, None
-        c = jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(r), axis=1) / dv), SMOOTH_FLOOR)
-        return r / c[:, None], c
-
-    def body():
-        factors = None
-        if rank:
-            # --- Compensator Tokens: subspace iteration and CholeskyQR2 on [rp, chunk] pieces of rows
-            q = [load_rows(start_ref, rp, (i * n + s, chunk)) for i, s in pieces]
-            if warm_start:
-                # a warm start that lost rank (a zero previous window) is topped up from the seed
-                k0 = [load_rows(ck_ref, rp, (i * n + s, chunk)).astype(f32) for i, s in pieces]
-                nrm = sum(jnp.sum(x * x, axis=1) for x in k0)                               # [rp]
-                top = jnp.where(nrm == 0.0, WARM_START_TOPUP, 0.0)[:, None]
-                q = [x + top * s0 for x, s0 in zip(k0, q)]
-            for _ in range(fit_iters):
-                [q] = scale_cols_to_unit_max([read_t(read(q))])
-                for _round in range(2):
-                    q = _cholesky_qr_tiles(q, rank, rp, dot)
-            new_u = jnp.clip(read(q), -FP16_MAX, FP16_MAX).astype(jnp.float16)                # [rp, dv]
-            new_k = [x.astype(jnp.float16) for x in q]                                        # pieces [rp, chunk]
-            factors = ([x.astype(f32) for x in new_k], new_u.astype(f32))
-
-        # --- residual R = S - K^T U from the rounded factors, piece by piece: once for the
-        # smoothing scales and the column maxima, once to quantize (each piece rebuilt from the
-        # refs, never stored). The scale is read before any write.
-        scale = scale_ref[...]
-
-        def k16(i, j):      # the rows of K of piece (i, j chunk)
-            return pick(factors[0], i, j) if rank else None
-
-        u16 = factors[1] if rank else None
-
-        def pass1(j, colmax):
-            for i in range(parts):
-                r, _ = residual((i, j * chunk), scale, k16(i, j), u16)
-                colmax = jnp.maximum(colmax, jnp.max(jnp.abs(r), axis=0))
-            return colmax
-
-        def pass2(j, carry):
-            start, held = j * chunk, None
-            for i in _part_order(bits):
-                # a piece's codes, smoothing scales and old factors are read before they are
-                # overwritten: every value stored depends on the ones read at its place
-                r, c = residual((i, start), scale, k16(i, j), u16)
-                q_int = jnp.clip(round_half_even(r / div[None, :]), -qmax, qmax).astype(jnp.int32)
-                held = _store_code_part(codes_out, q_int, held, bits, i, n, start, chunk)
-                if smoothing:
-                    smooth_out[pl.ds(i * n + start, chunk)] = c
-            return carry
-
-        colmax = loop(pass1, jnp.zeros((dv,), f32))
-        new_scale = colmax / qmax
-        div = jnp.where(new_scale > 0, new_scale, 1.0)
-        loop(pass2, 0)
-        scale_out[...] = new_scale
-        if rank:
-            for x, (i, s) in zip(new_k, pieces):
-                for c, row in enumerate(tile_rows(x, rank)):
-                    ck_out[c, pl.ds(i * n + s, chunk)] = row
-            for c, row in enumerate(tile_rows(new_u, rank)):
-                cu_out[c, :] = row
-
-    _run(body, pos, window, only_full)
-
-
-def _column_chunks(x, k):
-    """``x [R, C]`` -> ``k`` tiles ``[R, C / k]`` of consecutive columns (an equal split)."""
-    return [x] if k == 1 else jnp.split(x, k, axis=1)
-
-
-def _part_order(bits):
-    """The order the stream flush quantizes a chunk's code parts in: at 6 bits part 3 first, whose
-    two-bit pieces each byte plane carries, so that each plane is written as soon as its part is."""
-    return (3, 0, 1, 2) if bits == 6 else tuple(range(num_parts(bits)))
-
-
-def _store_code_part(codes_out, q, held, bits, i, n, start, rows):
-    """Packs and stores code part ``i`` (``q [rows, dv]`` int32, key rows ``i n + start + [0, rows)``)
-    in ``_part_order``: the planar layout of ``store_codes``. ``held``: what an earlier part left
-    for the byte it shares (the low nibble at 4 bits, part 3 at 6 bits); returns the new one."""
-    if bits == 8:
-        codes_out[pl.ds(start, rows), :] = q.astype(jnp.int8)
-        return None
-    if bits == 4:
-        if i == 0:
-            return q + 8
-        codes_out[pl.ds(start, rows), :] = (held | ((q + 8) << 4)).astype(jnp.uint8)
-        return None
-    if i == 3:
-        return q + 32
-    codes_out[pl.ds(i * n + start, rows), :] = ((q + 32) | (((held >> (2 * i)) & 3) << 6)).astype(jnp.uint8)
-    return held
-
-
-def _cholesky_qr_tiles(a, rank, rp, dot):
-    """One round of Cholesky QR on rows: ``a`` parts ``[rp, n]`` (rows past ``rank`` zero) -> ``Q``.
-
-    The Gram matrix is one dot; the factor is the reference's (``compensators.unrolled_cholesky``:
-    pivots clamped, rows without a direction of their own dropped); the triangular solve is
-    carried out on the ``r x r`` coefficients and applied as one dot.
-    """
-    gram = sum(dot(x, x, ((1,), (1,))) for x in a)                                          # [rp, rp]
-    e = _entries(gram, rank)
-    chol, keep = unrolled_cholesky(e, gram_shift(sum(e[i][i] for i in range(rank)), rank))
-    coef = []
-    for i in range(rank):
-        row = [(1.0 if m == i else 0.0) - sum(chol[i][j] * coef[j][m] for j in range(i)) for m in range(rank)]
-        coef.append([jnp.where(keep[i], x / chol[i][i], 0.0) for x in row])
-    ri, ci = jnp.arange(rp)[:, None], jnp.arange(rp)[None, :]
-    t = jnp.zeros((rp, rp), f32)
-    for i in range(rank):
-        for m in range(rank):
-            t = jnp.where((ri == i) & (ci == m), coef[i][m], t)
-    return [dot(t, x, ((1,), (0,))) for x in a]
-
-
 # ----------------------------------------------------------------------------- wrapper
 
 
@@ -747,36 +392,10 @@ def _group(state) -> int:
     return state.shape[1] // state.key_heads
 
 
-IMPLS = ("auto", "split", "fused", "stream", "mosaic")
-STREAM_NUM_WARPS = 4   # 5.75 ms per GDN flush at batch 512 against 9.16 ms at 8 warps (H200)
-# ``auto`` with ``only_full``: the split flush when at least this fraction of the batch flushes,
-# else the fused one (which pays only for full windows). Break-even points measured on the H200
-# at batch 512 (bench/results/flush-time-20261201-0840-fills: all full, split 2680 us / fused
-# 5072 us for GDN, 3061 / 8207 us for KDA; one sequence in 16 full, split 808 / 828 us, fused
-# 311 / 430 us), interpolating both linearly: about 0.22 (GDN) and 0.13 (KDA).
-SPLIT_MIN_FULL_FRACTION = {False: 0.22, True: 0.13}
-# The same on Hopper, where ``auto`` takes the Mosaic GPU flush instead of the split one where it
-# can (``mosaic_flush.unsupported_reason``). It copies in every head whatever the positions, so
-# it costs about as much with few full windows as with all (2379 against 2428 us, GDN,
-# bench/results/mosaic-flush-20261202.md); all full it takes 1289 / 1346 us (GDN / KDA,
-# mosaic-flush-20261203-d-final), crossing the fused flush's line above at about 0.25 and 0.16
-# (now 1213 / 1222 us, mosaic-flush-20261204: with it cheaper, the crossings, not measured again,
-# lie a little lower).
-MOSAIC_MIN_FULL_FRACTION = {False: 0.25, True: 0.16}
-
-
-def takes_mosaic(config: LeapQuantConfig, state: LeapQuantState, interpret: bool) -> bool:
-    """Whether ``auto`` flushes with the Mosaic GPU flush: compiled on a Hopper GPU, for the
-    configs and states it takes (8 bits, 128 x 128 heads)."""
-    return not interpret and on_hopper() and mosaic_flush.unsupported_reason(config, state) is None
-
-
-def _check(config, state, impl):
+def _check(config, state):
     why = unsupported_reason(config, state)
     if why is not None:
         raise ValueError(f"leapquant_flush kernel cannot run: {why}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
 
 
 def _name(config, state, stage):
@@ -813,33 +432,20 @@ def _per_head_flush(config, state, kernel, stage, *, only_full, num_warps, inter
     return _new_state(config, state, res, only_full)
 
 
-def flush_fused(config, state, *, only_full, num_warps=None, interpret=None) -> LeapQuantState:
-    """The fused flush: one kernel, one program per (sequence, head)."""
+@functools.partial(jax.jit, static_argnames=("config", "only_full", "num_warps", "interpret"))
+def flush_fused(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, num_warps: int | None = None,
+                interpret: bool | None = None) -> LeapQuantState:
+    """The fused flush: one kernel, one program per (sequence, head) (``leapquant_flush``'s
+    contract, module docstring). ``num_warps``: 8 for GDN, 4 for KDA by default."""
+    _check(config, state)
     interpret = default_interpret() if interpret is None else interpret
     return _per_head_flush(config, state, _fused_kernel, "fused", only_full=only_full, interpret=interpret,
                            num_warps=num_warps or (4 if state.per_channel_decay else 8))
 
 
-STREAM_CHUNK = 32   # key rows of the stream flush's pieces (fewer where a code part is shorter)
-
-
-def flush_stream(config, state, *, only_full, num_warps=None, chunk=None, interpret=None) -> LeapQuantState:
-    """The stream flush: one kernel, one program per (sequence, head), reading the checkpoint and
-    the records from device memory once and writing the checkpoint once. ``chunk``: key rows per
-    piece (``STREAM_CHUNK`` by default, at most a code part's rows), a power of two >= 16."""
-    interpret = default_interpret() if interpret is None else interpret
-    n = state.shape[2] // num_parts(config.bits)
-    ch = min(STREAM_CHUNK, n) if chunk is None else chunk
-    if not is_pow2(ch) or n % ch or ch < 16:
-        raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {n} rows of a code part")
-    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return _per_head_flush(config, state, _stream_kernel, "stream", only_full=only_full, interpret=interpret,
-                           num_warps=num_warps or STREAM_NUM_WARPS, chunk=ch, precision=precision)
-
-
 def default_reconstruct_block(per_channel: bool, dv: int) -> int:
     """Value columns per program of the split flush's first kernel: 32 for GDN, 64 for KDA (the
-    fastest on the H200 at batch 512, ``bench/results``), at most ``dv``."""
+    fastest measured, docs/performance.md), at most ``dv``."""
     return min(64 if per_channel else 32, dv)
 
 
@@ -909,57 +515,26 @@ def split_quantize(config, state, dense, comp_k, comp_u, *, only_full, num_warps
     return _new_state(config, state, res, only_full)
 
 
-def flush_split(config, state, *, only_full, block_v=None, num_warps=None, interpret=None) -> LeapQuantState:
-    """The split flush: the three stages above."""
+@functools.partial(jax.jit, static_argnames=("config", "only_full", "block_v", "num_warps", "interpret"))
+def flush_split(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, block_v: int | None = None,
+                num_warps: int | None = None, interpret: bool | None = None) -> LeapQuantState:
+    """The split flush: the three stages above (``leapquant_flush``'s contract, module docstring).
+    ``block_v``: value columns per program of stage 1 (``default_reconstruct_block``);
+    ``num_warps``: of stage 3 (8 by default)."""
+    _check(config, state)
     dense, first_y = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
     comp_k, comp_u = split_fit(config, dense, first_y) if config.effective_rank else (None, None)
     return split_quantize(config, state, dense, comp_k, comp_u, only_full=only_full, num_warps=num_warps,
                           interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "only_full", "impl", "block_v", "num_warps", "interpret"))
-def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False, impl: str = "auto",
-                    block_v: int | None = None, num_warps: int | None = None,
-                    interpret: bool | None = None) -> LeapQuantState:
-    """Window flush in place. ``only_full=False``: every sequence (``windowed.flush_reference``);
-    ``only_full=True``: only sequences with ``pos >= p`` (``windowed.maybe_flush``).
-
-    state: ``LeapQuantState`` (updated in place when the caller's ``jit`` donates it). Returns
-    the state with new checkpoints and ``pos = 0`` for the flushed sequences; the buffer is left
-    as it was (no read reaches a slot at or past ``pos``; the module docstring).
-    ``impl``: ``"split"``, ``"fused"``, ``"stream"`` (module docstring), ``"mosaic"`` (the Mosaic
-    GPU flush, ``mosaic_flush``, with its default options) or ``"auto"``: for every sequence the
-    split flush, or the Mosaic GPU one where ``takes_mosaic``; with ``only_full``, that or the
-    fused flush, chosen at run time by the fraction of full windows (``SPLIT_MIN_FULL_FRACTION``,
-    ``MOSAIC_MIN_FULL_FRACTION``). ``block_v``: value columns per program of the split flush's
-    first stage; ``num_warps``: of the per-head kernel (fused, stream, or the split's last stage).
-    """
-    _check(config, state, impl)
-    interpret = default_interpret() if interpret is None else interpret
-    kw = dict(only_full=only_full, num_warps=num_warps, interpret=interpret)
-    mosaic = impl == "mosaic" or (impl == "auto" and takes_mosaic(config, state, interpret))
-
-    def whole(s):
-        if mosaic:
-            return mosaic_flush.leapquant_flush(config, s, only_full=only_full, interpret=interpret_params(interpret))
-        return flush_split(config, s, block_v=block_v, **kw)
-
-    if impl == "fused":
-        return flush_fused(config, state, **kw)
-    if impl == "stream":
-        return flush_stream(config, state, **kw)
-    if impl in ("split", "mosaic") or not only_full:
-        return whole(state)
-    frac = jnp.mean((state.pos >= config.window).astype(f32))
-    least = (MOSAIC_MIN_FULL_FRACTION if mosaic else SPLIT_MIN_FULL_FRACTION)[state.per_channel_decay]
-    return jax.lax.cond(frac >= least, whole, lambda s: flush_fused(config, s, **kw), state)
-
-
 def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, impl: str = "split",
                 group: int = 1) -> float:
-    """Bytes one flushed value head moves (the module docstring's count). ``group``: value heads
-    per key head (GVA), whose shared key records count ``1 / group`` per value head. An ``int``
-    when ``group`` divides them."""
+    """Bytes one flushed value head moves: read the checkpoint and the ``p`` records, write the
+    checkpoint (the fused count); ``impl="split"`` adds the fp32 state written once and read twice
+    (``12 dk dv``, two more reads per further fit round), stage 1's parts of ``Y`` and the factors.
+    ``group``: value heads per key head (GVA), whose shared key records count ``1 / group`` per
+    value head. An ``int`` when ``group`` divides them."""
     e = jnp.dtype(config.record_dtype).itemsize
     r = config.effective_rank
     ckpt = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
@@ -986,6 +561,5 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["IMPLS", "MOSAIC_MIN_FULL_FRACTION", "SPLIT_MIN_FULL_FRACTION", "default_reconstruct_block", "flush_bytes",
-           "flush_fused", "flush_split", "flush_stream", "leapquant_flush", "leapquant_flush_reference", "split_fit",
-           "split_quantize", "split_reconstruct", "takes_mosaic"]
+__all__ = ["default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split", "leapquant_flush_reference",
+           "split_fit", "split_quantize", "split_reconstruct"]

@@ -1,91 +1,37 @@
-"""LeapQuant decode step inside a window (docs/design.md §3, §6): GDN (scalar decay) and KDA (per-channel).
+"""LeapQuant decode step inside a window on Pallas Triton (docs/design.md §3, §6): GDN and KDA, 8/6/4 bits.
 
-Why: a step inside a window writes no state, only its record, and reads the quantized
-checkpoint instead of an fp32 state. The step's cost is the bytes it reads, so the kernel
-reads the codes tile once and serves both reads of the token from it:
+Contract: ``windowed.step_reference``'s. Read ``u = beta (v - S_l^T b)`` at ``l = pos`` records,
+append the record ``(w, u, g)`` at slot ``pos``, output ``o = S_{l+1}^T q``; no flush, no
+checkpoint write. Needs ``pos < p`` (a sequence at ``pos >= p`` writes nothing, its output is
+unspecified). The buffer ``k [B, Hk, p, dk]``, ``u [B, H, p, dv]``, ``g`` is aliased in to out.
 
-* ``u = beta (v - S_l^T b)`` with ``l = pos`` records, then the record ``(w, u, g)`` is
-  appended at slot ``pos``;
-* ``o = S_{l+1}^T q`` including the new record.
-
-With ``D0 = exp(G_l)`` and ``d_j = exp(G_l - G_j)`` (log-space sums of the live records'
-decays, masked before ``exp``, never divided), both reads share the decays: the output read
-is the read at ``l`` of ``x2 = exp(g_new) q`` plus the new record's term. For each vector ``x``
+Why: a step's cost is the bytes it reads, so it reads the codes once and serves both reads from
+them. With ``D0 = exp(G_l)`` and ``d_j = exp(G_l - G_j)`` (log-space sums of the live records'
+log-decays, masked before ``exp``, never divided), for ``x1 = b`` and ``x2 = exp(g) q``:
 
     S_l^T x = scale * (Z^T (c * D0 * x)) + U^T (K (D0 * x)) + sum_j u_j (k_j . (d_j * x))
 
-so ``C`` and the decays are folded into the vector before the integer matrix ``Z``; the
-Compensator Tokens ``(K, U)`` are ``r`` records with decay 1 placed before the real ones.
-Codes at 6 and 4 bits are unpacked in registers from the planar layout of
-``leapquant_jax.quantizers`` (each byte plane pairs with a contiguous slice of the vector).
+(``o`` adds the new record's term to the read of ``x2``); the Compensator Tokens ``(K, U)`` are
+``r`` records with decay 1. Only live records are loaded (masked loads).
 
-Grid: one program per (sequence, ``heads_per_program`` consecutive heads, value block ``BV``);
-by default one head. Each program walks the key rows in chunks (``chunk`` rows of every code
-part per iteration; by default the whole part, no loop), reading each chunk of codes, record
-keys and log-decays, ``K`` and the vectors once. The value-side data (scales, ``u``, ``U``) is
-read for the program's block.
+Layout: one program per (sequence, ``heads_per_program`` heads, value block ``BV``); it walks each
+code part's key rows ``chunk`` at a time (codes ``[rows, BV]`` in the planar layout of
+``quantizers``). Loads go codes first, then the key side, the value side after the code reads:
+Triton issues loads in program order and never hoists one above a reduction. GVA (``H = n Hk``):
+value head ``h`` reads key head ``h // n``; the ``n`` programs of a key group store the same new
+key record into the same row, which no program reads.
 
-Load order: a program moves few bytes, so the step is bound by memory latency rather than
-bandwidth (on the H200 it reached about half the copy bandwidth on its bytes), and Triton
-issues loads in program order without hoisting one above a reduction. So a program reads
-``pos`` (the record loads' masks need it), then issues the loads of all its heads that the
-code reads need: the codes first (the most bytes), then per code part the record keys (and
-KDA's record log-decays), ``K``, the smoothing scales and the token's key-side vectors (and
-GDN's record log-decays). Then, head after head: the decays, the vectors, the record and
-Compensator-Token products and their key-row sums, the digit scales and the code reads; only
-then the value side (record values, column scales, ``U``, ``v``, ``beta``), whose loads,
-issued at the top, held registers through the code reads: fewer programs per SM (KDA
-spilled), slower on the H200 than the memory round they save. KDA's per-channel decays are
-computed once per code part, from that part's log-decays, and serve both the digit scale and
-the reads (a register value cannot be sliced per part in the Pallas Triton lowering). The
-new record's key side is stored from the loaded vectors. With several chunks per part, each
-loop iteration loads its chunk's codes and key side first, and a pre-pass over the whole key
-range gives the digit scales (summing KDA's decays once more).
+Code reads (``reduce``): ``"dot"``/``"dot_cols"`` split each vector into three balanced int8
+digits of one fixed-point scale (``2**-22 max|x|``), one int8 tensor-core dot with exact int32
+sums (the digits as its left or right operand), recombined in fp32; ``"lanes"`` sums fp32
+products across threads. Rounding: fp32 but for the digit split (about ``2**-23 max|x|`` per
+element); the record is rounded to the record dtype when stored, the token's own output uses its
+fp32 ``k``, ``u``, ``g`` (as the reference).
 
-The two code reads (``reduce="dot"`` or ``"dot_cols"``, the defaults where a chunk is at least 32
-rows) run on the int8 tensor cores: each vector is split into three balanced int8 digits of one
-fixed-point scale (``2**-22 max|x|``), so ``[digits of x1; digits of x2] @ Z`` is one int8 dot with
-exact int32 sums, recombined in fp32 (about fp32's accuracy: the digit rounding is about
-``2**-23 max|x|`` per element). ``dot_cols`` makes the same sums as ``Z^T [digits ...]^T``: the
-digits are the columns of the right operand, so the recombination sums along the accumulator's
-rows (across 4 lanes) instead of down its columns (across 8), and the codes are transposed for
-the mma in registers rather than read back from shared memory a byte at a time (Nsight Compute,
-GDN at 8 bits: 4,758 against 5,620 warp-instructions per head, but more registers: 12.5% of
-the warps an SM can hold, against 31%). Which is faster depends on the mode and the bits
-(``default_reduce``); both give the same outputs. ``reduce="lanes"`` accumulates fp32 products
-elementwise and sums across threads once after the loop. Record and Compensator-Token products
-are elementwise in all three. Only live records (slot < pos) are loaded: masked loads fetch nothing
-for dead slots. The new record is stored into the buffer (``k``, ``u``, ``g`` are aliased
-inputs/outputs, so in place when the caller's ``jit`` donates the state), ``k`` and ``g`` by the
-value block 0 program. The step needs ``pos < p`` (as ``windowed.step_reference``); a sequence at
-``pos >= p`` writes nothing (no out-of-bounds store) and its output is unspecified.
-
-Fastest on the H200 at batch 512 (``bench/results``): the int8 dots (``default_reduce``), the
-whole part per chunk, ``BV = dv``, 2 warps for GDN (1 at 4 bits) and for KDA 1 at 8 bits, 2 at 4
-and 4 at 6 (``default_num_warps``), one head per program (two heads, their
-loads in flight together, hold twice the registers: 266.8 against 212.7 µs per step for GDN at
-2 warps in ``bench/results/kernels-20261130-225439``).
-
-Rounding: fp32 arithmetic, but for the digit split above. The record is rounded to the
-record dtype when stored, for later tokens; the token's own
-output uses its fp32 ``k``, ``u`` and ``g``, exactly as the reference does.
-
-GVA (``H = n Hk``): the buffer keeps one key record per key head (``k [B, Hk, p, dk]``) and
-the token's key comes per key head (``w [B, Hk, dk]``); the program of value head ``h`` reads
-them at key head ``h // n`` (the block specs' index maps), and so does its store of the new key
-record. The ``n`` programs of a key group store the same values into the same row; nothing else
-in the key buffer is written, and no program reads that row (see ``_append_key_side``).
-``heads_per_program`` must then divide ``n`` or be a multiple of it.
-
-Bytes moved per step and value head (counted by ``step_bytes``, used by ``bench/kernels.py``),
-``l = pos`` live records, record itemsize ``e``, ``r`` Compensator Tokens:
-codes ``dk dv bits/8`` + scales ``4 dv`` + smoothing ``4 dk`` + compensators ``2 r (dk + dv)``
-+ live records ``l (e dk / n + e dv + e g)`` (``g`` is 1 or ``dk`` values) + token
-``4 (2 dk + dk / n + dv + 2)`` (+ ``4 (dk - 1)`` for KDA's g) + written record
-``e (dk / n + dv + g)`` + output ``4 dv`` + ``pos`` ``4``: the key bytes a key group shares
-count once per group (``n = 1`` without GVA).
-
-Tested with JAX 0.10.2 (interpret mode, CPU) and 0.11.2 (compiled, H200).
+Defaults, each the fastest measured (H200, batch 512; docs/performance.md): ``default_reduce``,
+``default_num_warps``, the whole code part per chunk, ``BV = dv``, one head per program.
+Bytes per step and value head: ``step_bytes``. Tested with JAX 0.10.2 (interpret mode, CPU) and
+0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -313,9 +259,8 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
             return (vector_scale(*(s1 for s1, _ in scale_vectors)),
                     vector_scale(*(s2 for _, s2 in scale_vectors)))
 
-        # Where the scales' two reductions go was measured on the H200 (batch 512, 32 heads of
-        # 128, us per step, exploratory runs not kept in bench/results): KDA before the record
-        # products (253 against 261), GDN after (213 against 215).
+        # The scales' two reductions go before the record products for KDA and after them for
+        # GDN: the faster place for each (docs/performance.md).
         if per_channel:
             scales = digit_scales()
         for x, x1, x2, y1, y2, dd in terms:
@@ -413,10 +358,8 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
     init = acc0 + (jnp.zeros((window, ch), f32), jnp.zeros((window, ch), f32), c0, c0, jnp.zeros((ch,), f32))
 
     # The value side (record values, column scales, U, v, beta) is loaded after a head's code
-    # reads, before its sums: loaded with the rest, it held registers through the reads (GDN
-    # 128 -> 167 per thread, 8 -> 6 programs per SM; KDA spilled 20 times more), which cost
-    # more on the H200 than the memory round it saves (231 against 220 us a step for GDN, 329
-    # against 258 for KDA; exploratory runs and Nsight Compute, not kept in bench/results).
+    # reads, before its sums: loaded with the rest, it would hold registers through the reads
+    # (fewer programs per SM, KDA spilling), which costs more than the memory round it saves.
     if nch == 1:
         # The codes (the most bytes) and the key side of every head first, then the arithmetic.
         code_bytes = [code_planes(codes_ref, bits, n, 0, ch, at(t)) for t in range(heads)]
@@ -446,22 +389,19 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
 
 
 def default_block_v(dv: int) -> int:
-    """Value columns per program (whole rows were fastest on the H200, see ``bench/results``)."""
+    """Value columns per program: whole rows (the fastest measured, docs/performance.md)."""
     return dv
 
 
 def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
-    """Key rows per code part per loop iteration: the whole part (no loop), the fastest with
-    the int8 dots on the H200 at batch 512 for GDN and KDA (``bench/results``)."""
+    """Key rows per code part per loop iteration: the whole part, no loop (the fastest measured
+    with the int8 dots, GDN and KDA; docs/performance.md)."""
     return dk // num_parts(bits)
 
 
 def default_num_warps(per_channel: bool, bits: int = 8, reduce: str = "dot") -> int:
-    """Warps per program, the fastest on the H200 at batch 512 for ``reduce``: GDN 2, but 1 with
-    ``dot_cols`` at 4 bits (213.9 against 257.1 us per step with ``dot`` on 2 warps,
-    ``bench/results/step-dot-cols-20261203``); KDA 1 at 8 bits, 2 at 4 and 4 at 6 (µs per step 258,
-    399, 721 with ``dot``; with one warp 494 at 4 bits and 1400 at 6, where 255 registers spill
-    1.4-1.7 KB per thread; ``bench/results/step-warps-20261201``)."""
+    """Warps per program, the fastest measured for ``reduce`` (docs/performance.md): GDN 2, but 1
+    with ``dot_cols`` at 4 bits; KDA 1 at 8 bits, 2 at 4 and 4 at 6 (one warp spills at 6 and 4 bits)."""
     if not per_channel:
         return 1 if (reduce, bits) == ("dot_cols", 4) else 2
     return {8: 1, 4: 2, 6: 4}[bits]
@@ -471,16 +411,14 @@ REDUCES = ("dot", "dot_cols", "lanes")
 MIN_DOT_ROWS = 32   # the int8 mma's K
 
 
-DOT_COLS_FASTER = frozenset({(False, 8), (False, 4), (True, 6), (True, 4)})   # (per_channel, bits)
+# (per_channel, bits) where the digits as the dot's right operand measured faster (docs/performance.md)
+DOT_COLS_FASTER = frozenset({(False, 8), (False, 4), (True, 6), (True, 4)})
 
 
 def default_reduce(chunk: int, per_channel: bool = False, bits: int = 8) -> str:
     """The int8 tensor cores where a chunk is a whole int8 mma deep, else ``lanes``: ``dot_cols``
-    where it was the faster orientation on the H200 at batch 512, each at its best warps
-    (``default_num_warps``; ``DOT_COLS_FASTER``: GDN at 8 bits 212.6 against 218.1 us per step, at 4
-    bits 213.9 against 257.1, KDA at 6 bits 679.8 against 729.3, at 4 bits 364.1 against 401.1),
-    ``dot`` elsewhere (KDA at 8 bits 260.5 against 277.9, GDN at 6 bits 277.6 against 288.3;
-    ``bench/results/step-dot-cols-20261203``)."""
+    where it is the faster orientation (``DOT_COLS_FASTER``, each at its ``default_num_warps``),
+    ``dot`` elsewhere. Both give the same outputs."""
     if chunk < MIN_DOT_ROWS:
         return "lanes"
     return "dot_cols" if (per_channel, bits) in DOT_COLS_FASTER else "dot"

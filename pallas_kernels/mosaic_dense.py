@@ -1,51 +1,30 @@
-"""Dense per-step GDN/KDA decode step on Pallas Mosaic GPU (Hopper), state in fp32 or bf16.
+"""Dense per-step GDN/KDA decode step on Pallas Mosaic GPU (Hopper), state in fp32 or bf16, ``dk = 128``.
 
-Why: the dense step moves the whole state twice per token (read and write) and does little
-arithmetic, so it is as fast as its copies. The Triton step (``dense_step``) keeps a few tiles
-per SM in flight through the registers and reaches 84-86% of copy bandwidth at batch 512 on the
-H200 (``bench/results``); here the copy engine (TMA) brings each tile into shared memory with
-``stages`` tiles in flight per program and writes the new tile back from shared memory while
-the next ones arrive.
-
-Same contract and arithmetic as ``dense_step.dense_step`` (in fp32, for ``S [dk, BV]``):
+Contract and arithmetic: ``dense_step.dense_step``'s (in fp32, for ``S [dk, BV]``):
 
     u = beta (v - S^T b),  S' = Diag(exp(g)) S + w u^T,  o = S'^T q = S^T (exp(g) q) + (w . q) u
 
 (GDN's scalar ``exp(g)`` applied after the sums), ``S'`` stored in place in the state's dtype
-(bf16 by round-to-nearest-even), ``o`` from the unrounded ``S'``.
+(bf16 rounded to nearest even), ``o`` from the unrounded ``S'``.
+
+Why: the dense step moves the whole state twice per token and does little arithmetic, so it is as
+fast as its copies. Here the copy engine (TMA) brings each state tile into shared memory,
+``stages`` tiles in flight per program, while the registers work on an earlier one.
 
 Structure: the ``[B H]`` heads' value blocks of ``BV`` columns are ``T = B H dv / BV`` tiles;
-``programs`` programs of one warpgroup (128 threads) each take every ``programs``-th tile
-(``tile_order``; or a run of consecutive tiles). A program copies in its tiles' scalars (``g``
-for GDN, ``beta``; packed by XLA) once, then walks its tiles in an ``emit_pipeline``: per tile
-the state block and the token's vectors (``q``, ``b``, ``w``, the block of ``v``; KDA's ``g``).
-The new state block is stored from the registers straight to device memory (``store="global"``,
-the default), or written over its input slot in shared memory and copied out from there by TMA
-(``store="tma"``; the state's block spec then delays the slot's refill by one tile); the output
-block leaves through two alternating slots of its own. Register layout
-(``mosaic_shared.rows_layout``): key rows over the warps and each thread's registers, the ``BV``
-columns over the lanes; the two column sums reduce over a thread's rows, then once across the 4
-warps.
+``programs`` programs of one warpgroup each take every ``programs``-th tile (``tile_order``; or a
+run of consecutive tiles). A program copies in its tiles' scalars (``g`` for GDN, ``beta``;
+packed by XLA) once, then walks its tiles in an ``emit_pipeline``. The new block is stored from
+the registers straight to device memory (``store="global"``) or written over its input slot and
+copied out by TMA (``store="tma"``); the output row leaves through two alternating slots. Register
+layout (``mosaic_shared.rows_layout``): key rows over the warps and registers, the ``BV`` columns
+over the lanes. Under ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``);
+``launch`` runs the same pipeline around other arithmetic (``bench.mosaic_dense --copy-only``).
 
-Measured on the H200 at batch 512, 32 heads, 128 x 128 (``python -m bench.mosaic_dense``,
-``bench/results/mosaic-dense-20261201.md``), µs per step with FLA's fp32 ``fused_recurrent`` and
-the Triton step in the same run: fp32 GDN 561.8 (91% of copy bandwidth; FLA 736.9, Triton
-596.7), fp32 KDA 565.2 (91%; FLA 542.5, 95%: 0.96x FLA; Triton 615.8), bf16 GDN 296.9 and KDA
-302.3 (88% / 87%; Triton 386.8 / 406.7), all with ``store="tma"``; the stores from the
-registers are 1-2% faster (``bench/results/mosaic-dense-20261203-112115.md``, ``-112953.md``:
-fp32 GDN / KDA 555.5 / 559.3 against 562.1 / 565.7, FLA's KDA 542.0; bf16 291.4 / 295.9 against
-296.5 / 301.7). Nsight Compute puts the KDA kernel at 560 us and 80% of
-peak DRAM bandwidth, FLA's at 529 us and 85%. ``auto`` takes it on Hopper
-(``api.takes_mosaic_dense``). The per-step methods run under ``vmap``, for which ``core_map`` has
-no rule: ``mosaic_shared.fold_vmap`` folds the mapped axis into the batch, around a launch whose
-state stays inside ``run_state`` (``run_kernel``; a ``custom_vmap`` around refs made by
-``jax.new_ref`` has no state discharge rule). ``launch`` runs the same pipeline around other
-arithmetic (``bench.mosaic_dense --copy-only``: the state copied through unchanged, to measure
-the pipeline's own ceiling).
-
-Bytes moved per step and head: ``dense_step.dense_step_bytes`` (the vectors are copied once per
-value block; blocks after a head's first read them from L2). Tested with JAX 0.10.2 (Mosaic GPU
-interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
+Defaults, the fastest measured (H200, batch 512; docs/performance.md): 64 columns per tile for
+fp32, 128 for bf16 (32 KB tiles), three stages, two programs per SM, ``store="global"``. Bytes per
+step and head: ``dense_step.dense_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU interpret mode
+and lowering on the CPU) and 0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -71,12 +50,12 @@ DK = 128                 # key rows of a head: the vectors' layout spreads them 
 BLOCKS_V = (32, 64, 128)  # value columns per tile the register layout takes
 DEFAULT_STAGES = 3
 STORES = ("tma", "global")   # how a new state block leaves: copied out of shared memory, or from the registers
-DEFAULT_STORE = "global"     # 1-2% faster on the H200 (bench/results/mosaic-dense-20261203-*)
+DEFAULT_STORE = "global"     # a little faster than "tma" (docs/performance.md)
 
 
 def default_block_v(dtype) -> int:
     """Value columns per tile: 64 for fp32 states, 128 for bf16 ones (32 KB tiles; the fastest
-    on the H200 at batch 512, ``bench/results/mosaic-dense-20261201.md``)."""
+    measured, docs/performance.md)."""
     return 128 if jnp.dtype(dtype).itemsize == 2 else 64
 
 

@@ -1,104 +1,38 @@
 """LeapQuant window flush on Pallas Mosaic GPU (Hopper): 8-bit codes, GDN and KDA, 128 x 128 heads.
 
-Why: the split flush (``leapquant_flush``) writes the fp32 state to device memory and reads it
-back twice, 266 KB per head for a checkpoint of 19 KB (``flush_bytes``); the one-program-per-head Triton
-flushes that keep it on chip are latency-bound. Here each program keeps one head's fp32 state
-in shared memory (64 KB) and makes every pass of the flush over it there, while the copy engine
-(TMA) brings the next heads' checkpoints and records in: the flush reads the checkpoint and the
-records once and writes the checkpoint once.
+Contract: ``leapquant_flush.flush_split``'s (``windowed.flush_reference``; with ``only_full`` only
+the sequences at ``pos >= p``, ``windowed.maybe_flush``); the buffer is left as it was (no read
+reaches a slot at or past the reset ``pos``). Under ``vmap`` the mapped axis joins the batch.
 
-Same contract as ``leapquant_flush.leapquant_flush`` (``windowed.flush_reference``; with
-``only_full`` only the sequences at ``pos >= p``, ``windowed.maybe_flush``); the buffer is left as
-it was (no read reaches a slot at or past the reset ``pos``).
+Why: the split flush sends the fp32 state through device memory and the one-program-per-head
+Triton flush is latency-bound. Here each program keeps one head's fp32 state in shared memory
+(64 KB) and makes every pass over it there, while the copy engine (TMA) brings the next heads'
+checkpoints and records in: it reads them once and writes the checkpoint once
+(``mosaic_flush_bytes``). It copies in every head whatever the positions (a copy has a static
+size) and stores only the flushed ones.
 
-Structure: ``programs`` programs of one warpgroup (128 threads) take ``per`` consecutive heads of
-the flattened ``[B H]`` heads (past ``B H`` the last head repeats and stores nothing) and walk them
-in an ``emit_pipeline`` (per head: its scalars, which XLA packs with GDN's record log-decays, the
-codes, the column and smoothing scales, the Compensator Tokens, the records' keys, values and
-KDA's log-decays, all as stored). With one stage (the default) a program takes 106 KB of shared
-memory (GDN; KDA 110 KB), so two run on an SM and each one's copies overlap the other's
-arithmetic; with two stages or more a program prefetches its next head itself but takes 132 /
-140 KB, one per SM. Per head:
+Structure: ``programs`` programs of one warpgroup walk ``per`` consecutive heads of ``[B H]`` in an
+``emit_pipeline``. Per head: (0) the reconstruction's decayed key rows ``kd = [D0 K; d_j k_j]``
+and row factors ``D0 c``, as ``windowed.window_decays`` and ``record_keys`` make them, one key
+channel per thread, so that ``S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj`` (``ud = [U; u]``) is
+one form for GDN and KDA; then ``chunk`` key rows at a time (``rows_layout(4)``: each warp sums its
+rows, then one exchange between the warps, ``meet_warps``): (1) ``S`` and ``Z = S^T Q_0``; (2)
+``Y = S Z`` (rows over ``sum_lanes`` lanes) and CholeskyQR2 with the reference's factorisation;
+(3) ``U = S^T K^T``, clipped to fp16's range, both rounded to fp16; (4) ``R = S - K^T U``, its
+smoothing scales and column maxima in one pass; (5) the codes, written over the input codes in
+shared memory and copied out. Each pass is a loop over one chunk's code (``_chunks``); the kernel
+places its own barriers where threads exchange data (``auto_barriers=False``).
+``recon="wgmma"``: the records' part of the reconstruction on the tensor cores (``_rank_part``).
 
-0. the reconstruction's decayed key rows ``kd = [D0 K; w_j k_j]`` (``[r + p, dk]`` fp32: the
-   Compensator Tokens' keys times the checkpoint's decay, then the live records' keys times their
-   decays, zero for dead slots) and the row factors ``D0 c``, as ``windowed.window_decays`` and
-   ``record_keys`` make them (log-space running sums of the live records' log-decays, masked
-   before ``exp``; one key channel per thread), into shared memory that the fit's rows and the
-   output slots take after the reconstruction (``mosaic_shared.smem_union``), so that the
-   reconstruction is one form for GDN and KDA:
+Rounding: fp32 in the reference's order but for the summation order of the reconstruction and of
+the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` and the divisions as products with reciprocals
+(Mosaic GPU lowers no ``sqrt``; a division costs about ten instructions); a code on a rounding
+boundary may differ by one step.
 
-       S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj,   ud = [U; u]  (the fp16 values as stored);
-
-then ``chunk`` key rows at a time (register layout ``mosaic_shared.rows_layout(4)``: rows ``w``,
-``w + 4``, ... on warp ``w`` in its registers, the 128 value columns over the lanes, so that each
-warp sums its own rows before one exchange between the warps, ``mosaic_shared.meet_warps``):
-
-1. ``S`` from the codes and ``kd``/``ud``, stored in shared memory, and ``Z = S^T Q_0`` (the
-   seeded start, or the warm start made in XLA as the reference makes it);
-2. ``Y = S Z``, then CholeskyQR2 on ``Y`` with the reference's factorisation
-   (``compensators.unrolled_cholesky``; ``fit_iters > 1`` repeats ``Z``, ``Y``);
-3. ``U = S^T K^T`` from the fp32 ``K``, clipped to fp16's range; both rounded to fp16;
-4. ``R = S - K^T U`` from the rounded factors, its row sums ``c_i = sqrt(mean_j |R_ij|)`` floored
-   at ``SMOOTH_FLOOR``, and ``R / c`` (over ``S``) with its column maxima, the scales (one pass:
-   a chunk's rows are whole);
-5. the codes (round half to even, clipped), written over the head's input codes in shared memory
-   and copied out from there; the factors and scales through slots of their own.
-
-The fit's ``Y = S Z`` reads ``S`` in ``mosaic_shared.row_sums_layout`` (``sum_lanes = 8``: a row
-over 8 lanes, so that its sums cross 8 lanes instead of 32); the other passes take the rows
-layout. The kernel places its own warpgroup barriers where threads exchange data through shared
-memory (the decayed keys, ``S`` between the two layouts, the fit's rows, the warps' exchanges of
-their column sums and maxima, the outputs before their copies) instead of the two that Mosaic
-GPU puts around every store by default (``auto_barriers``). Each pass makes all of a chunk's
-loads before its arithmetic (``_chunks``).
-
-Rounding: fp32 throughout, in the reference's order except the summation order of the
-reconstruction and of the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` (Mosaic GPU lowers no
-``sqrt``), and the divisions by the smoothing and quantization scales as products with their
-reciprocals (a division costs about ten instructions per element); a code on a rounding boundary
-may differ by one step.
-
-With ``recon="wgmma"`` (the default where ``takes_tensor_cores``: float16 records, a window of 16,
-32, 48 or 64) the records' part of the reconstruction runs on the tensor cores (``_rank_part``):
-the records' decayed keys scaled per head and split into two fp16 pieces, against the records'
-fp16 values as stored (copied in tiled and swizzled as the operand), four ``wgmma`` of depth ``p``
-into the state, which is tiled and swizzled so that the accumulators' stores and the rows' loads
-meet no bank conflicts; the chunk loop adds the codes' and the Compensator Tokens' terms. It takes
-the reconstruction from 16,800 to 8,800 warp-instructions per head (36,200 in all against 43,000),
-but the flush is bound by the latency of its serial parts more than by its instructions: 1225 /
-1297 us per flush against ``"fma"``'s 1247 / 1302 (``bench/results/mosaic-flush-20261204.md``, run
-``-d``, before the decayed keys went one channel per thread).
-
-Each pass is a ``fori_loop`` over one chunk's code (``_chunks``): written out chunk after chunk
-(``unroll``, the first form) the kernel was about 10,000 instructions per warp and head of
-straight-line code that the instruction cache could not hold, and its warps spent 3.9 of the 6.2
-cycles between their instructions waiting for instructions to be fetched.
-
-Measured on the H200 at batch 512, 32 heads, 128 x 128, every window full
-(``bench/results/mosaic-flush-20261204.md``): compiled, it agrees with the reference (8 bits: the
-decoded state's error against the exact state 5.4109e-3 / 5.3684e-3 for GDN / KDA, as the
-reference's to five digits; also with a warm start and two fit rounds); **1213 / 1222 us per
-flush**, with two programs per SM, against 1288 / 1344 for the form of
-``mosaic-flush-20261203`` (run ``-d-final``; each change between the two timed against the one
-before it in one process) and the split flush's 2674 / 3033 (1414 / 1471 with ``sum_lanes = 32``).
-Earlier forms (``mosaic-flush-20261202``,
-run ``-f-rolled``, the decayed keys made in XLA): 1432 / 1689; written out 2445 / 2703; one program
-per SM 1923 / 2179; chunks of 8 or 32 rows 1517 / 1470 us for GDN; Nsight Compute (one program per
-SM): 2.5 cycles between a warp's instructions (6.2 written out), 208 registers, about 44,600
-warp-instructions per head. It copies in every head whatever the positions (a copy has a static
-size) and stores only the flushed ones, so with few full windows it costs about as much as with all
-(2379 against 2428 us for the written-out form), where the fused flush pays only for the full ones:
-``auto`` (``leapquant_flush.takes_mosaic``) takes this flush on Hopper in place of the split flush,
-and with ``only_full`` the fused one below ``MOSAIC_MIN_FULL_FRACTION`` of full windows. Under
-``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``).
-
-Bytes per flushed value head: ``mosaic_flush_bytes`` (47.4 / 51.5 KB, 10^3 B, for 8-bit GDN / KDA
-at ``p = 16``, against the split flush's 266 KB; 70 / 74 KB when XLA formed the decayed keys
-and wrote them out for the kernel to read).
-
-Tested with JAX 0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled,
-H200).
+Defaults, the fastest measured (H200, batch 512; docs/performance.md): one stage (106 / 110 KB of
+shared memory for GDN / KDA, two programs per SM), ``chunk = 16`` rows, ``sum_lanes = 8``, the
+tensor cores where ``takes_tensor_cores``. Tested with JAX 0.10.2 (Mosaic GPU interpret mode and
+lowering on the CPU) and 0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -163,9 +97,7 @@ def _chunks(n, fetch, body, carry, unroll):
     """``carry = body(k, fetch(k), carry)`` for the chunks ``k < n``: a ``fori_loop`` (one chunk's
     code, run ``n`` times), or written out ``n`` times with ``unroll`` (static ``k``). ``fetch``
     makes all of a chunk's loads from shared memory before ``body``'s arithmetic and stores, so
-    that their latencies overlap (the row factors loaded where each product needed one were
-    3% slower on the H200); loading the next chunk's during this one's arithmetic (carried in
-    registers) was 1-4% slower at 16 rows and 40% at 32 (``bench/results/mosaic-flush-20261204.md``)."""
+    that their latencies overlap (the faster of the orders measured, docs/performance.md)."""
     if unroll:
         for k in range(n):
             carry = body(k, fetch(k), carry)
@@ -494,9 +426,8 @@ def takes_tensor_cores(config: LeapQuantConfig) -> bool:
 
 
 def default_recon(config: LeapQuantConfig) -> str:
-    """``recon`` where the caller leaves it ``None``: ``"wgmma"`` where it can run (1.8% / 0.4% faster
-    than ``"fma"`` for GDN / KDA at batch 512 on the H200, ``bench/results/mosaic-flush-20261204.md``),
-    else ``"fma"``."""
+    """``recon`` where the caller leaves it ``None``: ``"wgmma"`` where it can run (a little faster
+    than ``"fma"``, docs/performance.md), else ``"fma"``."""
     return "wgmma" if takes_tensor_cores(config) else "fma"
 
 
@@ -534,7 +465,7 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
                     unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, recon: str | None = None,
                     auto_barriers: bool = False,
                     interpret=None) -> LeapQuantState:
-    """Window flush (``leapquant_flush.leapquant_flush``'s contract) on Mosaic GPU.
+    """Window flush (``leapquant_flush.flush_split``'s contract) on Mosaic GPU.
 
     state: ``LeapQuantState`` (``unsupported_reason`` says which), updated in place when the
     caller's ``jit`` donates it. Returns the state with new checkpoints and ``pos = 0`` for the
@@ -542,8 +473,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     flight per program (1, the default, lets two programs share an SM; from 2 a program
     prefetches its next head and a head's codes slot is refilled one head later);
     ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``unroll``: each pass's
-    chunks written out one after another instead of a loop over one chunk's code (the earlier
-    form, kept to measure against: its straight-line code misses the instruction cache);
+    chunks written out one after another instead of a loop over one chunk's code (to measure
+    against: its straight-line code misses the instruction cache);
     ``sum_lanes``: lanes a row of ``S`` spans in the fit's ``Y = S Z``, which sums along rows: 8
     (``mosaic_shared.row_sums_layout``, ``chunk`` a multiple of 16) or 32 (the rows layout of the
     other passes);

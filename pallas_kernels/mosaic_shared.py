@@ -1,6 +1,6 @@
 """Helpers of the Mosaic GPU kernels (``mosaic_step``, ``mosaic_dense``, ``mosaic_flush``):
 register layouts, the interpret-mode shim, barriers, how a launch is sized and run (inside
-``run_state``, folded under ``vmap``), and whether ``auto`` takes them (``on_hopper``).
+``run_state``, folded under ``vmap``), and whether the device is a Hopper GPU (``on_hopper``).
 
 Why one module: the kernels walk their tiles in one ``emit_pipeline`` per program, take the
 same register layout (rows over the warps and registers, columns over the lanes), share the
@@ -134,16 +134,6 @@ def resolve_interpret(interpret, what: str):
     return interpret
 
 
-def interpret_params(interpret: bool):
-    """The Mosaic GPU kernels' ``interpret`` for a Triton kernel's flag: the interpreter where
-    ``interpret`` (an error where this JAX has none), else ``False`` (compiled)."""
-    if not interpret:
-        return False
-    if InterpretGPUParams is None:
-        raise RuntimeError("the Mosaic GPU kernels' interpret mode needs JAX >= 0.10")
-    return InterpretGPUParams()
-
-
 def sm_count() -> int:
     """Streaming multiprocessors of the default device (1 where it does not say)."""
     try:
@@ -176,8 +166,7 @@ def smem_union(interpret, *trees):
 def default_programs(units: int, smem_of) -> int:
     """Programs of a launch over ``units`` tiles or heads: two per SM where two fit in its shared
     memory (``smem_of(programs)`` bytes each, with the cross-warp reductions' scratch and the
-    per-program reserve), else one (three per SM, with fewer stages, were slower on the H200,
-    ``bench/results``); at most one per unit."""
+    per-program reserve), else one (the fastest measured, docs/performance.md); at most one per unit."""
     sms = sm_count()
     per_sm = 2 if 2 * (smem_of(2 * sms) + REDUCTION_SCRATCH + SMEM_RESERVED) <= SMEM_PER_SM else 1
     return max(1, min(per_sm * sms, units))
@@ -207,8 +196,8 @@ def sync(interpret) -> None:
 
 
 def on_hopper() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.x), where ``auto`` takes the
-    Mosaic GPU kernels that measured faster (``leapquant_flush``, ``api``)."""
+    """Whether the default device is a Hopper GPU (compute capability 9.x), which the compiled
+    Mosaic GPU kernels need (``api``)."""
     if jax.default_backend() != "gpu":
         return False
     cc = str(getattr(jax.devices()[0], "compute_capability", "") or "")
@@ -243,12 +232,13 @@ def run_kernel(kernel, values: dict) -> dict:
     the results: where a result is stored into a slice of a larger array (a ``lax.scan``'s
     stacked outputs), XLA's dynamic-slice fusion hands the kernel that slice as the result's
     buffer, while the kernel writes the result through its aliased input; the slice then keeps
-    its old contents (all-zero outputs of a scanned decode on the H200, JAX 0.11.2)."""
+    its old contents (a scanned decode's outputs came back all zero; ``tests/test_mosaic_dense.py``
+    checks the barrier)."""
     return jax.lax.optimization_barrier(pl.run_state(kernel)(values))
 
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
            "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "default_programs", "fold_vmap",
-           "interpret_params", "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
+           "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
            "rows_layout", "run_kernel", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout",
            "warp_parts"]

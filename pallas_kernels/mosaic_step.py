@@ -1,84 +1,36 @@
-"""LeapQuant decode step inside a window on Pallas Mosaic GPU (Hopper): GDN and KDA at 8 bits.
+"""LeapQuant decode step inside a window on Pallas Mosaic GPU (Hopper): GDN and KDA, 8 bits, 128 x 128 heads.
 
-Why: the Triton step (``leapquant_step``) is bound by the SM's L1/shared-memory pipe (its int8
-codes pass it three times: the load, the store to shared memory and the read into the dot's
-layout), not by DRAM. Here the copy engine (TMA) brings each head's tiles into shared memory
-with up to ``stages`` heads in flight, and the registers read them once.
+Contract: ``leapquant_step.leapquant_step``'s (``windowed.step_reference``: ``u`` read at ``l =
+pos``, the record appended at slot ``pos``, the output read at ``l = pos + 1``; needs ``pos < p``,
+a sequence at ``pos >= p`` writes nothing and its output is unspecified). The buffer's arrays are
+the kernel's refs (``mosaic_shared.run_kernel``), updated in place.
 
-Same contract as ``leapquant_step.leapquant_step`` (``windowed.step_reference``: ``u`` read at
-``l = pos``, the record appended at slot ``pos``, the output read at ``l = pos + 1``; ``pos < p``,
-a sequence at ``pos >= p`` writes nothing and its output is unspecified).
+Why: the Triton step is bound by the SM's L1/shared-memory pipe (its codes cross it three times),
+not by DRAM. Here the copy engine (TMA) brings each head's tiles into shared memory, ``stages``
+heads in flight, and the registers read them once.
 
-Structure: ``programs`` programs of one warpgroup (128 threads) each take ``per`` consecutive
-heads of the flattened ``[B H]`` heads (the last program's heads past ``B H`` repeat head
-``B H - 1`` and store nothing). A program first copies in its heads' scalars (GDN: ``g``,
-``beta``, ``pos``, ``D0``, ``exp(g)`` and the records' decays ``d_j``, packed by XLA; KDA:
-``beta`` and ``pos``) and, for GDN, the record log-decays (a head's ``p`` of them are too few
-bytes for a copy of their own: ``GROUP_HEADS`` heads per copy), then walks its heads in an
-``emit_pipeline``: per head the token's vectors, the codes ``[dk, 128]``, the column and
-smoothing scales, the Compensator Tokens and all ``p`` record slots (KDA: with the token's ``g
-[dk]`` and the records' log-decays ``[p, dk]``; dead slots are masked in the arithmetic: a copy
-has a static size, so this moves ``p - pos`` more records per head than the Triton step's masked
-loads, ``step_bytes``). The output row and the new record (``u``, ``k`` from the first value head
-of a key group under GVA, KDA's log-decay row) are copied out of shared memory as they are made,
-from two alternating slots; GDN's record log-decays once at the end. The buffer is updated in
-place (its arrays are the kernel's refs, ``mosaic_shared.run_kernel``).
+Structure: ``programs`` programs of one warpgroup (128 threads) each walk ``per`` consecutive heads
+of the flattened ``[B H]`` in an ``emit_pipeline`` (heads past ``B H`` repeat the last and store
+nothing). Per head: the token's vectors, the codes ``[dk, 128]``, the scales, the Compensator
+Tokens and all ``p`` record slots (a copy has a static size: dead slots are masked in the
+arithmetic, so it moves more than the Triton step, ``mosaic_step_bytes``). A head's scalars (GDN:
+``g``, ``beta``, ``pos``, ``D0``, ``exp(g)`` and the records' decays, packed by XLA with
+``windowed.window_decays``; KDA: ``beta``, ``pos``) come in ``GROUP_HEADS`` heads per copy; KDA's
+per-channel decays are made in the kernel from the records' log-decays, one channel per thread
+(``_kda_decays``). Outputs and the new record leave through two alternating shared-memory slots.
 
-Arithmetic, for ``x1 = b`` and ``x2 = exp(g) q``: ``S_l^T x = scale * D0 (Z^T (c x)) + U^T (K (D0
-x)) + sum_j u_j d_j (k_j . x)`` with GDN's scalar decays (``D0 = exp(G_l)``, ``d_j = exp(G_l -
-G_j)``), made by XLA as the reference makes them (``windowed.window_decays``: log-space sums of
-the live records, masked before ``exp``, never divided). KDA's decays are per key channel
-(``D0``, ``d_j``, ``exp(g)`` vectors ``[dk]``): the kernel makes them from the records'
-log-decays as the reference does, one channel per thread (``_kda_decays``), and they scale the
-vectors inside the sums (``Z^T (c D0 x)``, ``k_j . (d_j x)``, ``K (D0 x)``). The records and
-Compensator Tokens go four rows at a time, one per warp (``rows_layout(4)``: row ``m`` on warp
-``m``, the 128 value columns over the 32 lanes, 4 per lane), and each warp sums its rows'
-``u_j (k_j . x)`` in registers. The code sums ``Z^T (c x)`` (``dot``):
+Arithmetic, for ``x1 = b``, ``x2 = exp(g) q``: ``S_l^T x = scale D0 (Z^T (c x)) + U^T (K (D0 x)) +
+sum_j u_j d_j (k_j . x)``. Records and Compensator Tokens go four rows at a time, one per warp
+(``rows_layout(4)``), each warp summing its rows in registers. The code sums (``dot``): ``"rows"``
+(the same way, so that the codes', records' and Compensator Tokens' partial sums meet across the
+warps once per head, ``meet_warps``), ``"wgmma"`` (one bf16 ``wgmma`` against three exact bf16
+pieces of each vector) or ``"fma"`` (``chunk`` rows at a time, Mosaic GPU's generic reduction).
+Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
 
-* ``"rows"`` (the default): the same way, four key rows at a time, one per warp
-  (``code_partials_rows``, the vectors ``c x`` made once per head, one channel per thread,
-  ``code_vectors``), so that the codes', the records' and the Compensator Tokens' partial sums
-  meet across the warps once per head, in one exchange (``meet_warps``);
-* ``"wgmma"``: on the tensor cores (``code_sums_wgmma``, one bf16 ``wgmma`` of the codes against
-  three exact bf16 pieces of each vector);
-* ``"fma"``: ``chunk`` key rows at a time in a tile with rows over the warps and each thread's
-  registers (``code_sums_fma``), summed over the rows in registers, then across the warps by
-  Mosaic GPU's generic reduction.
-
-Rounding: fp32 throughout; the record is rounded to the record dtype when stored (as the
-reference does).
-
-Measured on the H200 at batch 512, 32 heads, 128 x 128 in its first form (``python -m
-bench.mosaic_step``, ``bench/results/mosaic-step-20261201.md``): correct compiled (output error
-against the reference 1.6e-7; the Triton step's 3.1e-7) but slower than the Triton step: 257 us per step
-with the defaults against 214 us (249-258 us over the variants at 2 programs per SM; slower
-with more, 285 us at 3 per SM, or fewer, 360 us at 1.5 and 390 us at 1). With the arithmetic
-left out the same pipeline takes 125 us (95% of copy bandwidth on the bytes it moves). Nsight
-Compute: 7,900 warp-instructions per head at 2.0 per cycle per SM (8 warps per SM, shared
-memory limiting), 38% of them fp32 arithmetic (half of that multiplies and adds left unfused).
-That count was not the limit: a third fewer instructions made it 3% faster; the latency of
-dependent chains at two warps per scheduler was.
-
-Since then (``bench/results/mosaic-step-20261204.md``, same command): the code sums on the tensor
-cores (``dot="wgmma"``), the decays made by XLA and the records' and Compensator Tokens' sums met
-across the warps once per head (``_head_step``) instead of through four generic cross-warp
-reductions (each a barrier pair around 16-way bank-conflicted reads) make it **199.7 us per step
-against the Triton step's 208.8** in the same run (``dot="fma"``: 211.0; windows of 16 steps with
-the split flush 279.4 against 288.5), output error 1.6e-7. KDA's decays made in the kernel
-(``bench/results/mosaic-step-kda-20261204.md``, ``python -m bench.mosaic_step --kda``): output
-error 1.6e-7 (the Triton step's 3.1e-7), 278.3 us against the Triton step's 266.2 with
-``dot="fma"`` (89 KiB of shared memory, two programs per SM; ``"wgmma"``, 124 KiB, or three heads
-in flight leave one program per SM: 413 / 406 us).
-
-Then the code sums' partials in the records' exchange (``dot="rows"``,
-``bench/results/mosaic-step-rows-20261204.md``): **GDN 166.7 us per step against the Triton
-step's 208.5** (71% of copy bandwidth on the bytes it moves; ``"wgmma"`` 201.7, ``"fma"`` 211.8),
-**KDA 228.0 against 265.0** (60%; three heads in flight leave one program per SM: 347.0), output
-errors 1.7e-7 against the Triton step's 3.1e-7. ``auto`` takes it on Hopper
-(``api.takes_mosaic_step``).
-
-Bytes moved per step and value head: ``mosaic_step_bytes``. Tested with JAX 0.10.2 (Mosaic GPU
-interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
+Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``, two
+programs per SM, three heads in flight (two where the tensor cores' tile or KDA's decays would
+leave one program per SM). Bytes per step and value head: ``mosaic_step_bytes``. Tested with JAX
+0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
 """
 
 from __future__ import annotations
@@ -107,7 +59,7 @@ GROUP_HEADS = 8      # heads whose scalars and record log-decays move in one cop
 META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos, D0, exp(g), 0, 0, 0
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
 DOTS = ("fma", "rows", "wgmma")   # the code sums on the CUDA cores (two ways) or the tensor cores
-DEFAULT_DOT = "rows"      # 17-21% faster than "wgmma" / "fma" on the H200 (bench/results/mosaic-step-rows-20261204.md)
+DEFAULT_DOT = "rows"      # the fastest of the three measured (docs/performance.md)
 PIECE_ROWS = 8       # the wgmma's N: three bf16 pieces of each of the two vectors, two zero rows
 MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 
@@ -470,8 +422,8 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
 
 
 def default_programs(n: int) -> int:
-    """Programs of a launch: two per SM (the fastest on the H200 at batch 512: one per SM, or
-    three, were slower, ``bench/results/mosaic-step-20261201.md``), at most one per head group."""
+    """Programs of a launch: two per SM (the fastest measured, docs/performance.md), at most one
+    per head group."""
     return max(1, min(2 * sm_count(), n // GROUP_HEADS))
 
 
@@ -490,8 +442,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     caller's ``jit`` donates the state. ``programs``: programs of the launch (default
     ``default_programs``); ``stages``: heads in flight per program (default 3, 2 with
     ``dot="wgmma"`` or KDA's decays, which would otherwise leave one program per SM); ``chunk``: key
-    rows per code read with ``dot="fma"`` (default ``dk``, whole tiles; 32 took fewer registers but
-    ran slower); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
+    rows per code read with ``dot="fma"`` (default ``dk``, whole tiles, the faster); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
     ``DEFAULT_DOT``; ``"fma"``; ``"wgmma"``). ``interpret``: ``None`` runs compiled on a GPU and in
     the Mosaic GPU interpreter elsewhere.
     """

@@ -1,9 +1,7 @@
 """Kernel helpers the decode step and the window flushes share: the packed residual codes' planar
 layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``), the window's
 log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on
-the tensor cores (``DIGIT_BITS``, ``digit_scales``, ``int8_digits``, ``combine_digits``,
-``undigit``); the stream flush's ``load_code_part`` (one code part) and ``load_rows`` (a
-zero-padded tile of a ref's rows); CholeskyQR2 on columns held as pieces
+the tensor cores (``DIGIT_BITS``, ``int8_digits``, ``combine_digits``); CholeskyQR2 on columns held as pieces
 (``scale_cols_to_unit_max``, ``cholesky_qr_round``: the fused and Mosaic GPU flushes). Used
 inside Pallas kernel bodies only (Triton and Mosaic GPU alike)."""
 
@@ -48,29 +46,6 @@ def unpack_codes(planes, bits: int, dtype=f32):
     planes = [x.astype(jnp.int32) for x in planes]
     top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
     return [((q & 63) - 32).astype(dtype) for q in planes] + [(top - 32).astype(dtype)]
-
-
-def load_code_part(codes_ref, bits: int, dk: int, i: int, start=0, rows: int | None = None, cols=None, dtype=f32):
-    """Signed codes ``[rows, width]`` of code part ``i`` alone (``load_code_parts(...)[i]``), key
-    rows ``i * dk / parts + start + [0, rows)``, value columns ``cols = (start, width)`` (static;
-    all by default). Only the byte planes that part needs are loaded: plane ``i`` at 6 bits (all
-    three for part 3, whose two bits sit in each), the one plane at 8 and 4 bits, so a kernel
-    walking the parts one at a time keeps one part's codes live instead of all of them."""
-    n = dk // num_parts(bits)
-    rows = n if rows is None else rows
-    cs = slice(None) if cols is None else pl.ds(*cols)
-
-    def plane(k):
-        return codes_ref[pl.ds(k * n + start, rows), cs].astype(jnp.int32)
-
-    if bits == 8:
-        return codes_ref[pl.ds(start, rows), cs].astype(dtype)
-    if bits == 4:
-        return (((plane(0) >> (4 * i)) & 15) - 8).astype(dtype)
-    if i < 3:
-        return ((plane(i) & 63) - 32).astype(dtype)
-    top = [(plane(k) >> 6) & 3 for k in range(3)]
-    return ((top[0] | (top[1] << 2) | (top[2] << 4)) - 32).astype(dtype)
 
 
 def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None, dtype=f32):
@@ -125,61 +100,11 @@ def int8_digits(x, inv):
     return out + [xi]
 
 
-def digit_scales(parts):
-    """The fixed-point scale of the int8-digit split for rows of ``x`` given as parts ``[R, n_i]``:
-    ``(inv [R, 1], back [R])``, ``inv = 2**DIGIT_BITS / max|row|`` (the max floored at
-    ``DIGIT_SCALE_FLOOR``) and ``back = 1 / inv``. A kernel that splits the parts one at a time
-    (``int8_digits(x, inv)``, converted to int8) takes the scale from here."""
-    m = None
-    for x in parts:
-        mx = jnp.max(jnp.abs(x), axis=1)
-        m = mx if m is None else jnp.maximum(m, mx)
-    m = jnp.maximum(m, DIGIT_SCALE_FLOOR)
-    return ((2.0 ** DIGIT_BITS) / m)[:, None], m * (2.0 ** -DIGIT_BITS)
-
-
 def combine_digits(sums):
     """The three digit sums (lowest digit first; int32 or fp32, any equal shapes) recombined in
     fp32: ``(s2 * 2**16 + s1 * 2**8) + s0``, in this order in every kernel."""
     s0, s1, s2 = (x.astype(f32) for x in sums)
     return (s2 * 65536.0 + s1 * 256.0) + s0
-
-
-def undigit(accs, back):
-    """The three int32 digit sums ``accs`` (``[R, C]`` each) recombined in fp32 and scaled back by
-    ``back [R]`` (``digit_scales``)."""
-    return combine_digits(accs) * back[:, None]
-
-
-def load_rows(ref, n_rows: int, cols=None, live=None):
-    """Rows of ``ref`` (``[R, C]``, or ``[R]``) as one tile ``[n_rows, width]`` (or ``[n_rows]``):
-    row ``j`` of the tile is row ``j`` of the ref where ``j < R`` and ``live[j]`` (``[n_rows]``
-    bool, or None), zero elsewhere; ``cols = (start, width)`` picks columns (static ints).
-
-    Why: a dot operand needs at least 16 rows, and a ref may hold fewer (``r`` factor rows, a
-    short window). One masked load with clamped row indices (a gather of whole rows, contiguous
-    along the columns) builds the zero-padded tile; no row is read from past the ref.
-    """
-    r = ref.shape[0]
-    rows = jnp.arange(n_rows)
-    keep = rows < r if live is None else (rows < r) & live
-    idx = jnp.minimum(rows, r - 1)
-    if len(ref.shape) == 1:
-        return load(ref.at[pl.ds(0, n_rows)] if r == n_rows else ref.at[idx], mask=keep, other=0)
-    start, width = (0, ref.shape[1]) if cols is None else cols
-    if r == n_rows:
-        return load(ref.at[:, pl.ds(start, width)], mask=keep[:, None], other=0)
-    return load(ref.at[idx[:, None], (start + jnp.arange(width))[None, :]], mask=keep[:, None], other=0)
-
-
-def tile_rows(x, k: int):
-    """The first ``k`` rows of a register tile ``x [R, n]`` (``R`` a power of two) as ``[n]`` vectors.
-
-    An equal split (the only value slicing the Pallas Triton lowering has), not a gather.
-    """
-    if x.shape[0] == 1:
-        return [x.reshape(x.shape[1:])][:k]
-    return [r.reshape(x.shape[1:]) for r in jnp.split(x, x.shape[0], axis=0)[:k]]
 
 
 def scale_cols_to_unit_max(cols):
@@ -219,5 +144,5 @@ def cholesky_qr_round(cols, rank, sqrt=jnp.sqrt, zero_unless=_zero_unless):
 
 
 __all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "cholesky_qr_round", "code_planes", "combine_digits",
-           "digit_scales", "int8_digits", "load_code_part", "load_code_parts", "load_rows", "num_parts",
-           "scale_cols_to_unit_max", "tile_rows", "undigit", "unpack_codes", "window_decay_part", "window_decays"]
+           "int8_digits", "load_code_parts", "num_parts", "scale_cols_to_unit_max", "unpack_codes", "window_decay_part",
+           "window_decays"]

@@ -1,6 +1,13 @@
-"""Which configs and states the Pallas kernels take: ``unsupported_reason``, checked before any
-launch (``api`` re-exports it for ``leapquant_jax.dispatch``; the kernels check it themselves),
-and ``check_token``, the token's shapes against the state (both step kernels)."""
+"""Which configs and states the LeapQuant kernels take: ``unsupported_reason`` (every step and
+flush kernel's first condition: ``api`` gives it to ``leapquant_jax.dispatch``, and the kernels
+check it themselves before a launch) and ``check_token``, the token's shapes against the state.
+
+The kernels take integer residuals at 8, 6 or 4 bits (no ``residual_format`` override), the
+subspace fit (the exact SVD fit stays in the reference), ``dk`` and ``dv`` in ``HEAD_SIZES`` (``dk``
+a multiple of 64 at 6 bits and of 32 at 4 bits: code planes of at least 16 rows, a Triton dot's
+least size), a power-of-two window up to ``MAX_WINDOW`` and at most ``MAX_RANK`` Compensator Tokens
+(the fit's Cholesky factor is unrolled up to there). The buffer may keep its key records per key
+head (GVA: ``k [B, Hk, p, dk]``, ``Hk`` dividing ``H``)."""
 
 from __future__ import annotations
 

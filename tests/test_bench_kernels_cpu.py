@@ -113,9 +113,9 @@ def test_sweep_variants():
     assert all("kernel" not in v for v in steps)
     assert bk.step_variants(LeapQuantConfig(bits=8), 128, 128, mosaic=True)[-1] == {"kernel": "mosaic"}
     flush = bk.flush_variants(True, 128)
-    assert [v["num_warps"] for v in flush if v["impl"] == "stream"] == [4, 8, 2]
-    assert (bk.bytes_impl({}), bk.bytes_impl(dict(impl="auto")), bk.bytes_impl(dict(impl="stream"))) == (
-        "split", "split", "stream")
+    assert [v["impl"] for v in flush] == ["fused", "split", "split", "auto"]
+    assert (bk.bytes_impl({}), bk.bytes_impl(dict(impl="auto")), bk.bytes_impl(dict(impl="fused"))) == (
+        "split", "split", "fused")
     assert (bk.bytes_impl({}, mosaic=True), bk.bytes_impl(dict(impl="split"), mosaic=True)) == ("mosaic", "split")
 
 
@@ -125,17 +125,17 @@ def timing(mode, kind, us, *, bsz=512, h=32, nbytes=1.0, fla=None, frac=None, **
 
 
 def test_targets_directions_and_missing_rows():
-    rows = [timing("GDN", "lq-window", 10.0, fla=4.4, bits=8, flush_impl="stream"),
+    rows = [timing("GDN", "lq-window", 10.0, fla=4.4, bits=8, flush_impl="fused"),
             timing("GDN", "lq-window", 10.0, bsz=32, fla=1.0, bits=8),              # not the largest batch
             timing("KDA", "lq-window", 10.0, fla=3.0, bits=8, flush_impl="split"),
             timing("GDN", "lq-steps", 1.0, frac=0.77, bits=8),
-            timing("GDN", "lq-flush", 750.0, nbytes=55e3 * 512 * 32, bits=8, flush_impl="stream"),
-            timing("KDA", "lq-flush", 500.0, nbytes=66e3 * 512 * 32, bits=8, flush_impl="stream")]
+            timing("GDN", "lq-flush", 750.0, nbytes=55e3 * 512 * 32, bits=8, flush_impl="fused"),
+            timing("KDA", "lq-flush", 500.0, nbytes=66e3 * 512 * 32, bits=8, flush_impl="fused")]
     tg = bk.targets(dict(timings=rows))
     assert len(tg) == len(bk.TARGETS)                      # every target reported, measured or not
     got = tg[0]
     assert got["batch"] == 512 and got["met"] and got["missing_factor"] is None
-    assert got["target"] == "GDN: LeapQuant int8 amortised per token-step vs FLA fp32, flush stream"
+    assert got["target"] == "GDN: LeapQuant int8 amortised per token-step vs FLA fp32, flush fused"
     kda = tg[1]
     assert not kda["met"] and kda["missing_factor"] == pytest.approx(3.5 / 3.0)
     flush = [t for t in tg if t["key"] == "us"]

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from leapquant_jax import dispatch
 from leapquant_jax.chunked import chunk_delta_rule, unit_lower_inverse
+from leapquant_jax.impls import Impl
 from leapquant_jax.recurrence import recurrent_scan
 from helpers import rel
 
@@ -107,14 +109,14 @@ def test_gradients_match_recurrence(kda, inter):
     ],
 )
 def test_kernel_scan_matches_serial_form(kda, tokens, chunk, group, key_heads, use_s0, lengths):
-    """``inter="kernel"`` (the Pallas chunk scan, interpret mode here) against ``inter="serial"``,
+    """``impl="triton"`` (the Pallas chunk scan, interpret mode here) against ``impl="reference"``,
     the lax.scan it replaces (itself checked against the recurrence above), on every valid token."""
     x = _inputs(40 + tokens + kda, batch=2, tokens=tokens, heads=4, dk=32, dv=16, kda=kda, key_heads=key_heads)
     s0 = jnp.asarray(np.random.default_rng(tokens).standard_normal((2, 4, 32, 16)) * 0.3, jnp.float32) if use_s0 else None
     lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
-    run = jax.jit(lambda x, s0, lens, inter: chunk_delta_rule(**x, initial_state=s0, lengths=lens, chunk=chunk,
-                                                              group=group, inter=inter), static_argnums=3)
-    (o, s), (o_ref, s_ref) = run(x, s0, lens, "kernel"), run(x, s0, lens, "serial")
+    run = jax.jit(lambda x, s0, lens, impl: chunk_delta_rule(**x, initial_state=s0, lengths=lens, chunk=chunk,
+                                                             group=group, impl=impl), static_argnums=3)
+    (o, s), (o_ref, s_ref) = run(x, s0, lens, "triton"), run(x, s0, lens, "reference")
     assert rel(s, s_ref) < 1e-6
     for b in range(2):
         n = tokens if lengths is None else lengths[b]
@@ -123,26 +125,28 @@ def test_kernel_scan_matches_serial_form(kda, tokens, chunk, group, key_heads, u
 
 def test_kernel_scan_gradients_and_reasons():
     """The kernel path differentiates through the serial form's derivative; sizes it cannot take
-    are refused by name, and ``auto`` takes the serial form off the GPU."""
+    are refused by name, and ``auto`` takes the reference off the GPU."""
     x = _inputs(5, batch=2, tokens=40, heads=4, dk=16, dv=16, kda=True, key_heads=2)
     s0 = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4, 16, 16)) * 0.3, jnp.float32)
     wo = jnp.asarray(np.random.default_rng(3).standard_normal(x["v"].shape), jnp.float32)
 
-    def grad(inter):
+    def grad(impl):
         def loss(x, s0):
-            o, s = chunk_delta_rule(**x, initial_state=s0, chunk=16, inter=inter)
+            o, s = chunk_delta_rule(**x, initial_state=s0, chunk=16, impl=impl)
             return jnp.sum(o * wo) + jnp.sum(s)
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, s0)
 
-    (gk, gsk), (gs, gss) = grad("kernel"), grad("serial")
+    (gk, gsk), (gs, gss) = grad("triton"), grad("reference")
     for name in x:
         assert rel(gk[name], gs[name]) < 1e-6, name
     assert rel(gsk, gss) < 1e-6
-    with pytest.raises(ValueError, match="inter='kernel' cannot run: dk=8"):
-        chunk_delta_rule(**_inputs(0, batch=1, tokens=8, heads=2, dk=8, dv=16, kda=False), inter="kernel")
+    with pytest.raises(ValueError, match="impl='triton' cannot run the chunk_scan here: dk=8"):
+        chunk_delta_rule(**_inputs(0, batch=1, tokens=8, heads=2, dk=8, dv=16, kda=False), impl="triton")
+    with pytest.raises(ValueError, match="impl='triton' cannot run inter='associative'"):
+        chunk_delta_rule(**_inputs(0, batch=1, tokens=8, heads=2, dk=16, dv=16, kda=False), inter="associative",
+                         impl="triton")
     if jax.default_backend() != "gpu":
-        from leapquant_jax.chunked import _resolve_inter
-        assert _resolve_inter("auto", 128, 128, 64) == "serial"
+        assert dispatch.resolve("chunk_scan", "auto", 128, 128, 64) is Impl.REFERENCE
 
 
 def test_chunk_kernels_lower_to_triton():
@@ -169,7 +173,7 @@ def test_chunk_kernels_lower_to_triton():
 def test_kda_pair_scores_kernel(chunk, dk):
     """The KDA pair-score kernel (interpret mode) against the pure-JAX form and a brute-force sum,
     with fully decayed channels and tokens (log-decay -104) among ordinary decays."""
-    from leapquant_jax.chunked import kda_cumulative, pair_scores_kda
+    from leapquant_jax.chunk_ops import kda_cumulative, pair_scores_kda
     from pallas_kernels.kda_scores import kda_pair_scores
 
     rng = np.random.default_rng(chunk + dk)

@@ -25,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leapquant_jax import windowed
+from leapquant_jax import dispatch, windowed
 from leapquant_jax.methods import make_method
 from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels import api
+from pallas_kernels import support
 from pallas_kernels.dense_step import dense_step, dense_step_reference
-from pallas_kernels.leapquant_flush import flush_stream, leapquant_flush, leapquant_flush_reference
+from pallas_kernels.leapquant_flush import flush_fused, flush_split, leapquant_flush_reference
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
 
@@ -321,21 +321,25 @@ def test_step_kernel_rejects_mismatched_token_and_bad_options():
         leapquant_step(config, st, tok, reduce="dot", chunk=16, interpret=INTERPRET)
     with pytest.raises(ValueError, match="reduce"):
         leapquant_step(config, st, tok, reduce="mma", interpret=INTERPRET)
-    with pytest.raises(ValueError, match="impl"):
-        leapquant_flush(config, st, impl="chunked", interpret=INTERPRET)
+    with pytest.raises(ValueError, match="impl='chunked' is not an implementation of the flush"):
+        dispatch.leapquant_flush(config, st, impl="chunked")
 
 
 # ----------------------------------------------------------------------------- LeapQuant flush
 
 
+# The flush kernels by name; "auto": what dispatch runs on the kernels (interpreted here: the split
+# flush, or with only_full the fused one below dispatch.MIN_FULL_FRACTION of full windows).
+FLUSHES = {"split": functools.partial(flush_split, interpret=INTERPRET),
+           "fused": functools.partial(flush_fused, interpret=INTERPRET),
+           "auto": functools.partial(dispatch.leapquant_flush, impl="pallas")}
+
+
 def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", flush=None):
-    """A flush kernel (``leapquant_flush`` with ``impl``, or ``flush(config, state, only_full=...)``)
-    against the reference; returns both flushed states."""
+    """A flush kernel (``FLUSHES[impl]``, or ``flush(config, state, only_full=...)``) against the
+    reference; returns both flushed states."""
     ref = leapquant_flush_reference(config, st, only_full=only_full)
-    if flush is None:
-        ker = leapquant_flush(config, copy(st), only_full=only_full, impl=impl, interpret=INTERPRET)
-    else:
-        ker = flush(config, copy(st), only_full=only_full)
+    ker = (flush or FLUSHES[impl])(config, copy(st), only_full=only_full)
     np.testing.assert_array_equal(ker.pos, ref.pos)
     # The kernels leave the buffer as it was (every slot is then past pos = 0, never read), where
     # the reference zeroes it.
@@ -358,7 +362,7 @@ def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", f
     return ker, ref
 
 
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("bits", [8, 6, 4])
 def test_flush_kernel_matches_reference(bits, kda, impl):
@@ -368,7 +372,7 @@ def test_flush_kernel_matches_reference(bits, kda, impl):
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 def test_flush_kernel_window_16_head_128(impl, kda):
     # p >= 16: the split flush's records term is one dot; warm start from the old K
     config = LeapQuantConfig(bits=8, window=16, warm_start=True)
@@ -377,10 +381,10 @@ def test_flush_kernel_window_16_head_128(impl, kda):
 
 
 @pytest.mark.parametrize("pos", [[4, 1, 4, 2, 3], [4, 1, 0, 2, 3]], ids=["split-branch", "fused-branch"])
-@pytest.mark.parametrize("impl", ["auto", "split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["auto", "split", "fused"])
 def test_flush_kernel_only_full_windows(impl, pos):
     # auto takes the split flush when enough windows are full (2 of 5 here), else the fused one
-    # (1 of 5, below SPLIT_MIN_FULL_FRACTION)
+    # (1 of 5, below dispatch.MIN_FULL_FRACTION)
     config = LeapQuantConfig(bits=8, window=4, warm_start=True)
     st, _ = live_state(config, jax.random.PRNGKey(7), 5, 2, 64, 64, False, pos=pos)
     ker, ref = check_flush(config, st, only_full=True, impl=impl)
@@ -389,32 +393,31 @@ def test_flush_kernel_only_full_windows(impl, pos):
         np.testing.assert_array_equal(a, b)                                   # a partial window is untouched
 
 
-@pytest.mark.parametrize("impl", ["auto", "stream"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_flush_kernel_fully_decayed_heads_and_zero_state(kda, impl):
+def test_flush_kernel_fully_decayed_heads_and_zero_state(kda):
     config = LeapQuantConfig(bits=8, window=4)
     st, _ = live_state(config, jax.random.PRNGKey(8), 2, 1, 64, 64, kda, pos=[4, 2], log_decay=-1e3, zero=True)
     # Only the newest record survives: a rank-1 state that the Compensator Tokens take whole,
     # leaving a residual of rounding noise (~1e-13) whose codes are arbitrary in both.
-    check_flush(config, st, codes_agree=False, impl=impl)
+    check_flush(config, st, codes_agree=False)
     st = windowed.init_state(config, 2, 1, 64, 64, kda)                        # all zero: zero codes, no NaN
-    ker = leapquant_flush(config, copy(st), impl=impl, interpret=INTERPRET)
+    ker = FLUSHES["auto"](config, copy(st))
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_flush_kernel_with_shared_key_records(kda, impl):
     # GVA: the flush program of value head j reads the key records of key head j // 2
     config = LeapQuantConfig(bits=8, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(80 + kda), 2, 4, 64, 64, kda, pos=[8, 5], key_heads=2)
     ker, _ = check_flush(config, st, impl=impl)
-    ker_e = leapquant_flush(config, copy(expanded_state(st)), impl=impl, interpret=INTERPRET)
+    ker_e = FLUSHES[impl](config, copy(expanded_state(st)))
     for a, b in zip(jax.tree_util.tree_leaves(ker.checkpoint), jax.tree_util.tree_leaves(ker_e.checkpoint)):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("impl", ["split", "fused", "stream"])
+@pytest.mark.parametrize("impl", ["split", "fused"])
 def test_flush_kernel_head_size_128_options(impl):
     config = LeapQuantConfig(bits=8, window=4, rank=2, fit_iters=2, smoothing=False)
     st, _ = live_state(config, jax.random.PRNGKey(9), 1, 1, 128, 128, False, pos=[4])
@@ -424,36 +427,11 @@ def test_flush_kernel_head_size_128_options(impl):
 @pytest.mark.parametrize("options, kda", [(dict(compensators=False), False), (dict(window=32, bits=4), True),
                                           (dict(compensators=False, smoothing=False), True)],
                          ids=["no-compensators", "window-32-int4-kda", "no-compensators-no-smoothing-kda"])
-def test_stream_flush_other_configs(options, kda):
+def test_flush_kernel_other_configs(options, kda):
     config = LeapQuantConfig(**options)
     p = config.window
     st, _ = live_state(config, jax.random.PRNGKey(11), 2, 1, 64, 64, kda, pos=[p, p // 2 - 1])
-    check_flush(config, st, impl="stream")
-
-
-def test_stream_flush_rejects_bad_chunks():
-    config = LeapQuantConfig(bits=8, window=4)
-    st = windowed.init_state(config, 1, 1, 64, 64)
-    for chunk in (8, 24, 128):
-        with pytest.raises(ValueError, match="chunk"):
-            flush_stream(config, st, only_full=False, chunk=chunk, interpret=INTERPRET)
-
-
-@pytest.mark.parametrize("bits, kda", [(8, True), (4, False), (6, False)])
-def test_stream_flush_small_chunks(bits, kda):
-    # chunk 16 at dk 64: several pieces per code part (the rolled loops over key-row chunks, up to
-    # four at 8 bits), and a window of 16 records, a dot operand's full 16 rows with no padding
-    config = LeapQuantConfig(bits=bits, window=16)
-    st, _ = live_state(config, jax.random.PRNGKey(12 + bits + kda), 2, 1, 64, 64, kda, pos=[16, 7])
-    ref = leapquant_flush_reference(config, st)
-    ker = flush_stream(config, copy(st), only_full=False, chunk=16, interpret=INTERPRET)
-    fmt = config.format
-    z_k, z_r = (np.asarray(fmt.integer_values(c.checkpoint.residual)) for c in (ker, ref))
-    assert np.abs(z_k - z_r).max() <= 1 and np.mean(z_k != z_r) < 0.01
-    dense = windowed.reconstruct_reference(config, st)
-    d_k, d_r = (windowed.decode_checkpoint(config, c.checkpoint) for c in (ker, ref))
-    assert np.all(np.isfinite(d_k))
-    assert rel(d_k, dense) <= 1.05 * rel(d_r, dense) + 1e-6
+    check_flush(config, st, impl="split")
 
 
 # ----------------------------------------------------------------------------- through the method
@@ -496,7 +474,7 @@ def test_method_pallas_matches_reference_through_flushes(kda, key_heads):
 def test_unsupported_reason_names_the_limit(options, dk, words):
     config = LeapQuantConfig(**options)
     st = windowed.init_state(config, 1, 1, dk, 64)
-    why = api.unsupported_reason(config, st)
+    why = support.unsupported_reason(config, st)
     assert why is not None and words in why
     m = make_method("leapquant", impl="pallas", **options)
     seq = sequence(jax.random.PRNGKey(0), 1, 1, 1, dk, 64, False)
@@ -527,7 +505,7 @@ def test_supported_configs_have_no_reason():
     for bits in (8, 6, 4):
         for kda in (False, True):
             config = LeapQuantConfig(bits=bits)
-            assert api.unsupported_reason(config, windowed.init_state(config, 2, 2, 64, 128, kda)) is None
+            assert support.unsupported_reason(config, windowed.init_state(config, 2, 2, 64, 128, kda)) is None
 
 
 @pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
@@ -544,8 +522,8 @@ def test_kernels_lower_to_triton(bits, kda):
     # 6 bits at dk = 64: 16-row code parts, too few for the int8 mma (the lanes sums only)
     for reduce in ("lanes",) if bits == 6 else ("dot", "dot_cols", "lanes"):
         lower(functools.partial(leapquant_step, config, reduce=reduce, interpret=False), st, tok)
-    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
-    lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
+    for flush in (flush_split, flush_fused):
+        lower(functools.partial(flush, config, only_full=True, interpret=False), st)
     lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
 
 
@@ -563,8 +541,8 @@ def test_kernels_with_shared_key_records_lower_to_triton(kda):
 
     for hp in (1, 2, 4):
         lower(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=False), st, tok)
-    lower(functools.partial(leapquant_flush, config, only_full=True, interpret=False), st)   # auto: both flushes
-    lower(functools.partial(leapquant_flush, config, only_full=True, impl="stream", interpret=False), st)
+    for flush in (flush_split, flush_fused):
+        lower(functools.partial(flush, config, only_full=True, interpret=False), st)
 
 
 def test_method_pallas_eager_step_with_active_mask():
@@ -656,21 +634,12 @@ def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
         np.testing.assert_array_equal(a[0], b[0])
 
 
-def test_auto_takes_the_mosaic_step_on_hopper_only(monkeypatch):
-    from pallas_kernels import api
-
+def test_the_mosaic_step_through_dispatch():
+    # impl="mosaic" through the front door: the Mosaic GPU step, interpreted here (which kernel
+    # auto takes where: test_dispatch)
     config = LeapQuantConfig(bits=8, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(12), 2, 4, 128, 128, False, pos=[3, 6])
-    assert not api.takes_mosaic_step(config, st)                 # no GPU here
-    monkeypatch.setattr(api, "on_hopper", lambda: True)
-    monkeypatch.setattr(api, "default_interpret", lambda: False)
-    assert api.takes_mosaic_step(config, st)
-    c6 = LeapQuantConfig(bits=6, window=8)
-    assert not api.takes_mosaic_step(c6, windowed.init_state(c6, 2, 4, 128, 128))
-    assert api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 128, 128, per_channel_decay=True))
-    assert not api.takes_mosaic_step(config, windowed.init_state(config, 2, 4, 64, 128))
-    # Through the front door: the Mosaic GPU step, interpreted here.
-    o_a, a = api.leapquant_step(config, copy(st), tok)
+    o_a, a = dispatch.leapquant_step(config, copy(st), tok, impl="mosaic")
     o_b, b = mosaic_step.leapquant_step(config, copy(st), tok)
     np.testing.assert_array_equal(o_a, o_b)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):

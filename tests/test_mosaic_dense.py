@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from leapquant_jax import dispatch
 from leapquant_jax.recurrence import delta_rule_token
 from pallas_kernels import mosaic_dense
 from pallas_kernels.dense_step import dense_step_reference
@@ -99,16 +100,18 @@ def test_mosaic_dense_step_under_vmap_folds_the_mapped_axis():
         np.testing.assert_array_equal(s_v[i], s_1)
 
 
-def test_auto_takes_the_mosaic_dense_step_on_hopper_only(monkeypatch):
-    from pallas_kernels import api
-
+def test_the_mosaic_dense_step_through_dispatch():
+    # impl="mosaic" through the front door: the Mosaic GPU dense step, interpreted here (which
+    # kernel auto takes where: test_dispatch)
     seq = sequence(jax.random.PRNGKey(9), 1, 1, 2, 128, 128, False)
     s = dense_state(jax.random.PRNGKey(10), 1, 2, 128, 128)
-    assert not api.takes_mosaic_dense(s, token(seq, 0))          # no GPU here
-    monkeypatch.setattr(api, "on_hopper", lambda: True)
-    monkeypatch.setattr(api, "default_interpret", lambda: False)
-    assert api.takes_mosaic_dense(s, token(seq, 0))
-    assert not api.takes_mosaic_dense(s[:, :, :64], token(sequence(jax.random.PRNGKey(9), 1, 1, 2, 64, 128, False), 0))
+    o_a, s_a = dispatch.dense_step(jnp.copy(s), token(seq, 0), impl="mosaic")
+    o_b, s_b = mosaic_dense.dense_step(jnp.copy(s), token(seq, 0))
+    np.testing.assert_array_equal(o_a, o_b)
+    np.testing.assert_array_equal(s_a, s_b)
+    with pytest.raises(ValueError, match="impl='mosaic' cannot run the dense_step here"):
+        dispatch.dense_step(s[:, :, :64], token(sequence(jax.random.PRNGKey(9), 1, 1, 2, 64, 128, False), 0),
+                            impl="mosaic")
 
 
 @pytest.mark.parametrize("kda, dtype, store", [(False, "float32", "tma"), (True, "float32", "tma"),

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from leapquant_jax import windowed
+from leapquant_jax import dispatch, windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import mosaic_flush
 
@@ -106,23 +106,18 @@ def test_mosaic_flush_under_vmap_folds_the_mapped_axis():
             np.testing.assert_array_equal(a, b)
 
 
-def test_auto_takes_the_mosaic_flush_on_hopper_only(monkeypatch):
-    from pallas_kernels import leapquant_flush as lf
-
+def test_the_mosaic_flush_through_dispatch():
+    # impl="mosaic" through the front door: the Mosaic GPU flush, interpreted here (which kernel
+    # auto takes where: test_dispatch)
     config = LeapQuantConfig(bits=8, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(46), 1, 2, 128, 128, False, pos=[8])
-    assert not lf.takes_mosaic(config, st, interpret=False)                 # no GPU here
-    monkeypatch.setattr(lf, "on_hopper", lambda: True)
-    assert lf.takes_mosaic(config, st, interpret=False) and not lf.takes_mosaic(config, st, interpret=True)
-    c6 = LeapQuantConfig(bits=6, window=8)
-    assert not lf.takes_mosaic(c6, windowed.init_state(c6, 1, 2, 128, 128), interpret=False)
-    # impl="mosaic" through the flushes' front door: the Mosaic GPU flush, interpreted here
-    a = lf.leapquant_flush(config, copy(st), only_full=True, impl="mosaic")
+    a = dispatch.leapquant_flush(config, copy(st), only_full=True, impl="mosaic")
     b = mosaic_flush.leapquant_flush(config, copy(st), only_full=True)
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_array_equal(x, y)
+    c6 = LeapQuantConfig(bits=6, window=8)
     with pytest.raises(ValueError, match="8-bit"):
-        lf.leapquant_flush(c6, windowed.init_state(c6, 1, 2, 128, 128), impl="mosaic")
+        dispatch.leapquant_flush(c6, windowed.init_state(c6, 1, 2, 128, 128), impl="mosaic")
 
 
 def test_mosaic_flush_fully_decayed_heads_and_zero_state():

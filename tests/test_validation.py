@@ -265,7 +265,7 @@ def test_shared_key_records_refuse_keys_of_another_head_count():
     from leapquant_jax import windowed
     from leapquant_jax.recurrence import delta_rule_token
     from leapquant_jax.state import LeapQuantConfig
-    from pallas_kernels import api
+    from pallas_kernels import support
 
     method = make_method("leapquant", window=WINDOW, impl="reference")
     state = jax.eval_shape(lambda: method.init(1, 4, 8, 8, key_heads=2))
@@ -292,7 +292,7 @@ def test_shared_key_records_refuse_keys_of_another_head_count():
     bad = live.replace(buffer=live.buffer.replace(k=jnp.zeros((1, 3, WINDOW, 8), jnp.float16)))
     with pytest.raises(ValueError, match="the window buffer's k has 3 heads, which does not divide the 4 value heads"):
         method.to_dense(bad)
-    why = api.unsupported_reason(LeapQuantConfig(window=WINDOW), bad)
+    why = support.unsupported_reason(LeapQuantConfig(window=WINDOW), bad)
     assert why is not None and "with Hk dividing H" in why and "(1, 3, 4, 8)" in why
 
 

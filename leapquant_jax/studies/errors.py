@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..damp import DampMethod, calibrate
 from ..methods import METHOD_NAMES, WINDOWED_METHODS, make_method
 from ..quantizers import tree_bytes
 from ..state import LeapQuantState
@@ -103,8 +104,6 @@ def damp_for_study(config, spec):
     """``damp`` for the synthetic heads: calibrated (``damp.calibrate``, every 8 tokens) on an
     independent draw of the same spec (seed ``DAMP_CALIBRATION_SEED``, the study's first 256 tokens
     at most) as one layer, ``K_hi = dk / 8`` key channels per head (DAMP's 16 of 128)."""
-    from ..damp import DampMethod, calibrate
-
     cal_spec = dataclasses.replace(spec, tokens=min(spec.tokens, 256))
     x = {k: np.asarray(v) for k, v in synthetic_batch(DAMP_CALIBRATION_SEED, config.seeds, cal_spec).items()}
     cal, _ = calibrate({0: x}, k_hi=max(1, config.dk // 8), every=8)
