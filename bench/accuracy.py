@@ -68,6 +68,7 @@ from typing import Optional
 
 import numpy as np
 
+from bench.harness import environment, git_commit
 from leapquant_jax.methods import make_method
 from leapquant_jax.studies.errors import ALL_METHODS
 from models.evaluate import EvalConfig, segment_rows
@@ -631,8 +632,6 @@ def plot_fig3(name: str, records: dict, path: str) -> bool:
 
 def report(args, cfg: EvalConfig, jobs: list, base: str, notes: list, command: str) -> dict:
     """Reads the JSON lines and writes ``base.json``, ``base.md`` and the Figure 3 PNGs."""
-    from bench.kernels import environment, git_commit
-
     env = environment(args.commit or git_commit())
     env["command"] = command
     events = read_events(base + ".jsonl")

@@ -30,7 +30,7 @@ import json
 import re
 import sys
 
-from bench.kernels import TARGETS, row_kind
+from bench.kernel_report import TARGETS, row_kind
 
 WANTED = {mode: wanted for what, mode, kind, key, sense, wanted in TARGETS if kind == "lq-window"}
 

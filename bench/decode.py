@@ -8,11 +8,9 @@
 
 Models are random bf16 weights in the shape of a released checkpoint (``MODELS``; ``tiny`` runs
 anywhere in seconds), built on the device from the converter's own params tree. ``--layout``:
-the layers one by one (default) or under one ``lax.scan`` (``config.scan_layers``). Measured on
-the H200 (``bench/results/decode-20261130-192128.md`` and ``-192224.md``): scanned, the caches go
-through the scan as stacked inputs and outputs and XLA copies them every step (6x slower at batch
-256, 4K context); unrolled, the 32-layer step compiles in 12 s (fp32 state) to 35 s (LeapQuant).
-For each model, context, batch and state format: a cache
+the layers one by one (default) or under one ``lax.scan`` (``config.scan_layers``); scanned, the
+caches go through the scan as stacked inputs and outputs and XLA copies them every step
+(docs/end-to-end.md has the measured cost). For each model, context, batch and state format: a cache
 of ``context + steps`` positions with every sequence at position ``context`` (the attention KV
 cache is allocated to that length and attended over in full; its contents are zeros, which the
 time does not depend on), then ``steps`` teacher-forced decode steps of random tokens in one

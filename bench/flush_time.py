@@ -10,7 +10,7 @@ every window full, or one in ``--full-every``), after single-op checks of flush 
 object of such options.
 
 A short device call next to ``bench.kernels`` (which times the flush inside whole windows):
-each variant is compiled, then timed with ``bench.kernels.time_loop`` (host clock, median) on a
+each variant is compiled, then timed with ``bench.harness.time_loop`` (host clock, median) on a
 donated state flushed again and again in place.
 Rows go to ``DIR/flush_time.jsonl`` and the console.
 """
@@ -22,7 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench.kernels import check_single_ops, random_state, run_flush, time_loop
+from bench.harness import time_loop
+from bench.inputs import random_state
+from bench.kernel_checks import check_single_ops, run_flush
 from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 

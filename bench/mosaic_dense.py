@@ -26,10 +26,10 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from bench.kernels import (
-    fla_fns, git_commit, random_sequence, random_state, rel, results_log, step_timer, time_copy, time_fla, time_jax,
-    token_at,
-)
+from bench.fla import fla_fns, time_copy, time_fla
+from bench.harness import git_commit, results_log, time_jax
+from bench.inputs import random_sequence, random_state, rel, token_at
+from bench.kernel_timing import step_timer
 from pallas_kernels import dense_step as triton_dense
 from pallas_kernels import mosaic_dense
 from pallas_kernels.mosaic_shared import rows_layout, sm_count

@@ -32,7 +32,9 @@ from leapquant_jax import dispatch, windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import leapquant_step as triton_step
 from pallas_kernels import mosaic_shared, mosaic_step
-from bench.kernels import git_commit, random_sequence, random_state, rel, results_log, time_copy, time_loop, token_at
+from bench.fla import time_copy
+from bench.harness import git_commit, results_log, time_loop
+from bench.inputs import random_sequence, random_state, rel, token_at
 
 
 def ragged_state(config, bsz, h, dk, dv, seed=0, kda=False):

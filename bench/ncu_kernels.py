@@ -19,7 +19,7 @@ With ``--what all`` the order is dense, load, step, flush; pick one with ``-k``.
 Kernel names (the Pallas ``name=``, which is the CUDA kernel's name):
 
 * ``leapquant_step_{gdn,kda}_int{8,6,4}``: the LeapQuant step (``--what step``);
-* ``leapquant_load_only_{gdn,kda}_int{bits}``: ``bench.kernels.load_only_step``, the step's
+* ``leapquant_load_only_{gdn,kda}_int{bits}``: ``pallas_kernels.load_only.load_only_step``, the step's
   bytes with a trivial reduction (``--what load``);
 * ``leapquant_flush_{fused,reconstruct,quantize}_{gdn,kda}_int{bits}``: the flush
   (``--what flush``; ``reconstruct`` and ``quantize`` are the split flush's two kernels, its
@@ -43,11 +43,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 
-from bench.kernels import load_only_step, random_sequence, random_state, run_flush, token_at
+from bench.inputs import random_sequence, random_state, token_at
+from bench.kernel_checks import run_flush
 from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.dense_step import dense_step
 from pallas_kernels.leapquant_step import leapquant_step
+from pallas_kernels.load_only import load_only_step
 
 ORDER = ("dense", "load", "step", "flush")
 

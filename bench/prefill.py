@@ -60,7 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import environment, git_commit, random_sequence, rel, time_loop
+from bench.harness import environment, git_commit, time_loop
+from bench.inputs import random_sequence, rel
 from leapquant_jax.chunked import chunk_delta_rule
 from leapquant_jax.recurrence import recurrent_scan
 

@@ -125,7 +125,7 @@ def ptxas_report(kernel: KernelIR, arch: int = 90) -> dict:
 
 def kernel_calls(what, bits, kda, opts, *, batch=2, heads=32, dim=128, window=16):
     """``[(label, fn, args)]``: the jit-able calls that launch the kernels of ``what`` at these sizes."""
-    from bench.kernels import random_sequence, random_state, token_at
+    from bench.inputs import random_sequence, random_state, token_at
     from leapquant_jax import windowed
     from leapquant_jax.state import LeapQuantConfig
     from pallas_kernels.dense_step import dense_step

@@ -18,6 +18,7 @@ import sys
 import jax
 import numpy as np
 
+from bench.inputs import rel
 from leapquant_jax import make_method
 from models.checkpoint import architecture_for_config
 from models.decode import score, to_device
@@ -25,10 +26,6 @@ from models.sharding import make_mesh
 from models.training.model import hf_config, init_params
 
 MESHES = ((1, 1), (1, 2), (2, 1))
-
-
-def rel(x, y) -> float:
-    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
 def tiny(arch: str, heads: int = 4, key_heads: int = 2):

@@ -26,9 +26,26 @@ def _xdist_group_name(item):
     return "_".join(sorted(names)) if names else None
 
 
+def _select_gpu_tests(config, items):
+    """Tests marked ``gpu`` (compiled kernels, ``tests/test_gpu_checks.py``) run only when ``-m``
+    names the mark (``pytest -m gpu``): the normal suite deselects them. Selected on a machine
+    without a GPU, they are skipped."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked:
+        return
+    if "gpu" not in (config.option.markexpr or ""):
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+        config.hook.pytest_deselected(items=marked)
+    elif jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason=f"needs a GPU (JAX backend here: {jax.default_backend()})")
+        for item in marked:
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Makes ``--dist loadgroup`` group the tests again under pytest >= 9.2.
+    """Selects the ``gpu`` tests (``_select_gpu_tests``), then makes ``--dist loadgroup`` group
+    the tests again under pytest >= 9.2.
 
     On each worker, pytest-xdist tells the scheduler an item's group by appending "@<group>" to
     its node id, and it does so by assigning ``item._nodeid``. From pytest 9.2 a node's id is the
@@ -41,6 +58,7 @@ def pytest_collection_modifyitems(config, items):
     ``_pytest.nodeid``, or for an item whose id already carries the suffix (an xdist and pytest
     pair where xdist's own suffix takes effect).
     """
+    _select_gpu_tests(config, items)
     # On a worker, xdist resets --dist to "no" and keeps "is it loadgroup" in option.loadgroup.
     if not hasattr(config, "workerinput") or not getattr(config.option, "loadgroup", False):
         return

@@ -1,10 +1,33 @@
-"""Shared test inputs: realistic heads (L2-normalised keys, decays near 1, outlier channels)."""
+"""Shared test inputs and checks, defined once for every test module.
 
+* ``random_inputs``: synthetic heads of ``leapquant_jax.synthetic`` (long memory, outlier channels).
+* ``random_sequence``, ``random_state``, ``token_at``, ``copy_tree``, ``rel``: the kernel benchmarks'
+  decode inputs and error measure (``bench.inputs``), so a test and a benchmark draw alike.
+* ``live_state``, ``expanded_state``, ``check_flush``: LeapQuant streams at ragged window
+  positions and a flush kernel checked against the reference.
+* ``numpy_reference``: the dense delta rule in float64 NumPy, an oracle independent of JAX.
+* ``lower_to_triton``: a kernel lowered for CUDA on the CPU (Triton IR, no GPU).
+* ``heldout_ids``, ``heldout_ids_file``: a shipped checkpoint's held-out snippet, as ids or an ``.npy``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.inputs import copy_tree, random_sequence, random_state, rel, token_at
+from leapquant_jax import windowed
 from leapquant_jax.synthetic import SyntheticSpec, synthetic_batch
+from leapquant_jax import dispatch
+from pallas_kernels.leapquant_flush import flush_fused, flush_split, leapquant_flush_reference
+
+GDN_CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
 
 
 def random_inputs(seed, *, batch=2, tokens=64, heads=2, dk=16, dv=16, kda=False, key_heads=None, decay=(0.9, 0.999)):
@@ -44,10 +67,78 @@ def numpy_reference(q, k, v, g, beta, s0=None):
     return o, s
 
 
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+def live_state(config, key, bsz, h, dk, dv, kda, pos, *, log_decay=None, zero=False, key_heads=None, steps=None):
+    """``(state, token)``: a stream after ``steps`` (default ``p - 1``) reference steps on
+    ``random_sequence`` inputs from ``random_state`` (or zero), then set to the ragged positions
+    ``pos``, and the sequence's next token; with ``key_heads`` (GVA), its key records kept per key
+    head."""
+    steps = config.window - 1 if steps is None else steps
+    k1, k2 = jax.random.split(key)
+    s0 = jnp.zeros((bsz, h, dk, dv)) if zero else random_state(k1, bsz, h, dk, dv)
+    st = windowed.from_dense(config, s0, per_channel_decay=kda, key_heads=key_heads)
+    seq = random_sequence(k2, bsz, steps + 1, h, dk, dv, kda, log_decay=log_decay)
+    for i in range(steps):
+        _, st = windowed.step_reference(config, st, token_at(seq, i, key_heads))
+    return st.replace(pos=jnp.asarray(pos, jnp.int32)), token_at(seq, steps, key_heads)
 
 
-__all__ = ["numpy_reference", "random_inputs", "rel", "jax", "jnp"]
+def expanded_state(st):
+    """``st`` with its key records repeated to the value heads: the layout without GVA."""
+    n = st.shape[1] // st.key_heads
+    return st.replace(buffer=st.buffer.replace(k=jnp.repeat(st.buffer.k, n, axis=1)))
+
+
+# The flush kernels by name, interpreted; "auto": what dispatch runs on the kernels (interpreted:
+# the split flush, or with only_full the fused one below dispatch.MIN_FULL_FRACTION of full windows).
+FLUSHES = {"split": functools.partial(flush_split, interpret=True),
+           "fused": functools.partial(flush_fused, interpret=True),
+           "auto": functools.partial(dispatch.leapquant_flush, impl="pallas")}
+
+
+def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", flush=None):
+    """A flush kernel (``FLUSHES[impl]``, or ``flush(config, state, only_full=...)``) against the
+    reference; returns both flushed states."""
+    ref = leapquant_flush_reference(config, st, only_full=only_full)
+    ker = (flush or FLUSHES[impl])(config, copy_tree(st), only_full=only_full)
+    np.testing.assert_array_equal(ker.pos, ref.pos)
+    # The kernels leave the buffer as it was (every slot is then past pos = 0, never read), where
+    # the reference zeroes it.
+    chex.assert_trees_all_equal(ker.buffer, st.buffer)
+    dense = windowed.reconstruct_reference(config, st)
+    d_k = windowed.decode_checkpoint(config, ker.checkpoint)
+    d_r = windowed.decode_checkpoint(config, ref.checkpoint)
+    assert np.all(np.isfinite(d_k))
+    # Same fit and quantizer in fp32: codes agree except where a value sits on a rounding
+    # boundary, where they differ by one step; the error against the exact state is the same.
+    fmt = config.format
+    z_k, z_r = (np.asarray(fmt.integer_values(c.checkpoint.residual)) for c in (ker, ref))
+    if codes_agree:
+        assert np.abs(z_k - z_r).max() <= 1
+        assert np.mean(z_k != z_r) < 0.01
+    step = 2 * np.abs(np.asarray(d_r - dense)).max() + 1e-6 * np.abs(np.asarray(dense)).max() + 1e-30
+    assert np.abs(np.asarray(d_k - d_r)).max() <= step
+    assert rel(d_k, dense) <= 1.05 * rel(d_r, dense) + 1e-6
+    return ker, ref
+
+
+def lower_to_triton(fn, *args) -> None:
+    """Lowers ``jax.jit(fn)(*args)`` for CUDA (no GPU needed): every ``pallas_call`` in it must
+    lower to Triton IR. ``fn``'s kernels take ``interpret=False``."""
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(*args)
+
+
+def heldout_ids(checkpoint: Path = GDN_CHECKPOINT) -> np.ndarray:
+    """The token ids ``[T]`` int32 of a shipped checkpoint's ``heldout_snippet.json``."""
+    return np.asarray(json.loads((Path(checkpoint) / "heldout_snippet.json").read_text())["ids"], np.int32)
+
+
+def heldout_ids_file(folder: Path, checkpoint: Path = GDN_CHECKPOINT) -> Path:
+    """``folder/heldout.npy``: ``heldout_ids(checkpoint)`` saved for ``--data``."""
+    path = Path(folder) / "heldout.npy"
+    np.save(path, heldout_ids(checkpoint))
+    return path
+
+
+__all__ = ["GDN_CHECKPOINT", "check_flush", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp",
+           "live_state", "lower_to_triton", "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "token_at"]

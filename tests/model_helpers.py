@@ -13,6 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from models import decode
+from models.checkpoint import convert_checkpoint, load_model
+
+# The model tests' sizes: prompts of 12 tokens then 32 decoded, greedy continuations of 24.
+PROMPT_LEN = 12
+DECODE_STEPS = 32
+GREEDY_TOKENS = 24
+PROMPTS = ([5, 17, 3, 88, 41], [9, 2, 64, 33, 70, 21, 8, 99, 14, 56, 27, 3, 40, 61, 12, 7, 93, 30])
+
 
 def require_reference():
     """``(torch, transformers)``, or skips the calling test."""
@@ -65,6 +74,36 @@ def reference_greedy(model, prompt, max_new_tokens: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+class TinyModel:
+    """A tiny reference model ``hf``, its HF directory and our converted checkpoint, loaded, with
+    ``ids [2, PROMPT_LEN + DECODE_STEPS]`` (random, seeded) and transformers' logits on them."""
+
+    def __init__(self, hf, root: Path, vocab_size: int):
+        self.hf = hf
+        self.hf_dir = save_tiny(hf, root / "hf")
+        self.ckpt = convert_checkpoint(self.hf_dir, root / "ckpt")
+        self.arch, self.config, params, _ = load_model(self.ckpt)
+        self.params = decode.to_device(params)
+        rng = np.random.RandomState(1)
+        self.ids = rng.randint(0, vocab_size, (2, PROMPT_LEN + DECODE_STEPS)).astype(np.int32)
+        self.ref_logits = reference_logits(hf, self.ids)
+
+    def score(self, method_name: str, record: bool = False, **options):
+        """``decode.score`` of ``ids`` (``PROMPT_LEN`` prefilled) with a state method by name."""
+        method = decode.make_state_method(method_name, **options)
+        return decode.score(self.arch, self.params, self.config, self.ids, method=method, prefill_len=PROMPT_LEN,
+                            record=record)
+
+
+def check_greedy_matches_reference(tiny: TinyModel) -> None:
+    """Our greedy decoding of the uneven ``PROMPTS`` in one batch (fp32 state) gives transformers'
+    ``generate`` continuation of each prompt alone, ``GREEDY_TOKENS`` long."""
+    gen = decode.generate(tiny.arch, tiny.params, tiny.config, PROMPTS, method=decode.make_state_method("fp32"),
+                          max_new_tokens=GREEDY_TOKENS)
+    for prompt, tokens in zip(PROMPTS, gen.tokens):
+        assert tokens == reference_greedy(tiny.hf, prompt, GREEDY_TOKENS)
+
+
 def relative_logit_error(ours: np.ndarray, ref: np.ndarray) -> float:
     """``max |ours - ref| / max |ref|``: the error relative to the logit scale."""
     return float(np.max(np.abs(np.asarray(ours, np.float64) - ref)) / np.max(np.abs(ref)))
@@ -88,6 +127,24 @@ def rewrite_checkpoint(src: Path, dst: Path, *, edit=None, config_edit=None) -> 
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+def check_converter_names_bad_tensors(hf_dir: Path, tmp_path: Path, *, missing: str, unexpected: str) -> None:
+    """Converting a copy of ``hf_dir`` without tensor ``missing``, then one with an extra tensor
+    ``unexpected``, fails naming each (``convert_damaged``: nothing written)."""
+    for kind, name, edit in (("missing", missing, lambda t: t.pop(missing)),
+                             ("unexpected", unexpected, lambda t: t.__setitem__(unexpected, np.zeros((3,), np.float32)))):
+        folder = tmp_path / kind
+        folder.mkdir()
+        msg = convert_damaged(hf_dir, folder, edit)
+        assert kind in msg and name in msg, msg
+
+
+def check_converter_names_mis_shaped(hf_dir: Path, tmp_path: Path, reshape: dict, shown: str) -> None:
+    """Converting a copy of ``hf_dir`` whose tensors ``reshape`` maps by name to a new array
+    (``reshape[name](old)``) fails naming every one of them, and the message shows ``shown``."""
+    msg = convert_damaged(hf_dir, tmp_path, lambda t: t.update({n: f(t[n]) for n, f in reshape.items()}))
+    assert all(name in msg for name in reshape) and shown in msg, msg
 
 
 def convert_damaged(hf_dir: Path, tmp_path: Path, edit) -> str:

@@ -9,7 +9,6 @@ import hashlib
 import io
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,10 +16,12 @@ import pytest
 from leapquant_jax.cli import ArgumentParser, run_parser
 from models.demo import DEFAULT_CHECKPOINT, add_subcommand, read_file_list, stdlib_heldout
 
+from helpers import GDN_CHECKPOINT, heldout_ids_file
+
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("demo")
 
-CKPT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
+CKPT = GDN_CHECKPOINT
 CONTEXT = 32
 
 
@@ -43,10 +44,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def snippet(tmp_path_factory):
-    ids = np.asarray(json.loads((CKPT / "heldout_snippet.json").read_text())["ids"], np.int32)
-    path = tmp_path_factory.mktemp("demo") / "heldout.npy"
-    np.save(path, ids)
-    return path
+    return heldout_ids_file(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")

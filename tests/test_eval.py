@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,10 +16,12 @@ from leapquant_jax.cli import main
 from models.evaluate import (EvalConfig, build_methods, greedy_match, load_data, next_token_metrics, replay_states,
                              segment_rows)
 
+from helpers import GDN_CHECKPOINT, heldout_ids_file
+
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("eval")
 
-CKPT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
+CKPT = GDN_CHECKPOINT
 # Two rows (disjoint segments) of 64 tokens; the state every 24 decoded tokens (24, 48, then the end).
 CONTEXT, GREEDY, BATCH, EVERY = 64, 8, 2, 24
 
@@ -34,10 +35,7 @@ def _run(argv):
 
 @pytest.fixture(scope="module")
 def heldout_npy(tmp_path_factory):
-    ids = np.asarray(json.loads((CKPT / "heldout_snippet.json").read_text())["ids"], np.int32)
-    path = tmp_path_factory.mktemp("eval") / "heldout.npy"
-    np.save(path, ids)
-    return path
+    return heldout_ids_file(tmp_path_factory.mktemp("eval"))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,69 +36,15 @@ from pallas_kernels.leapquant_flush import flush_fused, flush_split, leapquant_f
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
 
+from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
+                     random_state, rel, token_at)
+
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
 # one xdist worker compiles them once (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("kernels")
 
 INTERPRET = True
 FP16_ULP = 2.0 ** -10
-
-
-def rel(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def sequence(key, bsz, t, h, dk, dv, kda, *, log_decay=None):
-    """Inputs ``[B, T, H, ...]`` with realistic statistics."""
-    ks = jax.random.split(key, 5)
-    chan = jnp.ones((dk,)).at[jnp.array([1, 7, dk - 3])].set(6.0)
-    k = jax.random.normal(ks[0], (bsz, t, h, dk)) * chan
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    q = jax.random.normal(ks[1], (bsz, t, h, dk)) * chan
-    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(dk)
-    v = jax.random.normal(ks[2], (bsz, t, h, dv))
-    gshape = (bsz, t, h, dk) if kda else (bsz, t, h)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], gshape) - 4.0) if log_decay is None else jnp.full(gshape, log_decay)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (bsz, t, h)))
-    return dict(q=q, k=k, v=v, g=g, beta=beta)
-
-
-def token(seq, i, key_heads=None):
-    """Token ``i`` of ``seq``; with ``key_heads``, its q and k cut to that many heads (GVA) and the
-    key kept per key head, as a stream storing its key records so takes it."""
-    x = {n: v[:, i] for n, v in seq.items()}
-    if key_heads is not None:
-        x["q"], x["k"] = x["q"][:, :key_heads], x["k"][:, :key_heads]
-    return delta_rule_token(**x, key_heads=key_heads)
-
-
-def dense_state(key, bsz, h, dk, dv):
-    s = jax.random.normal(key, (bsz, h, dk, dv)) * 0.3
-    return s.at[..., :2].multiply(5.0)
-
-
-def copy(tree):
-    return jax.tree_util.tree_map(jnp.copy, tree)
-
-
-def live_state(config, key, bsz, h, dk, dv, kda, pos, *, log_decay=None, zero=False, key_heads=None):
-    """A stream after a few reference steps, then set to the ragged positions ``pos``; with
-    ``key_heads`` (GVA), its key records kept per key head."""
-    k1, k2 = jax.random.split(key)
-    s0 = jnp.zeros((bsz, h, dk, dv)) if zero else dense_state(k1, bsz, h, dk, dv)
-    st = windowed.from_dense(config, s0, per_channel_decay=kda, key_heads=key_heads)
-    seq = sequence(k2, bsz, config.window, h, dk, dv, kda, log_decay=log_decay)
-    for i in range(config.window - 1):
-        _, st = windowed.step_reference(config, st, token(seq, i, key_heads))
-    return st.replace(pos=jnp.asarray(pos, jnp.int32)), token(seq, config.window - 1, key_heads)
-
-
-def expanded_state(st):
-    """``st`` with its key records repeated to the value heads: the layout without GVA."""
-    n = st.shape[1] // st.key_heads
-    return st.replace(buffer=st.buffer.replace(k=jnp.repeat(st.buffer.k, n, axis=1)))
 
 
 # ----------------------------------------------------------------------------- dense step
@@ -107,12 +54,12 @@ def expanded_state(st):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_step_kernel_matches_reference(kda, dtype):
     key = jax.random.PRNGKey(hash((kda, dtype)) % 1000)
-    seq = sequence(key, 2, 3, 2, 64, 64, kda)
-    s = dense_state(jax.random.fold_in(key, 1), 2, 2, 64, 64).astype(dtype)
+    seq = random_sequence(key, 2, 3, 2, 64, 64, kda)
+    s = random_state(jax.random.fold_in(key, 1), 2, 2, 64, 64).astype(dtype)
     for i in range(3):
-        o_r, s_r = dense_step_reference(s, token(seq, i))
-        _, s32 = dense_step_reference(s.astype(jnp.float32), token(seq, i))  # unrounded update
-        o_k, s = dense_step(jnp.copy(s), token(seq, i), block_v=32, interpret=INTERPRET)
+        o_r, s_r = dense_step_reference(s, token_at(seq, i))
+        _, s32 = dense_step_reference(s.astype(jnp.float32), token_at(seq, i))  # unrounded update
+        o_k, s = dense_step(jnp.copy(s), token_at(seq, i), block_v=32, interpret=INTERPRET)
         assert rel(o_k, o_r) < 1e-5
         a, b, exact = (np.asarray(x, np.float64) for x in (s, s_r, s32))
         if dtype == "float32":
@@ -124,20 +71,20 @@ def test_dense_step_kernel_matches_reference(kda, dtype):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_dense_step_kernel_zero_state_and_full_decay(kda):
-    seq = sequence(jax.random.PRNGKey(3), 2, 1, 2, 64, 64, kda, log_decay=-1e3)
+    seq = random_sequence(jax.random.PRNGKey(3), 2, 1, 2, 64, 64, kda, log_decay=-1e3)
     s = jnp.zeros((2, 2, 64, 64))
-    o_k, s_k = dense_step(jnp.copy(s), token(seq, 0), interpret=INTERPRET)
-    o_r, s_r = dense_step_reference(s, token(seq, 0))
+    o_k, s_k = dense_step(jnp.copy(s), token_at(seq, 0), interpret=INTERPRET)
+    o_r, s_r = dense_step_reference(s, token_at(seq, 0))
     assert np.all(np.isfinite(o_k)) and np.all(np.isfinite(s_k))
     assert rel(o_k, o_r) < 1e-6 and rel(s_k, s_r) < 1e-6
 
 
 def test_dense_step_rejects_bad_inputs():
-    seq = sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, False)
+    seq = random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, False)
     with pytest.raises(ValueError, match="token.v"):
-        dense_step(jnp.zeros((2, 2, 64, 32)), token(seq, 0), interpret=INTERPRET)
+        dense_step(jnp.zeros((2, 2, 64, 32)), token_at(seq, 0), interpret=INTERPRET)
     with pytest.raises(TypeError, match="states"):
-        dense_step(jnp.zeros((2, 2, 64, 64), jnp.float16), token(seq, 0), interpret=INTERPRET)
+        dense_step(jnp.zeros((2, 2, 64, 64), jnp.float16), token_at(seq, 0), interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
@@ -145,13 +92,13 @@ def test_per_step_methods_run_the_dense_kernel_like_the_reference(name):
     from leapquant_jax.methods import PerStepMethod, make_method
 
     key = jax.random.PRNGKey(11)
-    seq = sequence(key, 3, 4, 2, 32, 64, True)
+    seq = random_sequence(key, 3, 4, 2, 32, 64, True)
     kernel, ref = make_method(name, impl="pallas"), make_method(name, impl="reference")
-    sk = sr = kernel.from_dense(dense_state(jax.random.fold_in(key, 1), 3, 2, 32, 64))
+    sk = sr = kernel.from_dense(random_state(jax.random.fold_in(key, 1), 3, 2, 32, 64))
     active = jnp.asarray([True, False, True])
     for i in range(4):
-        ok, sk = kernel.step_token(sk, token(seq, i), active=active)
-        orf, sr = ref.step_token(sr, token(seq, i), active=active)
+        ok, sk = kernel.step_token(sk, token_at(seq, i), active=active)
+        orf, sr = ref.step_token(sr, token_at(seq, i), active=active)
         assert rel(ok, orf) < 1e-5
     a, b = np.asarray(kernel.to_dense(sk), np.float64), np.asarray(ref.to_dense(sr), np.float64)
     tol = 1e-6 if name == "fp32" else 2.0 ** -7  # bf16: both round one fp32 update, at most an ulp apart
@@ -167,7 +114,7 @@ def test_per_step_methods_run_the_dense_kernel_like_the_reference(name):
 
 def check_step(config, st, tok, kernel=leapquant_step, interpret=INTERPRET, **opts):
     o_r, n_r = leapquant_step_reference(config, st, tok)
-    o_k, n_k = kernel(config, copy(st), tok, interpret=interpret, **opts)
+    o_k, n_k = kernel(config, copy_tree(st), tok, interpret=interpret, **opts)
     assert np.all(np.isfinite(o_k))
     assert rel(o_k, o_r) < 1e-5, rel(o_k, o_r)
     np.testing.assert_array_equal(n_k.pos, n_r.pos)
@@ -176,8 +123,7 @@ def check_step(config, st, tok, kernel=leapquant_step, interpret=INTERPRET, **op
     # u is computed in fp32 (agreeing to ~1e-7) and rounded to the record dtype: one ulp at most
     u_k, u_r = np.asarray(n_k.buffer.u, np.float64), np.asarray(n_r.buffer.u, np.float64)
     assert np.all(np.abs(u_k - u_r) <= FP16_ULP * np.abs(u_r) + 1e-7)
-    for a, b in zip(jax.tree_util.tree_leaves(n_k.checkpoint), jax.tree_util.tree_leaves(n_r.checkpoint)):
-        np.testing.assert_array_equal(a, b)                                   # the step writes no state
+    chex.assert_trees_all_equal(n_k.checkpoint, n_r.checkpoint)              # the step writes no state
     return o_k, n_k
 
 
@@ -221,13 +167,12 @@ def test_step_kernel_two_heads_per_program(opts, kda):
 
 @pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True)])
 def test_step_kernel_two_heads_per_program_lowers_to_triton(bits, kda):
-    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     config = LeapQuantConfig(bits=bits, window=8)
     st = windowed.init_state(config, 2, 2, 64, 64, kda)
-    tok = token(sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
+    tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
     for opts in (dict(), dict(chunk=16, reduce="lanes")):
         f = functools.partial(leapquant_step, config, heads_per_program=2, interpret=False, **opts)
-        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(st, tok)
+        lower_to_triton(f, st, tok)
 
 
 def test_step_kernel_rejects_bad_heads_per_program():
@@ -249,7 +194,7 @@ def test_step_kernel_with_shared_key_records(bits, hp, kda):
     assert st.buffer.k.shape == (3, 2, 8, 64) and tok.w.shape == (3, 2, 64)
     o_k, n_k = check_step(config, st, tok, heads_per_program=hp)
     # the same kernel on the layout without GVA (each value head its key's copy): the same numbers
-    o_e, n_e = leapquant_step(config, copy(expanded_state(st)), tok.replace(w=jnp.repeat(tok.w, 2, axis=1)),
+    o_e, n_e = leapquant_step(config, copy_tree(expanded_state(st)), tok.replace(w=jnp.repeat(tok.w, 2, axis=1)),
                               heads_per_program=hp, interpret=INTERPRET)
     np.testing.assert_array_equal(o_k, o_e)
     np.testing.assert_array_equal(jnp.repeat(n_k.buffer.k, 2, axis=1), n_e.buffer.k)
@@ -286,7 +231,7 @@ def test_step_kernel_head_size_128_value_blocks():
     st, tok = live_state(config, jax.random.PRNGKey(4), 2, 1, 128, 128, True, pos=[1, 3])
     o_r, n_r = leapquant_step_reference(config, st, tok)
     for bv in (32, 128):
-        o_k, n_k = leapquant_step(config, copy(st), tok, block_v=bv, interpret=INTERPRET)
+        o_k, n_k = leapquant_step(config, copy_tree(st), tok, block_v=bv, interpret=INTERPRET)
         assert rel(o_k, o_r) < 1e-5
         np.testing.assert_array_equal(n_k.buffer.k, n_r.buffer.k)
 
@@ -305,7 +250,7 @@ def test_step_kernel_never_writes_past_the_window():
     config = LeapQuantConfig(bits=8, window=4)
     st, tok = live_state(config, jax.random.PRNGKey(6), 2, 1, 64, 64, False, pos=[4, 2])
     o_r, n_r = leapquant_step_reference(config, st, tok)
-    o_k, n_k = leapquant_step(config, copy(st), tok, interpret=INTERPRET)
+    o_k, n_k = leapquant_step(config, copy_tree(st), tok, interpret=INTERPRET)
     assert rel(o_k[1], o_r[1]) < 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(st.buffer)):
         np.testing.assert_array_equal(a[0], b[0])
@@ -326,40 +271,6 @@ def test_step_kernel_rejects_mismatched_token_and_bad_options():
 
 
 # ----------------------------------------------------------------------------- LeapQuant flush
-
-
-# The flush kernels by name; "auto": what dispatch runs on the kernels (interpreted here: the split
-# flush, or with only_full the fused one below dispatch.MIN_FULL_FRACTION of full windows).
-FLUSHES = {"split": functools.partial(flush_split, interpret=INTERPRET),
-           "fused": functools.partial(flush_fused, interpret=INTERPRET),
-           "auto": functools.partial(dispatch.leapquant_flush, impl="pallas")}
-
-
-def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", flush=None):
-    """A flush kernel (``FLUSHES[impl]``, or ``flush(config, state, only_full=...)``) against the
-    reference; returns both flushed states."""
-    ref = leapquant_flush_reference(config, st, only_full=only_full)
-    ker = (flush or FLUSHES[impl])(config, copy(st), only_full=only_full)
-    np.testing.assert_array_equal(ker.pos, ref.pos)
-    # The kernels leave the buffer as it was (every slot is then past pos = 0, never read), where
-    # the reference zeroes it.
-    for a, b in zip(jax.tree_util.tree_leaves(ker.buffer), jax.tree_util.tree_leaves(st.buffer)):
-        np.testing.assert_array_equal(a, b)
-    dense = windowed.reconstruct_reference(config, st)
-    d_k = windowed.decode_checkpoint(config, ker.checkpoint)
-    d_r = windowed.decode_checkpoint(config, ref.checkpoint)
-    assert np.all(np.isfinite(d_k))
-    # Same fit and quantizer in fp32: codes agree except where a value sits on a rounding
-    # boundary, where they differ by one step; the error against the exact state is the same.
-    fmt = config.format
-    z_k, z_r = (np.asarray(fmt.integer_values(c.checkpoint.residual)) for c in (ker, ref))
-    if codes_agree:
-        assert np.abs(z_k - z_r).max() <= 1
-        assert np.mean(z_k != z_r) < 0.01
-    step = 2 * np.abs(np.asarray(d_r - dense)).max() + 1e-6 * np.abs(np.asarray(dense)).max() + 1e-30
-    assert np.abs(np.asarray(d_k - d_r)).max() <= step
-    assert rel(d_k, dense) <= 1.05 * rel(d_r, dense) + 1e-6
-    return ker, ref
 
 
 @pytest.mark.parametrize("impl", ["split", "fused"])
@@ -388,9 +299,8 @@ def test_flush_kernel_only_full_windows(impl, pos):
     config = LeapQuantConfig(bits=8, window=4, warm_start=True)
     st, _ = live_state(config, jax.random.PRNGKey(7), 5, 2, 64, 64, False, pos=pos)
     ker, ref = check_flush(config, st, only_full=True, impl=impl)
-    for a, b in zip(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], ker)),
-                    jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], st))):
-        np.testing.assert_array_equal(a, b)                                   # a partial window is untouched
+    second = lambda tree: jax.tree_util.tree_map(lambda x: x[1], tree)   # noqa: E731
+    chex.assert_trees_all_equal(second(ker), second(st))                      # a partial window is untouched
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -401,7 +311,7 @@ def test_flush_kernel_fully_decayed_heads_and_zero_state(kda):
     # leaving a residual of rounding noise (~1e-13) whose codes are arbitrary in both.
     check_flush(config, st, codes_agree=False)
     st = windowed.init_state(config, 2, 1, 64, 64, kda)                        # all zero: zero codes, no NaN
-    ker = FLUSHES["auto"](config, copy(st))
+    ker = FLUSHES["auto"](config, copy_tree(st))
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
@@ -412,9 +322,8 @@ def test_flush_kernel_with_shared_key_records(kda, impl):
     config = LeapQuantConfig(bits=8, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(80 + kda), 2, 4, 64, 64, kda, pos=[8, 5], key_heads=2)
     ker, _ = check_flush(config, st, impl=impl)
-    ker_e = FLUSHES[impl](config, copy(expanded_state(st)))
-    for a, b in zip(jax.tree_util.tree_leaves(ker.checkpoint), jax.tree_util.tree_leaves(ker_e.checkpoint)):
-        np.testing.assert_array_equal(a, b)
+    ker_e = FLUSHES[impl](config, copy_tree(expanded_state(st)))
+    chex.assert_trees_all_equal(ker.checkpoint, ker_e.checkpoint)
 
 
 @pytest.mark.parametrize("impl", ["split", "fused"])
@@ -440,10 +349,10 @@ def test_flush_kernel_other_configs(options, kda):
 @pytest.mark.parametrize("kda, key_heads", [(False, None), (True, None), (False, 1)], ids=["gdn", "kda", "gdn-gva"])
 def test_method_pallas_matches_reference_through_flushes(kda, key_heads):
     # window 4, 10 tokens: two flushes in the middle of the run; GVA: 2 value heads, 1 key head
-    seq = sequence(jax.random.PRNGKey(20 + kda), 2, 10, 2, 64, 64, kda)
+    seq = random_sequence(jax.random.PRNGKey(20 + kda), 2, 10, 2, 64, 64, kda)
     if key_heads is not None:
         seq = dict(seq, q=seq["q"][:, :, :key_heads], k=seq["k"][:, :, :key_heads])
-    s0 = dense_state(jax.random.PRNGKey(21), 2, 2, 64, 64)
+    s0 = random_state(jax.random.PRNGKey(21), 2, 2, 64, 64)
     outs = {}
     for impl in ("pallas", "reference"):
         m = make_method("leapquant", bits=8, window=4, impl=impl)
@@ -477,7 +386,7 @@ def test_unsupported_reason_names_the_limit(options, dk, words):
     why = support.unsupported_reason(config, st)
     assert why is not None and words in why
     m = make_method("leapquant", impl="pallas", **options)
-    seq = sequence(jax.random.PRNGKey(0), 1, 1, 1, dk, 64, False)
+    seq = random_sequence(jax.random.PRNGKey(0), 1, 1, 1, dk, 64, False)
     with pytest.raises(ValueError, match="cannot run"):
         m.step(m.init(1, 1, dk, 64), **{n: x[:, 0] for n, x in seq.items()})
 
@@ -510,47 +419,39 @@ def test_supported_configs_have_no_reason():
 
 @pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
 def test_kernels_lower_to_triton(bits, kda):
-    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     config = LeapQuantConfig(bits=bits, window=8)
     st = windowed.init_state(config, 2, 2, 64, 64, kda)
-    tok = token(sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
+    tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
 
-    def lower(f, *args):
-        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
-
-    lower(functools.partial(leapquant_step, config, interpret=False), st, tok)
+    lower_to_triton(functools.partial(leapquant_step, config, interpret=False), st, tok)
     # 6 bits at dk = 64: 16-row code parts, too few for the int8 mma (the lanes sums only)
     for reduce in ("lanes",) if bits == 6 else ("dot", "dot_cols", "lanes"):
-        lower(functools.partial(leapquant_step, config, reduce=reduce, interpret=False), st, tok)
+        lower_to_triton(functools.partial(leapquant_step, config, reduce=reduce, interpret=False), st, tok)
     for flush in (flush_split, flush_fused):
-        lower(functools.partial(flush, config, only_full=True, interpret=False), st)
-    lower(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
+        lower_to_triton(functools.partial(flush, config, only_full=True, interpret=False), st)
+    lower_to_triton(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_kernels_with_shared_key_records_lower_to_triton(kda):
     # GVA: the key side's index maps (one key head per program, and two value heads of one key
     # head in a program) and the flushes' key-record specs lower as the one-head kernels do
-    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     config = LeapQuantConfig(bits=8, window=8)
     st = windowed.init_state(config, 2, 4, 64, 64, kda, key_heads=2)
-    tok = token(sequence(jax.random.PRNGKey(0), 2, 1, 4, 64, 64, kda), 0, key_heads=2)
-
-    def lower(f, *args):
-        jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(*args)
+    tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 4, 64, 64, kda), 0, key_heads=2)
 
     for hp in (1, 2, 4):
-        lower(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=False), st, tok)
+        lower_to_triton(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=False), st, tok)
     for flush in (flush_split, flush_fused):
-        lower(functools.partial(flush, config, only_full=True, interpret=False), st)
+        lower_to_triton(functools.partial(flush, config, only_full=True, interpret=False), st)
 
 
 def test_method_pallas_eager_step_with_active_mask():
     # Outside jit: the kernels must not consume the caller's state (the method reads it again
     # to keep inactive sequences).
-    seq = sequence(jax.random.PRNGKey(30), 2, 1, 1, 64, 64, False)
+    seq = random_sequence(jax.random.PRNGKey(30), 2, 1, 1, 64, 64, False)
     xs = {n: x[:, 0] for n, x in seq.items()}
-    s0 = dense_state(jax.random.PRNGKey(31), 2, 1, 64, 64)
+    s0 = random_state(jax.random.PRNGKey(31), 2, 1, 64, 64)
     active = jnp.array([True, False])
     out = {}
     for impl in ("pallas", "reference"):
@@ -628,7 +529,7 @@ def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
     # pos == p breaks the step's precondition: that sequence writes nothing, the others are unaffected.
     st, tok = live_state(config, jax.random.PRNGKey(9), 2, 4, 128, 128, kda, pos=[8, 3])
     o_r, _ = leapquant_step_reference(config, st, tok)
-    o_k, n_k = mosaic_step.leapquant_step(config, copy(st), tok)
+    o_k, n_k = mosaic_step.leapquant_step(config, copy_tree(st), tok)
     assert rel(o_k[1], o_r[1]) < 1e-5
     for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(st.buffer)):
         np.testing.assert_array_equal(a[0], b[0])
@@ -639,11 +540,10 @@ def test_the_mosaic_step_through_dispatch():
     # auto takes where: test_dispatch)
     config = LeapQuantConfig(bits=8, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(12), 2, 4, 128, 128, False, pos=[3, 6])
-    o_a, a = dispatch.leapquant_step(config, copy(st), tok, impl="mosaic")
-    o_b, b = mosaic_step.leapquant_step(config, copy(st), tok)
+    o_a, a = dispatch.leapquant_step(config, copy_tree(st), tok, impl="mosaic")
+    o_b, b = mosaic_step.leapquant_step(config, copy_tree(st), tok)
     np.testing.assert_array_equal(o_a, o_b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(a, b)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])

@@ -33,15 +33,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import leapquant_jax  # noqa: E402
-from models import decode, kimi_linear  # noqa: E402
-from models.checkpoint import convert_checkpoint, convert_hf, flatten_params, load_model  # noqa: E402
+from models import kimi_linear  # noqa: E402
+from models.checkpoint import convert_hf, flatten_params  # noqa: E402
 from models.kimi_layers import kda_log_decay, kda_lower_bound_log_decay, route_sigmoid_grouped  # noqa: E402
 from models.moe import routed_experts  # noqa: E402
-
-PROMPT_LEN = 12
-DECODE_STEPS = 32
-GREEDY_TOKENS = 24
-PROMPTS = ([5, 17, 3, 88, 41], [9, 2, 64, 33, 70, 21, 8, 99, 14, 56, 27, 3, 40, 61, 12, 7, 93, 30])
 
 COMMON = dict(
     vocab_size=100,
@@ -98,23 +93,11 @@ def _build(variant: str, seed: int):
     return model
 
 
-class Tiny:
-    """A tiny reference model, its HF directory and our converted checkpoint, loaded."""
+class Tiny(mh.TinyModel):
+    """A tiny reference model of one of ``VARIANTS``, its HF directory and our converted checkpoint."""
 
     def __init__(self, variant: str, root: Path):
-        self.hf = _build(variant, seed=len(variant))
-        self.hf_dir = mh.save_tiny(self.hf, root / "hf")
-        self.ckpt = convert_checkpoint(self.hf_dir, root / "ckpt")
-        self.arch, self.config, params, _ = load_model(self.ckpt)
-        self.params = decode.to_device(params)
-        rng = np.random.RandomState(1)
-        self.ids = rng.randint(0, COMMON["vocab_size"], (2, PROMPT_LEN + DECODE_STEPS)).astype(np.int32)
-        self.ref_logits = mh.reference_logits(self.hf, self.ids)
-
-    def score(self, method_name: str, record: bool = False, **options):
-        method = decode.make_state_method(method_name, **options)
-        return decode.score(self.arch, self.params, self.config, self.ids, method=method, prefill_len=PROMPT_LEN,
-                            record=record)
+        super().__init__(_build(variant, seed=len(variant)), root, COMMON["vocab_size"])
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +145,7 @@ def test_second_variant_q_lora_grouped_routing_matches_transformers(tmp_path):
 
 
 def test_greedy_batch_of_uneven_prompts_matches_transformers(tiny):
-    gen = decode.generate(tiny.arch, tiny.params, tiny.config, PROMPTS, method=decode.make_state_method("fp32"),
-                          max_new_tokens=GREEDY_TOKENS)
-    for prompt, tokens in zip(PROMPTS, gen.tokens):
-        assert tokens == mh.reference_greedy(tiny.hf, prompt, GREEDY_TOKENS)
+    mh.check_greedy_matches_reference(tiny)
 
 
 def test_leapquant_8bit_state_stays_close_to_fp32(tiny):
@@ -254,34 +234,17 @@ def test_param_specs_are_the_released_names(tiny):
     assert kimi_linear.param_specs(tiny.config) == on_disk
 
 
-def _damaged(tiny, tmp_path, edit):
-    return mh.convert_damaged(tiny.hf_dir, tmp_path, edit)
-
-
-def test_converter_names_a_missing_tensor_and_writes_nothing(tiny, tmp_path):
-    name = "model.layers.2.self_attn.k_conv1d.weight"
-    msg = _damaged(tiny, tmp_path, lambda t: t.pop(name))
-    assert "missing" in msg and name in msg
-
-
-def test_converter_names_an_unexpected_tensor_and_writes_nothing(tiny, tmp_path):
-    name = "model.layers.0.self_attn.surprise.weight"
-    msg = _damaged(tiny, tmp_path, lambda t: t.__setitem__(name, np.zeros((3,), np.float32)))
-    assert "unexpected" in msg and name in msg
+def test_converter_names_a_missing_and_an_unexpected_tensor_and_writes_nothing(tiny, tmp_path):
+    mh.check_converter_names_bad_tensors(tiny.hf_dir, tmp_path, missing="model.layers.2.self_attn.k_conv1d.weight",
+                                         unexpected="model.layers.0.self_attn.surprise.weight")
 
 
 def test_converter_names_every_mis_shaped_tensor(tiny, tmp_path):
-    a = "model.layers.0.self_attn.dt_bias"
-    b = "model.layers.3.block_sparse_moe.experts.1.w2.weight"
-    c = "model.layers.1.self_attn.kv_b_proj.weight"
-
-    def edit(t):
-        t[a] = t[a][:-1]
-        t[b] = t[b].T.copy()
-        t[c] = t[c][:, :-2]
-
-    msg = _damaged(tiny, tmp_path, edit)
-    assert a in msg and b in msg and c in msg and "(63,)" in msg
+    mh.check_converter_names_mis_shaped(tiny.hf_dir, tmp_path, {
+        "model.layers.0.self_attn.dt_bias": lambda x: x[:-1],
+        "model.layers.3.block_sparse_moe.experts.1.w2.weight": lambda x: x.T.copy(),
+        "model.layers.1.self_attn.kv_b_proj.weight": lambda x: x[:, :-2],
+    }, shown="(63,)")
 
 
 # ----------------------------------------------------------------------------- KDA maths

@@ -32,10 +32,7 @@ from models.checkpoint import convert_checkpoint, load_model  # noqa: E402
 
 torch, transformers = mh.require_reference()
 
-PROMPT_LEN = 12
-DECODE_STEPS = 32
-GREEDY_TOKENS = 24
-PROMPTS = ([5, 17, 3, 88, 41], [9, 2, 64, 33, 70, 21, 8, 99, 14, 56, 27, 3, 40, 61, 12, 7, 93, 30])
+from model_helpers import GREEDY_TOKENS, PROMPT_LEN, PROMPTS  # noqa: E402
 
 COMMON = dict(
     vocab_size=100,
@@ -62,25 +59,18 @@ ARCHS = {
 }
 
 
-class Tiny:
-    """A tiny reference model, its HF directory and our converted checkpoint, loaded."""
+class Tiny(mh.TinyModel):
+    """A tiny reference model of one of ``ARCHS``, its HF directory and our converted checkpoint."""
 
     def __init__(self, name: str, root: Path):
         config_cls, model_cls, extra = ARCHS[name]
         self.name = name
-        self.hf = mh.build_tiny(getattr(transformers, config_cls), getattr(transformers, model_cls),
-                                seed=len(name), **COMMON, **extra)
-        self.hf_dir = mh.save_tiny(self.hf, root / "hf")
-        self.ckpt = convert_checkpoint(self.hf_dir, root / "ckpt")
-        self.arch, self.config, params, _ = load_model(self.ckpt)
-        self.params = decode.to_device(params)
-        rng = np.random.RandomState(1)
-        self.ids = rng.randint(0, COMMON["vocab_size"], (2, PROMPT_LEN + DECODE_STEPS)).astype(np.int32)
-        self.ref_logits = mh.reference_logits(self.hf, self.ids)
+        super().__init__(mh.build_tiny(getattr(transformers, config_cls), getattr(transformers, model_cls),
+                                       seed=len(name), **COMMON, **extra), root, COMMON["vocab_size"])
 
     def score(self, method_name: str, **options):
-        method = decode.make_state_method(method_name, **options)
-        return decode.score(self.arch, self.params, self.config, self.ids, method=method, prefill_len=PROMPT_LEN)[0]
+        """The logits of ``mh.TinyModel.score``."""
+        return super().score(method_name, **options)[0]
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -97,10 +87,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny):
 
 
 def test_greedy_batch_of_uneven_prompts_matches_transformers(tiny):
-    gen = decode.generate(tiny.arch, tiny.params, tiny.config, PROMPTS, method=decode.make_state_method("fp32"),
-                          max_new_tokens=GREEDY_TOKENS)
-    for prompt, tokens in zip(PROMPTS, gen.tokens):
-        assert tokens == mh.reference_greedy(tiny.hf, prompt, GREEDY_TOKENS)
+    mh.check_greedy_matches_reference(tiny)
 
 
 def test_leapquant_8bit_state_stays_close_to_fp32(tiny):
@@ -179,32 +166,16 @@ def next_tiny(tmp_path_factory):
     return Tiny("qwen3_next", tmp_path_factory.mktemp("next_conv"))
 
 
-def _damaged(next_tiny, tmp_path, edit):
-    return mh.convert_damaged(next_tiny.hf_dir, tmp_path, edit)
-
-
-def test_converter_names_a_missing_tensor_and_writes_nothing(next_tiny, tmp_path):
-    name = "model.layers.2.linear_attn.A_log"
-    msg = _damaged(next_tiny, tmp_path, lambda t: t.pop(name))
-    assert "missing" in msg and name in msg
-
-
-def test_converter_names_an_unexpected_tensor_and_writes_nothing(next_tiny, tmp_path):
-    name = "model.layers.0.linear_attn.surprise.weight"
-    msg = _damaged(next_tiny, tmp_path, lambda t: t.__setitem__(name, np.zeros((3,), np.float32)))
-    assert "unexpected" in msg and name in msg
+def test_converter_names_a_missing_and_an_unexpected_tensor_and_writes_nothing(next_tiny, tmp_path):
+    mh.check_converter_names_bad_tensors(next_tiny.hf_dir, tmp_path, missing="model.layers.2.linear_attn.A_log",
+                                         unexpected="model.layers.0.linear_attn.surprise.weight")
 
 
 def test_converter_names_every_mis_shaped_tensor(next_tiny, tmp_path):
-    a = "model.layers.1.self_attn.q_proj.weight"
-    b = "model.layers.2.mlp.experts.1.down_proj.weight"
-
-    def edit(t):
-        t[a] = t[a][:-1]
-        t[b] = t[b].T.copy()
-
-    msg = _damaged(next_tiny, tmp_path, edit)
-    assert a in msg and b in msg and "(255, 64)" in msg
+    mh.check_converter_names_mis_shaped(next_tiny.hf_dir, tmp_path, {
+        "model.layers.1.self_attn.q_proj.weight": lambda x: x[:-1],
+        "model.layers.2.mlp.experts.1.down_proj.weight": lambda x: x.T.copy(),
+    }, shown="(255, 64)")
 
 
 def test_converter_refuses_to_overwrite(next_tiny, tmp_path):

@@ -17,7 +17,7 @@ from leapquant_jax.recurrence import delta_rule_token
 from pallas_kernels import mosaic_dense
 from pallas_kernels.dense_step import dense_step_reference
 
-from test_kernels import dense_state, rel, sequence, token
+from helpers import random_sequence, random_state, rel, token_at
 
 
 def check_steps(kda, dtype, bsz, h, dv, steps=2, seed=0, **opts):
@@ -25,11 +25,11 @@ def check_steps(kda, dtype, bsz, h, dv, steps=2, seed=0, **opts):
     previous state (fp32: equal to fp32 rounding; bf16: the fp32 update rounded once, so within
     half a bf16 step of it)."""
     key = jax.random.PRNGKey(seed)
-    seq = sequence(key, bsz, steps, h, 128, dv, kda)
-    s_k = dense_state(jax.random.fold_in(key, 1), bsz, h, 128, dv).astype(dtype)
+    seq = random_sequence(key, bsz, steps, h, 128, dv, kda)
+    s_k = random_state(jax.random.fold_in(key, 1), bsz, h, 128, dv).astype(dtype)
     for i in range(steps):
-        o_r, exact = dense_step_reference(s_k.astype(jnp.float32), token(seq, i))      # unrounded update
-        o_k, s_k = mosaic_dense.dense_step(jnp.copy(s_k), token(seq, i), **opts)
+        o_r, exact = dense_step_reference(s_k.astype(jnp.float32), token_at(seq, i))      # unrounded update
+        o_k, s_k = mosaic_dense.dense_step(jnp.copy(s_k), token_at(seq, i), **opts)
         assert s_k.dtype == jnp.dtype(dtype) and s_k.shape == exact.shape
         assert rel(o_k, o_r) < 1e-5
         a, b = np.asarray(s_k, np.float64), np.asarray(exact, np.float64)
@@ -60,18 +60,18 @@ def test_mosaic_dense_step_launch_options(opts):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_mosaic_dense_step_fully_decayed_heads(kda):
-    seq = sequence(jax.random.PRNGKey(3), 2, 1, 2, 128, 128, kda, log_decay=-1e3)
-    s = dense_state(jax.random.PRNGKey(4), 2, 2, 128, 128)
-    o_k, s_k = mosaic_dense.dense_step(jnp.copy(s), token(seq, 0))
-    o_r, s_r = dense_step_reference(s, token(seq, 0))
+    seq = random_sequence(jax.random.PRNGKey(3), 2, 1, 2, 128, 128, kda, log_decay=-1e3)
+    s = random_state(jax.random.PRNGKey(4), 2, 2, 128, 128)
+    o_k, s_k = mosaic_dense.dense_step(jnp.copy(s), token_at(seq, 0))
+    o_r, s_r = dense_step_reference(s, token_at(seq, 0))
     assert np.all(np.isfinite(o_k)) and np.all(np.isfinite(s_k))
     assert rel(o_k, o_r) < 1e-5 and rel(s_k, s_r) < 1e-6
 
 
 def test_mosaic_dense_step_runs_inside_scan():
     # the models' decode loops: the kernel's refs inside a scanned body
-    seq = sequence(jax.random.PRNGKey(5), 2, 3, 2, 128, 128, False)
-    s = dense_state(jax.random.PRNGKey(6), 2, 2, 128, 128)
+    seq = random_sequence(jax.random.PRNGKey(5), 2, 3, 2, 128, 128, False)
+    s = random_state(jax.random.PRNGKey(6), 2, 2, 128, 128)
     toks = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), seq)
 
     def body(state, x):
@@ -81,7 +81,7 @@ def test_mosaic_dense_step_runs_inside_scan():
     s_k, o_k = jax.jit(lambda s: jax.lax.scan(body, s, toks))(s)
     s_r = s
     for i in range(3):
-        o_r, s_r = dense_step_reference(s_r, token(seq, i))
+        o_r, s_r = dense_step_reference(s_r, token_at(seq, i))
         assert rel(o_k[i], o_r) < 1e-5          # every stacked output, not only the last
     assert rel(s_k, s_r) < 1e-6
 
@@ -89,9 +89,9 @@ def test_mosaic_dense_step_runs_inside_scan():
 def test_mosaic_dense_step_under_vmap_folds_the_mapped_axis():
     # The per-step methods run under vmap: the mapped axis joins the batch, one launch, the same
     # result as one call per mapped entry (one entry's token unmapped: broadcast).
-    seq = sequence(jax.random.PRNGKey(7), 2, 1, 2, 128, 128, True)
-    tok = token(seq, 0)
-    states = jnp.stack([dense_state(jax.random.PRNGKey(8 + i), 2, 2, 128, 128) for i in range(3)])
+    seq = random_sequence(jax.random.PRNGKey(7), 2, 1, 2, 128, 128, True)
+    tok = token_at(seq, 0)
+    states = jnp.stack([random_state(jax.random.PRNGKey(8 + i), 2, 2, 128, 128) for i in range(3)])
     o_v, s_v = jax.jit(jax.vmap(lambda s: mosaic_dense.dense_step(s, tok, programs=4)))(states)
     assert o_v.shape == (3, 2, 2, 128) and s_v.shape == states.shape
     for i in range(3):
@@ -103,14 +103,14 @@ def test_mosaic_dense_step_under_vmap_folds_the_mapped_axis():
 def test_the_mosaic_dense_step_through_dispatch():
     # impl="mosaic" through the front door: the Mosaic GPU dense step, interpreted here (which
     # kernel auto takes where: test_dispatch)
-    seq = sequence(jax.random.PRNGKey(9), 1, 1, 2, 128, 128, False)
-    s = dense_state(jax.random.PRNGKey(10), 1, 2, 128, 128)
-    o_a, s_a = dispatch.dense_step(jnp.copy(s), token(seq, 0), impl="mosaic")
-    o_b, s_b = mosaic_dense.dense_step(jnp.copy(s), token(seq, 0))
+    seq = random_sequence(jax.random.PRNGKey(9), 1, 1, 2, 128, 128, False)
+    s = random_state(jax.random.PRNGKey(10), 1, 2, 128, 128)
+    o_a, s_a = dispatch.dense_step(jnp.copy(s), token_at(seq, 0), impl="mosaic")
+    o_b, s_b = mosaic_dense.dense_step(jnp.copy(s), token_at(seq, 0))
     np.testing.assert_array_equal(o_a, o_b)
     np.testing.assert_array_equal(s_a, s_b)
     with pytest.raises(ValueError, match="impl='mosaic' cannot run the dense_step here"):
-        dispatch.dense_step(s[:, :, :64], token(sequence(jax.random.PRNGKey(9), 1, 1, 2, 64, 128, False), 0),
+        dispatch.dense_step(s[:, :, :64], token_at(random_sequence(jax.random.PRNGKey(9), 1, 1, 2, 64, 128, False), 0),
                             impl="mosaic")
 
 
@@ -139,7 +139,7 @@ def test_mosaic_kernel_results_leave_through_an_optimization_barrier():
     # must pass the kernel's results through the barrier that keeps them out of that fusion.
     from jax import export
 
-    seq = sequence(jax.random.PRNGKey(5), 2, 3, 2, 128, 128, False)
+    seq = random_sequence(jax.random.PRNGKey(5), 2, 3, 2, 128, 128, False)
     toks = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), seq)
 
     def body(state, x):
@@ -148,7 +148,7 @@ def test_mosaic_kernel_results_leave_through_an_optimization_barrier():
 
     f = jax.jit(lambda s, t: jax.lax.scan(body, s, t))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                    (dense_state(jax.random.PRNGKey(6), 2, 2, 128, 128), toks))
+                                    (random_state(jax.random.PRNGKey(6), 2, 2, 128, 128), toks))
     text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
     call = text.index("mosaic_gpu")
     barrier = text.find("stablehlo.optimization_barrier", call)
@@ -159,11 +159,11 @@ def test_mosaic_kernel_results_leave_through_an_optimization_barrier():
 
 
 def test_mosaic_dense_step_rejects_what_it_cannot_run():
-    seq = sequence(jax.random.PRNGKey(0), 2, 1, 2, 128, 128, False)
-    tok = token(seq, 0)
+    seq = random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 128, 128, False)
+    tok = token_at(seq, 0)
     s = jnp.zeros((2, 2, 128, 128))
     with pytest.raises(ValueError, match="dk=64"):
-        mosaic_dense.dense_step(jnp.zeros((2, 2, 64, 128)), token(sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 128,
+        mosaic_dense.dense_step(jnp.zeros((2, 2, 64, 128)), token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 128,
                                                                            False), 0))
     with pytest.raises(ValueError, match="block_v=16"):
         mosaic_dense.dense_step(s, tok, block_v=16)

@@ -8,6 +8,7 @@ one step of the reference's, the decoded state's error against the exact state a
 
 from __future__ import annotations
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from leapquant_jax import dispatch, windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import mosaic_flush
 
-from test_kernels import check_flush, copy, expanded_state, live_state
+from helpers import check_flush, copy_tree, expanded_state, live_state
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
 # one xdist worker compiles them once (pyproject: --dist loadgroup).
@@ -53,12 +54,10 @@ def test_mosaic_flush_only_full_windows_and_shared_key_records():
     config = LeapQuantConfig(bits=8, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(41), 3, 2, 128, 128, True, pos=[8, 3, 0], key_heads=1)
     ker, _ = check_flush(config, st, only_full=True, flush=mosaic(programs=4))
-    for a, b in zip(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1:], ker)),
-                    jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1:], st))):
-        np.testing.assert_array_equal(a, b)
-    ker_e = mosaic_flush.leapquant_flush(config, copy(expanded_state(st)), only_full=True, programs=4)
-    for a, b in zip(jax.tree_util.tree_leaves(ker.checkpoint), jax.tree_util.tree_leaves(ker_e.checkpoint)):
-        np.testing.assert_array_equal(a, b)
+    rest = lambda tree: jax.tree_util.tree_map(lambda x: x[1:], tree)   # noqa: E731
+    chex.assert_trees_all_equal(rest(ker), rest(st))
+    ker_e = mosaic_flush.leapquant_flush(config, copy_tree(expanded_state(st)), only_full=True, programs=4)
+    chex.assert_trees_all_equal(ker.checkpoint, ker_e.checkpoint)
 
 
 def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
@@ -66,8 +65,8 @@ def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
     # do, up to the interpreter's own fusion of products and sums (a code on a rounding boundary).
     config = LeapQuantConfig(bits=8, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(43), 1, 2, 128, 128, False, pos=[8])
-    rolled = mosaic_flush.leapquant_flush(config, copy(st), programs=2)
-    written = mosaic_flush.leapquant_flush(config, copy(st), programs=2, unroll=True)
+    rolled = mosaic_flush.leapquant_flush(config, copy_tree(st), programs=2)
+    written = mosaic_flush.leapquant_flush(config, copy_tree(st), programs=2, unroll=True)
     a, b = (np.asarray(x.checkpoint.residual.codes, np.int32) for x in (rolled, written))
     assert np.abs(a - b).max() <= 1 and np.mean(a != b) < 1e-3
     for name in ("smooth", "comp_k", "comp_u"):
@@ -85,9 +84,8 @@ def test_mosaic_flush_sums_over_8_or_32_lanes_alike():
     config = LeapQuantConfig(bits=8, window=8, warm_start=True, fit_iters=2)
     st, _ = live_state(config, jax.random.PRNGKey(47), 1, 2, 128, 128, True, pos=[8])
     a, _ = check_flush(config, st, flush=mosaic(programs=2, sum_lanes=8))
-    b = mosaic_flush.leapquant_flush(config, copy(st), programs=2, sum_lanes=32)
-    for x, y in zip(jax.tree_util.tree_leaves(a.checkpoint), jax.tree_util.tree_leaves(b.checkpoint)):
-        np.testing.assert_array_equal(x, y)
+    b = mosaic_flush.leapquant_flush(config, copy_tree(st), programs=2, sum_lanes=32)
+    chex.assert_trees_all_equal(a.checkpoint, b.checkpoint)
 
 
 def test_mosaic_flush_under_vmap_folds_the_mapped_axis():
@@ -100,10 +98,8 @@ def test_mosaic_flush_under_vmap_folds_the_mapped_axis():
     flush = lambda s: mosaic_flush.leapquant_flush(config, s, only_full=True, programs=2)
     out = jax.jit(jax.vmap(flush))(both)
     for i, st in enumerate(sts):
-        one = flush(copy(st))
-        for a, b in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(jax.tree_util.tree_map(
-                lambda x: x[i], out))):
-            np.testing.assert_array_equal(a, b)
+        one = flush(copy_tree(st))
+        chex.assert_trees_all_equal(one, jax.tree_util.tree_map(lambda x: x[i], out))
 
 
 def test_the_mosaic_flush_through_dispatch():
@@ -111,10 +107,9 @@ def test_the_mosaic_flush_through_dispatch():
     # auto takes where: test_dispatch)
     config = LeapQuantConfig(bits=8, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(46), 1, 2, 128, 128, False, pos=[8])
-    a = dispatch.leapquant_flush(config, copy(st), only_full=True, impl="mosaic")
-    b = mosaic_flush.leapquant_flush(config, copy(st), only_full=True)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_array_equal(x, y)
+    a = dispatch.leapquant_flush(config, copy_tree(st), only_full=True, impl="mosaic")
+    b = mosaic_flush.leapquant_flush(config, copy_tree(st), only_full=True)
+    chex.assert_trees_all_equal(a, b)
     c6 = LeapQuantConfig(bits=6, window=8)
     with pytest.raises(ValueError, match="8-bit"):
         dispatch.leapquant_flush(c6, windowed.init_state(c6, 1, 2, 128, 128), impl="mosaic")
@@ -127,7 +122,7 @@ def test_mosaic_flush_fully_decayed_heads_and_zero_state():
     # are arbitrary in both; finite, and as close to the exact state as the reference.
     check_flush(config, st, codes_agree=False, flush=mosaic(programs=2))
     st = windowed.init_state(config, 2, 1, 128, 128)
-    ker = mosaic_flush.leapquant_flush(config, copy(st), programs=2)
+    ker = mosaic_flush.leapquant_flush(config, copy_tree(st), programs=2)
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 

@@ -18,6 +18,8 @@ from models.decode import generate, score, to_device
 from models.layers import EXACT, FAST
 from models.training.model import hf_config, init_params
 
+from helpers import rel
+
 VOCAB = 64
 
 
@@ -39,10 +41,6 @@ def tiny(arch: str, *, moe: bool, layers: int = 9):
                       routed_scaling_factor=2.0, n_group=1, topk_group=1)
     a = architecture_for_config(cj)
     return a, a.config_from_hf(cj), to_device(init_params(cj, seed=1))
-
-
-def rel(x, y) -> float:
-    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
 @pytest.mark.parametrize("arch", ["gdn", "kda"])

@@ -35,6 +35,8 @@ from models.decode import PROMPT_BUCKET, generate, to_device
 from models.serving import DecodePool, PoolConfig, serve
 from models.training.model import hf_config, init_params
 
+from helpers import rel
+
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("serving")
 
@@ -118,10 +120,6 @@ def gdn():
 
 def prompts_for(rng, n: int, *, low: int = 1) -> list[list[int]]:
     return [rng.integers(0, VOCAB, int(t)).tolist() for t in rng.integers(low, PROMPT_BUCKET + 1, n)]
-
-
-def rel(x, y) -> float:
-    return float(np.linalg.norm(np.asarray(x, np.float64) - y) / np.linalg.norm(np.asarray(y, np.float64)))
 
 
 def leaves(tree) -> list[np.ndarray]:

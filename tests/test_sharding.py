@@ -31,7 +31,8 @@ import numpy as np
 from leapquant_jax import make_method
 from models.decode import generate, score
 from models.sharding import constrain_cache, make_mesh
-from bench.sharded_check import rel, tiny as tiny_model
+from bench.inputs import rel
+from bench.sharded_check import tiny as tiny_model
 
 def tiny(arch):
     return tiny_model(arch, heads=8, key_heads=8)

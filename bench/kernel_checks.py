@@ -1,0 +1,267 @@
+"""The compiled kernels against the pure-JAX reference: the checks ``bench.kernels`` runs and
+``tests/test_gpu_checks.py`` (``pytest -m gpu``) asserts, one implementation for both.
+
+Each check returns rows (dicts of relative errors ``||out - ref|| / ||ref||``); the ``*_failures``
+functions hold the pass criteria, each bound relative to the reference's own error where the
+format rounds (the kernels round as the reference does, so they should add almost nothing):
+
+* ``check_single_ops``: one step and one flush from the same state at ragged window positions.
+* ``dense_step_rows``: the Pallas fp32 and bf16 dense steps over 8 tokens.
+* ``ragged_method_row``: 64 tokens at ragged window positions through
+  ``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, both against fp32.
+* ``fla_row``: FLA's fp32 kernel against the exact recurrence (needs torch and fla-core).
+* ``check_long_decode``: long decodes of the extreme-decay heads, finiteness and per-head errors.
+
+On the CPU the Pallas kernels run in interpret mode, so every check also runs there (slowly).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.inputs import copy_tree, random_sequence, random_state, rel, token_at
+from leapquant_jax import dispatch, windowed
+from leapquant_jax.impls import OPS, Impl
+from leapquant_jax.methods import make_method
+from leapquant_jax.recurrence import recurrent_scan
+from leapquant_jax.state import LeapQuantConfig
+from leapquant_jax.studies.stability import extreme_decay_check
+from pallas_kernels import mosaic_flush, mosaic_step
+from pallas_kernels.dense_step import dense_step, dense_step_reference
+from pallas_kernels.leapquant_step import leapquant_step
+
+# Shapes of the checks: small enough to compile in seconds, heads of the models' 128 x 128.
+CHECK_BATCH, CHECK_HEADS, CHECK_DIM, CHECK_TOKENS = 4, 4, 128, 64
+RAGGED_OFFSETS = (0, 3, 9, 14)     # the step at which each sequence starts: flushes at different steps
+
+
+# The flushes a run can name: a flush kernel (leapquant_jax.impls) or auto, what dispatch runs on the kernels.
+FLUSH_IMPLS = ("auto",) + tuple(i for i in OPS["flush"] if i != Impl.REFERENCE)
+
+
+def takes_mosaic(op, *operands) -> bool:
+    """Whether ``dispatch`` runs ``op`` on its Mosaic GPU kernel here (``impl="pallas"``)."""
+    return dispatch.resolve(op, "pallas", *operands) is Impl.MOSAIC
+
+
+def run_flush(config, state, impl="auto", *, only_full=False, **options):
+    """The flush kernel ``impl`` names with its ``options``, or for ``"auto"`` (no options) what
+    ``dispatch.leapquant_flush`` runs on the kernels (``impl="pallas"``)."""
+    if impl == "auto":
+        if options:
+            raise ValueError(f"the auto flush takes no kernel options, got {sorted(options)}")
+        return dispatch.leapquant_flush(config, state, only_full=only_full, impl="pallas")
+    return dispatch.kernel("flush", Impl(impl))(config, state, only_full=only_full, **options)
+
+
+def ragged_decode(method, state, seq, offsets):
+    """Decode where sequence ``i`` starts at step ``offsets[i]`` (ragged window positions)."""
+    t = seq["q"].shape[1]
+
+    def body(s, i):
+        xs = {n: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False) for n, x in seq.items()}
+        o, s = method.step(s, **xs, active=i >= offsets)
+        return s, o
+
+    state, o = jax.lax.scan(body, state, jnp.arange(t))
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=("auto",),
+                     config_options=None):
+    """One step and one flush of the compiled kernels against the reference from the same state
+    (ragged positions 0, 5, 11, 15 of a 16-slot window; the flush covers every sequence), one
+    row per flush implementation in ``flush_impls`` (an ``impl`` name, or a dict of ``run_flush``
+    options with its ``impl``); ``config_options``: further ``LeapQuantConfig`` fields. The step
+    runs with both int8 reductions (``dot``, ``lanes``) and, where ``auto`` takes it, the Mosaic
+    GPU step; ``o_rel_err`` is the largest of their output errors."""
+    rows = []
+    bsz, h, dk, dv = CHECK_BATCH, CHECK_HEADS, CHECK_DIM, CHECK_DIM
+    for kda in kda_modes:
+        seq = random_sequence(jax.random.PRNGKey(11 + kda), bsz, 16, h, dk, dv, kda)
+        s0 = random_state(jax.random.PRNGKey(5), bsz, h, dk, dv)
+        for bits in bits_list:
+            config = LeapQuantConfig(bits=bits, window=16, impl="pallas", **(config_options or {}))
+            st = windowed.from_dense(config, s0, per_channel_decay=kda)
+            for i in range(15):
+                _, st = windowed.step_reference(config, st, token_at(seq, i))
+            st = st.replace(pos=jnp.array([0, 5, 11, 15], jnp.int32))
+            tok = token_at(seq, 15)
+            o_r, n_r = windowed.step_reference(config, st, tok)
+            step_errs = {}
+            for reduce in ("dot", "lanes"):
+                o_k, n_k = leapquant_step(config, copy_tree(st), tok, reduce=reduce)
+                step_errs[reduce] = rel(o_k, o_r)
+            if takes_mosaic("step", config, st):       # what auto runs on Hopper
+                o_m, _ = mosaic_step.leapquant_step(config, copy_tree(st), tok)
+                step_errs["mosaic"] = rel(o_m, o_r)
+            buf_err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer),
+                                                    jax.tree_util.tree_leaves(n_r.buffer)))
+            f_r = windowed.flush_reference(config, n_r)
+            dense = windowed.reconstruct_reference(config, n_r)
+            d_r = windowed.decode_checkpoint(config, f_r.checkpoint)
+            for impl in flush_impls:
+                options = dict(impl) if isinstance(impl, dict) else dict(impl=impl)
+                impl = options.pop("impl", "auto")
+                if impl == "mosaic" and mosaic_flush.unsupported_reason(config, n_r) is not None:
+                    continue
+                f_k = run_flush(config, copy_tree(n_r), impl, **options)
+                d_k = windowed.decode_checkpoint(config, f_k.checkpoint)
+                label = "" if impl == "auto" and not options else f" ({impl} flush{', ' if options else ''}" \
+                    f"{', '.join(f'{k}={v}' for k, v in options.items())})"
+                row = dict(check=f"int{bits} one step + one flush vs reference (same state){label}",
+                           mode="KDA" if kda else "GDN",
+                           o_rel_err=max(step_errs.values()), state_rel_err=rel(d_k, d_r), buffer_rel_err=buf_err,
+                           **{f"o_err_{k}": v for k, v in step_errs.items()},
+                           reference_flush_err=rel(d_r, dense), pallas_flush_err=rel(d_k, dense),
+                           finite=bool(jnp.all(jnp.isfinite(o_k)) and jnp.all(jnp.isfinite(d_k))))
+                rows.append(row)
+                log(row)
+    return rows
+
+
+def single_op_failures(row) -> list[str]:
+    """What a ``check_single_ops`` row misses: finite; every step output within 1e-5 of the
+    reference's (fp32 sums in another order); the records within 1e-3 (fp16 rounding of fp32
+    values equal to ~1e-7); the flushed state as close to the exact one as the reference's (1%)
+    and within a tenth of that error of the reference's flushed state (codes may differ by one
+    step where a value sits on a rounding boundary)."""
+    out = []
+    if not row["finite"]:
+        out.append("non-finite output or state")
+    if not row["o_rel_err"] < 1e-5:
+        out.append(f"step output {row['o_rel_err']:.2e} >= 1e-5")
+    if not row["buffer_rel_err"] < 1e-3:
+        out.append(f"records {row['buffer_rel_err']:.2e} >= 1e-3")
+    if not row["pallas_flush_err"] <= 1.01 * row["reference_flush_err"] + 1e-6:
+        out.append(f"flushed state error {row['pallas_flush_err']:.4e} > 1.01 x the reference's "
+                   f"{row['reference_flush_err']:.4e}")
+    if not row["state_rel_err"] <= 0.1 * row["reference_flush_err"]:
+        out.append(f"flushed state {row['state_rel_err']:.2e} from the reference's, over a tenth of its error "
+                   f"{row['reference_flush_err']:.2e}")
+    return out
+
+
+def correctness_inputs(kda, *, tokens=CHECK_TOKENS):
+    """``(seq, s0)``: the inputs of ``dense_step_rows``, ``ragged_method_row`` and ``fla_row``."""
+    bsz, h, dk, dv = CHECK_BATCH, CHECK_HEADS, CHECK_DIM, CHECK_DIM
+    seq = random_sequence(jax.random.PRNGKey(1 + kda), bsz, tokens, h, dk, dv, kda)
+    return seq, random_state(jax.random.PRNGKey(7), bsz, h, dk, dv)
+
+
+def dense_step_rows(seq, s0, mode, tokens=8):
+    """The Pallas fp32 and bf16 dense steps against ``dense_step_reference`` over ``tokens`` tokens
+    (each from its own previous state); one row per dtype."""
+    rows = []
+    for dt in ("float32", "bfloat16"):
+        s_k = jnp.copy(s0).astype(dt)          # the kernel donates its state
+        s_r = jnp.copy(s0).astype(dt)
+        errs = []
+        for i in range(tokens):
+            tok = token_at(seq, i)
+            o_k, s_k = dense_step(s_k, tok)
+            o_r, s_r = dense_step_reference(s_r, tok)
+            errs.append(rel(o_k, o_r))
+        rows.append(dict(check=f"pallas dense {dt} step vs reference", mode=mode, tokens=tokens,
+                         o_rel_err=max(errs), state_rel_err=rel(s_k.astype(jnp.float32), s_r.astype(jnp.float32)),
+                         finite=bool(jnp.all(jnp.isfinite(s_k.astype(jnp.float32))))))
+    return rows
+
+
+def dense_failures(row) -> list[str]:
+    """What a ``dense_step_rows`` row misses: finite; output and state within 1e-5 / 1e-6 of the
+    reference's in fp32, 1e-3 in bf16 (both round one fp32 update: at most one step apart)."""
+    o_tol, s_tol = (1e-5, 1e-6) if "float32" in row["check"] else (1e-3, 1e-3)
+    out = [] if row["finite"] else ["non-finite state"]
+    if not row["o_rel_err"] < o_tol:
+        out.append(f"output {row['o_rel_err']:.2e} >= {o_tol}")
+    if not row["state_rel_err"] < s_tol:
+        out.append(f"state {row['state_rel_err']:.2e} >= {s_tol}")
+    return out
+
+
+def ragged_method_row(seq, s0, mode, bits, offsets=RAGGED_OFFSETS):
+    """``make_method("leapquant", bits, window 16)`` with ``impl="pallas"`` against
+    ``impl="reference"`` over ``seq`` (64 tokens) from ``s0``, sequences starting at ``offsets``;
+    both outputs against fp32's on the same ragged decode."""
+    per_channel = seq["g"].ndim == 4
+    offsets = jnp.array(offsets, jnp.int32)
+    res = {}
+    for impl in ("pallas", "reference"):
+        m = make_method("leapquant", bits=bits, window=16, impl=impl)
+        st = m.from_dense(s0, per_channel_decay=per_channel)
+        o, st = jax.jit(lambda st, seq: ragged_decode(m, st, seq, offsets))(st, seq)
+        res[impl] = (o, m.to_dense(st))
+    fp32 = make_method("fp32")
+    o_ex_r, _ = jax.jit(lambda seq: ragged_decode(fp32, fp32.from_dense(s0), seq, offsets))(seq)
+    t = seq["q"].shape[1]
+    return dict(check=f"leapquant int{bits} impl=pallas vs impl=reference ({t} tokens, window 16, ragged)",
+                mode=mode, tokens=t, o_rel_err=rel(res["pallas"][0], res["reference"][0]),
+                state_rel_err=rel(res["pallas"][1], res["reference"][1]),
+                reference_o_err_vs_fp32=rel(res["reference"][0], o_ex_r),
+                pallas_o_err_vs_fp32=rel(res["pallas"][0], o_ex_r),
+                finite=bool(jnp.all(jnp.isfinite(res["pallas"][0]))))
+
+
+def ragged_failures(row) -> list[str]:
+    """What a ``ragged_method_row`` misses: finite; the kernels' output error against fp32 within
+    1% of the reference's; kernels and reference apart by at most a quarter of the reference's
+    error (a code one step off at a rounding boundary carries on through the window)."""
+    ref = row["reference_o_err_vs_fp32"]
+    out = [] if row["finite"] else ["non-finite output"]
+    if not row["pallas_o_err_vs_fp32"] <= 1.01 * ref:
+        out.append(f"output error vs fp32 {row['pallas_o_err_vs_fp32']:.4e} > 1.01 x the reference's {ref:.4e}")
+    if not row["o_rel_err"] <= 0.25 * ref:
+        out.append(f"output {row['o_rel_err']:.2e} from the reference's, over a quarter of its error {ref:.2e}")
+    return out
+
+
+def fla_row(fn, seq, s0, mode):
+    """FLA's fp32 kernel ``fn`` (one of ``bench.fla.fla_fns``) against the exact fp32 recurrence."""
+    import torch
+
+    o_exact, s_exact = recurrent_scan(s0, **seq)
+    tq = {n: torch.from_numpy(np.asarray(x)).cuda() for n, x in seq.items()}
+    h0 = torch.from_numpy(np.asarray(s0)).cuda()
+    o_f, s_f = fn(tq, h0)
+    return dict(check="FLA fp32 fused_recurrent vs reference", mode=mode, tokens=seq["q"].shape[1],
+                o_rel_err=rel(o_f.cpu().numpy(), o_exact), state_rel_err=rel(s_f.cpu().numpy(), s_exact))
+
+
+def check_correctness(log, kda_modes=(False, True), bits_list=(8, 6, 4), fla=None):
+    """Per mode: ``dense_step_rows``, ``ragged_method_row`` per bit width and, with ``fla``
+    (``bench.fla.fla_fns()``), ``fla_row``; each row logged as it comes."""
+    rows = []
+    for kda in kda_modes:
+        mode = "KDA" if kda else "GDN"
+        seq, s0 = correctness_inputs(kda)
+        new = dense_step_rows(seq, s0, mode)
+        for row in new:
+            log(row)
+        for bits in bits_list:
+            new.append(ragged_method_row(seq, s0, mode, bits))
+            log(new[-1])
+        if fla is not None:
+            new.append(fla_row(fla[kda], seq, s0, mode))
+            log(new[-1])
+        rows += new
+    return rows
+
+
+def check_long_decode(log, tokens, *, chunk=16384, batch=4, impls=("pallas", "reference"), kda_modes=(False, True)):
+    """``studies.stability.extreme_decay_check`` for GDN and KDA with each ``impl``: long decodes of
+    the extreme-decay heads (alpha from 0 to exactly 1), finiteness and per-head errors vs fp32."""
+    rows = []
+    for kda in kda_modes:
+        for impl in impls:
+            t0 = time.perf_counter()
+            r = extreme_decay_check(make_method("leapquant", impl=impl), tokens=tokens, chunk=min(chunk, tokens),
+                                    batch=batch, per_channel_decay=kda)
+            r.update(impl=impl, seconds=time.perf_counter() - t0)
+            rows.append(r)
+            log(r)
+    return rows

@@ -1,0 +1,205 @@
+"""The kernel benchmark's report: the targets it is held to and the Markdown written beside its
+JSON (``bench.kernels``). Reads result dicts only, so ``bench.ceilings`` and the tests use it on
+saved runs without JAX kernels or a GPU."""
+
+from __future__ import annotations
+
+from leapquant_jax.synthetic import EXTREME_DECAYS
+
+TARGETS = (  # (what, mode, timing row kind, measure, sense, wanted) at the largest batch, FLA from the same run
+    ("amortised per token-step vs FLA fp32", "GDN", "lq-window", "speedup_vs_fla_fp32", ">=", 4.0),
+    ("amortised per token-step vs FLA fp32", "KDA", "lq-window", "speedup_vs_fla_fp32", ">=", 3.5),
+    ("step alone: bandwidth on its bytes / copy bandwidth", "GDN", "lq-steps", "frac_copy_bw", ">=", 0.70),
+    ("step alone: bandwidth on its bytes / copy bandwidth", "KDA", "lq-steps", "frac_copy_bw", ">=", 0.70),
+    ("flush of full windows, µs per window", "GDN", "lq-flush", "us", "<=", 600.0),
+    ("flush of full windows, µs per window", "KDA", "lq-flush", "us", "<=", 600.0),
+    ("flush, KB (10^3 B) moved per head", "GDN", "lq-flush", "kb_per_head", "<=", 60.0),
+    ("flush, KB (10^3 B) moved per head", "KDA", "lq-flush", "kb_per_head", "<=", 60.0),
+    ("Pallas fp32 dense step vs FLA fp32", "GDN", "dense-float32", "speedup_vs_fla_fp32", ">=", 0.95),
+    ("Pallas fp32 dense step vs FLA fp32", "KDA", "dense-float32", "speedup_vs_fla_fp32", ">=", 1.0),
+)
+
+
+def row_kind(row) -> str:
+    """The kind of a timing row (``fla``, ``dense-float32``, ``dense-bfloat16``, ``lq-window``,
+    ``lq-steps``, ``lq-flush``), from its name for results written before rows carried one."""
+    if row.get("kind"):
+        return row["kind"]
+    name = row["impl"]
+    for prefix, kind in (("FLA", "fla"), ("Pallas float32", "dense-float32"), ("Pallas bfloat16", "dense-bfloat16")):
+        if name.startswith(prefix):
+            return kind
+    for part, kind in (("steps + flush", "lq-window"), ("step only", "lq-steps"), ("flush (per flush)", "lq-flush")):
+        if part in name:
+            return kind
+    return "other"
+
+
+def _measure(row, key):
+    if key == "kb_per_head":
+        return row["bytes"] / (row["batch"] * row["heads"]) / 1e3
+    return row.get(key)
+
+
+def targets(results):
+    """Each of ``TARGETS`` at the largest batch: ``dict(target, mode, batch, measured, wanted, sense,
+    met, missing_factor)``; ``measured``/``met`` are None where the run has no such row (FLA absent).
+    ``missing_factor``: ``wanted / measured`` for a ``>=`` target, ``measured / wanted`` for ``<=``."""
+    rows = results.get("timings") or []
+    if not rows:
+        return []
+    bsz = max(r["batch"] for r in rows)
+    out = []
+    for what, mode, kind, key, sense, wanted in TARGETS:
+        hit = next((r for r in rows if r["batch"] == bsz and r["mode"] == mode and row_kind(r) == kind), None)
+        value = _measure(hit, key) if hit is not None else None
+        label = what
+        if hit is not None and kind.startswith("lq"):
+            bits = hit.get("bits", "")
+            fl = f", flush {hit['flush_impl']}" if hit.get("flush_impl") and kind != "lq-steps" else ""
+            label = f"LeapQuant int{bits} {what}{fl}"
+        met = missing = None
+        if value is not None and value == value:   # not NaN
+            met = value >= wanted if sense == ">=" else value <= wanted
+            if not met:
+                missing = (wanted / value if value else float("inf")) if sense == ">=" else value / wanted
+        out.append(dict(target=f"{mode}: {label}", mode=mode, batch=bsz, key=key, measured=value, wanted=wanted,
+                        sense=sense, met=met, missing_factor=missing))
+    return out
+
+
+def _fmt_target(key, x):
+    if x is None:
+        return "-"
+    if key == "frac_copy_bw":
+        return f"{100 * x:.0f}%"
+    if key == "us":
+        return f"{x:.0f} µs"
+    if key == "kb_per_head":
+        return f"{x:.1f} KB"
+    return f"{x:.2f}×"
+
+
+def _cell(text, n=160):
+    return str(text)[:n].replace("|", "/").replace("\n", " ")
+
+
+def markdown(results) -> str:
+    env = results["environment"]
+    out = [f"# Kernel benchmark ({env.get('gpu') or env['devices']})", "",
+           f"date {env['date']}; jax {env['jax']}; torch {env.get('torch')}; triton {env.get('triton')}; "
+           f"fla-core {env.get('fla')}; commit {env.get('commit')}; command `{env['command']}`", ""]
+    if "copy_bandwidth_Bps" in results:
+        out += [f"Device-to-device copy: {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write).", ""]
+    if results["correctness"]:
+        out += ["## Correctness (compiled kernels)", "", "| check | mode | o rel err | state rel err | other |", "| --- | --- | --- | --- | --- |"]
+        for r in results["correctness"]:
+            extra = {k: v for k, v in r.items() if k not in ("check", "mode", "o_rel_err", "state_rel_err", "tokens")}
+            ex = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+            out.append(f"| {r['check']} | {r['mode']} | {r['o_rel_err']:.2e} | {r['state_rel_err']:.2e} | {ex} |")
+        out.append("")
+    if results.get("long_decode"):
+        r0 = results["long_decode"][0]
+        out += [f"## Long decodes of extreme-decay heads ({r0['tokens']} tokens, batch {r0['batch']}, "
+                f"{r0['dk']}x{r0['dv']}, LeapQuant int8 against exact fp32)", "",
+                "Per head (alpha): final state relative error / output relative error over all tokens; "
+                "NaN marks a head with a non-finite output or state.", "",
+                "| mode | impl | all finite | s | " + " | ".join(f"a={a:.8g}" for a in EXTREME_DECAYS) + " |",
+                "| --- | --- | --- | --- | " + " | ".join("---" for _ in EXTREME_DECAYS) + " |"]
+        for r in results["long_decode"]:
+            cells = [f"{h['state_rel_error']:.1e} / {h['output_rel_error']:.1e}" if h["finite"] else "NaN"
+                     for h in r["heads"]]
+            out.append(f"| {r['mode']} | {r['impl']} | {'yes' if r['all_finite'] else 'no'} | {r['seconds']:.0f} | "
+                       + " | ".join(cells) + " |")
+        out.append("")
+    if results["timings"]:
+        out += ["## Timings (µs per token-step, medians)", "",
+                "| batch | mode | impl | µs/step | MB moved/step | GB/s | % copy BW | × vs FLA fp32 | × vs Pallas fp32 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in results["timings"]:
+            if r.get("error"):
+                out.append(f"| {r['batch']} | {r['mode']} | {r['impl']} | error: {_cell(r['error'])} | | | | | |")
+                continue
+            fla = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
+            out.append(f"| {r['batch']} | {r['mode']} | {r['impl']} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+                       f"{r['GBps']:.0f} | {100 * r['frac_copy_bw']:.0f} | {fla} | {r['speedup_vs_pallas_fp32']:.2f} |")
+        out.append("")
+    if results.get("load_only"):
+        lo = results["load_only"]
+        steps = {(r["batch"], r["mode"]): r["us"] for r in results["timings"] if row_kind(r) == "lq-steps"}
+        out += ["## Load-only kernel (the step's bytes)", "",
+                f"A Pallas Triton kernel, one program per (sequence, head), reading exactly what the LeapQuant "
+                f"step reads (codes, scales, smoothing, Compensator Tokens, the live records, the token) with a "
+                f"trivial reduction of each, and writing the output and one record: `step_bytes` per head. "
+                f"µs per step, mean over window positions 0..p-1, batch {lo[0]['batch']}, {lo[0]['heads']} heads, "
+                f"{lo[0]['dk']}x{lo[0]['dv']}"
+                + (" (interpret mode: not a timing)." if lo[0].get("interpret") else "."), "",
+                "| mode | options | µs/step | MB/step | GB/s | % copy BW | step µs (same batch) | step / load-only |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in lo:
+            if r.get("error"):
+                out.append(f"| {r['mode']} | {r['options']} | error: {_cell(r['error'])} | | | | | |")
+                continue
+            st = steps.get((r["batch"], r["mode"]))
+            bw = f"{100 * r['frac_copy_bw']:.0f}" if r.get("frac_copy_bw") else "-"
+            out.append(f"| {r['mode']} | {r['options']} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['GBps']:.0f} | {bw} | "
+                       + (f"{st:.1f} | {st / r['us']:.2f} |" if st else "- | - |"))
+        out.append("")
+    if results.get("split_flush_stages"):
+        out += ["## Split flush stages (largest batch, µs per flush, every window full)", "",
+                "| mode | stage 1: reconstruct + S S^T Q0 | stage 2: fit in XLA | stage 3: residual, quantize, write |",
+                "| --- | --- | --- | --- |"]
+        for mode, st in results["split_flush_stages"].items():
+            if "error" in st:
+                out.append(f"| {mode} | {st['error']} | | |")
+            else:
+                out.append(f"| {mode} | {st['reconstruct']:.0f} | {st['fit_xla']:.0f} | {st['quantize']:.0f} |")
+        out.append("")
+    if results.get("other_bits"):
+        bsz = results["other_bits"][0]["batch"]
+        out += [f"## Other bit widths (batch {bsz}, µs per token-step; flush: per flush)", "",
+                "| bits | mode | what | µs | × vs FLA fp32 |", "| --- | --- | --- | --- | --- |"]
+        for r in results["other_bits"]:
+            sp = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
+            us = f"error: {_cell(r['error'])}" if r.get("error") else f"{r['us']:.1f}"
+            out.append(f"| {r['bits']} | {r['mode']} | {r['impl']} | {us} | {sp} |")
+        out.append("")
+        # the amortised window (p steps + flush, per step) of every bit width timed, against FLA fp32
+        amort = {}
+        for r in results["timings"]:
+            if r["batch"] == bsz and row_kind(r) == "lq-window":
+                amort[(r.get("bits") or results.get("bits"), r["mode"])] = r
+        for r in results["other_bits"]:
+            if r["impl"].endswith(" window") and not r.get("error"):
+                amort[(r["bits"], r["mode"])] = r
+        if amort:
+            out += [f"### Amortised per token-step vs FLA fp32 by bit width (batch {bsz}, p steps + flush)", "",
+                    "| bits | GDN µs | GDN × vs FLA fp32 | KDA µs | KDA × vs FLA fp32 |", "| --- | --- | --- | --- | --- |"]
+            for bits in sorted({b for b, _ in amort if b is not None}, reverse=True):
+                cells = []
+                for mode in ("GDN", "KDA"):
+                    r = amort.get((bits, mode))
+                    sp = r.get("speedup_vs_fla_fp32") if r else None
+                    cells += [f"{r['us']:.1f}" if r else "-", f"{sp:.2f}" if sp else "-"]
+                out.append(f"| {bits} | " + " | ".join(cells) + " |")
+            out.append("")
+    if results["sweep"]:
+        out += [f"## Variant sweep (batch {results['sweep'][0]['batch']}; the timings above use the fastest)", "",
+                "| kernel | mode | options | µs | error |", "| --- | --- | --- | --- | --- |"]
+        for r in results["sweep"]:
+            out.append(f"| {r['kernel']} | {r['mode']} | {r['options']} | {r['us']:.1f} | {_cell(r.get('error', ''))} |")
+        out.append("")
+    tg = targets(results)
+    if tg:
+        out += [f"## Targets (batch {tg[0]['batch']}, FLA fp32 timed in the same run)", "",
+                "| target | measured | wanted | met | short by |", "| --- | --- | --- | --- | --- |"]
+        for t in tg:
+            met = {True: "yes", False: "no", None: "not measured"}[t["met"]]
+            short = f"{t['missing_factor']:.2f}×" if t["missing_factor"] else "-"
+            wanted = ("≥ " if t["sense"] == ">=" else "≤ ") + _fmt_target(t["key"], t["wanted"])
+            out.append(f"| {t['target']} | {_fmt_target(t['key'], t['measured'])} | {wanted} | {met} | {short} |")
+        out.append("")
+    for n in results.get("notes", []):
+        out.append(f"- {n}")
+    return "\n".join(out) + "\n"
+

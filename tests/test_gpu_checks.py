@@ -1,0 +1,46 @@
+"""The compiled kernels against the pure-JAX reference on a GPU: ``pytest -m gpu``.
+
+The checks of ``bench.kernels`` (``bench.kernel_checks``, the same functions and inputs), with
+their pass criteria: one step and one flush from the same state at ragged window positions (8, 6
+and 4 bits; on Hopper the Mosaic GPU step and flush where ``auto`` takes them), the Pallas dense
+steps over 8 tokens, and 64 tokens at ragged window positions through
+``make_method("leapquant", impl="pallas")`` against ``impl="reference"``. The normal suite
+deselects them (``conftest``); selected without a GPU, they are skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.kernel_checks import (
+    check_single_ops, correctness_inputs, dense_failures, dense_step_rows, ragged_failures, ragged_method_row,
+    single_op_failures,
+)
+
+pytestmark = pytest.mark.gpu
+
+MODES = pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+
+
+@MODES
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_step_and_flush_kernels_match_reference(bits, kda):
+    rows = check_single_ops(lambda row: None, (bits,), (kda,))
+    assert rows
+    for row in rows:
+        assert not single_op_failures(row), row
+
+
+@MODES
+def test_dense_step_kernels_match_reference(kda):
+    seq, s0 = correctness_inputs(kda)
+    for row in dense_step_rows(seq, s0, "KDA" if kda else "GDN"):
+        assert not dense_failures(row), row
+
+
+@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)],
+                         ids=["gdn-int8", "kda-int8", "kda-int6", "gdn-int4"])
+def test_method_on_kernels_matches_reference_at_ragged_positions(bits, kda):
+    seq, s0 = correctness_inputs(kda)
+    row = ragged_method_row(seq, s0, "KDA" if kda else "GDN", bits)
+    assert not ragged_failures(row), row
