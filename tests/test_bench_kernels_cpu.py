@@ -17,7 +17,7 @@ from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.leapquant_step import step_bytes
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
-# one xdist worker compiles them once (pyproject: --dist loadgroup).
+# one xdist worker compiles them once (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("bench_kernels_cpu")
 
 

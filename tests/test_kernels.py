@@ -36,7 +36,7 @@ from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant
 from pallas_kernels import mosaic_step
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
-# one xdist worker compiles them once (pyproject: --dist loadgroup).
+# one xdist worker compiles them once (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("kernels")
 
 INTERPRET = True
