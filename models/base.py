@@ -1,71 +1,54 @@
 """The contract between the model-independent machinery and one architecture module.
 
-The converter, the checkpoint reader, the decode loop and the CLI (``models/checkpoint.py``,
-``models/decode.py``, ``models/cli.py``) know nothing about a particular model. Each
-architecture (``models/qwen3_next.py`` for Qwen3-Next and Qwen3.5, ``models/kimi_linear.py``
-for Kimi-Linear) is a module that exposes one object, ``ARCH``, satisfying ``Architecture``
-below, and is listed by HF ``model_type`` in ``models/registry.py``.
+The converter, the checkpoint reader, the decode loop and the CLI know nothing about a
+particular model. Each architecture (``models/qwen3_next.py`` for Qwen3-Next and Qwen3.5,
+``models/kimi_linear.py`` for Kimi-Linear) is a module exposing one object, ``ARCH``, that
+satisfies ``Architecture`` below, listed by HF ``model_type`` in ``models/registry.py``.
 
-Everything is functional: parameters are a plain pytree of arrays (dicts, tuples), the
-config is a frozen, hashable dataclass (static under ``jit``), the cache is a plain pytree.
+Everything is functional: parameters are a plain pytree of arrays (dicts, tuples), the config a
+frozen, hashable dataclass (static under ``jit``), the cache a plain pytree.
 
 Parameters
-    ``convert`` returns the pytree the forward pass reads. Weight layouts are fixed there,
-    once (for example Qwen3-Next's interleaved ``in_proj_qkvz`` becomes Qwen3.5's flat
-    ``qkv``/``z``/``b``/``a``). Leaves keep their stored dtype (bf16 stays bf16); the forward
-    pass computes in float32. Dict keys are strings and sequences are tuples, so that
-    ``models.checkpoint.flatten_params`` / ``unflatten_params`` round-trip the tree through a
-    safetensors file (``"layers.3.attn.q_proj"``).
+    ``convert`` returns the pytree the forward pass reads. Weight layouts are fixed there, once
+    (Qwen3-Next's interleaved ``in_proj_qkvz`` becomes Qwen3.5's flat ``qkv``/``z``/``b``/``a``).
+    Leaves keep their stored dtype (bf16 stays bf16); the forward pass computes in float32. Dict
+    keys are strings and sequences tuples, so ``models.checkpoint.flatten_params`` /
+    ``unflatten_params`` round-trip the tree through a safetensors file (``"layers.3.attn.q_proj"``).
 
 Cache
-    ``init_cache(config, batch=B, max_len=L, method=M)`` returns a dict with at least
-    ``"pos": [B] int32``, the number of tokens each sequence has consumed, which is also the
-    position of its next token. Linear-attention layers keep their recurrent state in the
-    format of the state method ``M`` (``leapquant_jax.make_method(...)``: ``init``,
-    ``prefill``, ``step``, ``to_dense``, and ``for_layer(i)``, the method layer ``i`` uses, which
-    ``run_decoder_stack`` applies) plus their short-convolution tails; attention layers keep a
-    KV cache of ``L`` positions. The layers' caches are ``cache["layers"]`` (one per layer) or,
-    with ``config.scan_layers``, ``cache["head"]``, ``cache["blocks"]`` (stacked, leaves
-    ``[repeats, B, ...]``) and ``cache["tail"]`` (``finish_cache``); ``layer_caches`` gives
-    one per layer either way and ``take_rows``/``put_rows`` cut and write sequences.
+    ``init_cache(config, batch=B, max_len=L, method=M)`` returns a dict with at least ``"pos": [B]
+    int32``, the tokens each sequence has consumed (the position of its next token).
+    Linear-attention layers keep their recurrent state in the format of the state method ``M``
+    (``leapquant_jax.make_method``; ``for_layer(i)`` is the method layer ``i`` uses) plus their
+    short-convolution tails; attention layers keep a KV cache of ``L`` positions. The layers'
+    caches are ``cache["layers"]`` or, with ``config.scan_layers``, ``cache["head"]``,
+    ``cache["blocks"]`` (stacked ``[repeats, B, ...]``) and ``cache["tail"]`` (``finish_cache``);
+    ``layer_caches`` gives one per layer either way, ``take_rows``/``put_rows`` cut and write rows.
 
 Runtime
-    ``config.compute`` (``"exact"`` or ``"fast"``, ``models/layers.py``) and
-    ``config.scan_layers`` say how the model runs (``RUNTIME_FIELDS``); ``with_runtime`` sets
-    them and moves the params to the matching layout.
+    ``config.compute`` (``"exact"`` or ``"fast"``, ``models/layers.py``) and ``config.scan_layers``
+    say how the model runs (``RUNTIME_FIELDS``); ``with_runtime`` sets them and moves the params
+    to the matching layout.
 
 Forward
     ``forward(params, config, ids, cache, *, method, mode, lengths=None, active=None,
-    record=False) -> (logits, cache, traces)``
-
-    * ``mode="prefill"``: ``ids [B, T]`` int32, **right-padded**, ``lengths [B]`` int32
-      (``1 <= lengths[b] <= T``), from an empty cache. Sequence ``b`` occupies positions
-      ``0 .. lengths[b]-1``; the recurrent state is computed exactly in fp32 over those
-      tokens (``method.prefill``) and the returned cache has ``pos = lengths``. Logits at
-      padded positions are unspecified.
-    * ``mode="decode"``: ``ids [B, 1]``, one token per sequence at position ``cache["pos"]``,
-      through ``method.step``. ``active [B]`` bool (optional): inactive sequences keep their
-      cache unchanged (their logits are unspecified).
-    * ``logits``: ``[B, T, vocab]`` float32; ``logits[b, t]`` predicts the token after
-      ``ids[b, t]``.
-    * ``traces``: ``{}`` unless ``record=True`` (a static flag); then
-      ``{layer_index: {"q", "k", "v", "g", "beta"}}`` for every linear-attention layer, each
-      ``[B, T, ...]`` float32 with the recurrence inputs exactly as the state method sees
-      them: ``q``, ``k`` ``[B, T, H, dk]`` (L2-normalised, ``q`` scaled by ``dk**-0.5``, key
-      heads already expanded to the ``H`` value heads), ``v [B, T, H, dv]``, ``beta [B, T, H]``,
-      ``g [B, T, H]`` (GDN) or ``[B, T, H, dk]`` (KDA). These are the trace files of docs/design.md §5.
-
-``forward`` must be traceable with ``config``, ``method``, ``mode`` and ``record`` static, so
-the decode loop can ``jit`` it and run it inside ``lax.while_loop``.
+    record=False) -> (logits, cache, traces)``, traceable with ``config``, ``method``, ``mode``
+    and ``record`` static (the decode loop runs it inside ``lax.while_loop``); the modes, shapes
+    and traces are in ``Architecture.forward``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from models import layers as L
+from models.layers import COMPUTE_MODES
 
 Array = jax.Array
 Params = Any
@@ -77,20 +60,36 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
 
+def _natural(name: str) -> list:
+    # "layers.10" after "layers.9": the numbers in a tensor name compared as numbers
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
 class ConversionError(ValueError):
-    """A checkpoint does not match its config; the message names every offending tensor."""
+    """A checkpoint does not match its config. The message names the first ``SHOWN`` tensors of
+    each kind (missing, unexpected, mis-shaped) and how many there are; the attributes hold them
+    all."""
+
+    SHOWN = 5
 
     def __init__(self, *, missing=(), unexpected=(), mis_shaped=(), context: str = ""):
-        self.missing = sorted(missing)
-        self.unexpected = sorted(unexpected)
-        self.mis_shaped = sorted(mis_shaped)  # (name, expected, found)
+        self.missing = sorted(missing, key=_natural)
+        self.unexpected = sorted(unexpected, key=_natural)
+        self.mis_shaped = sorted(mis_shaped, key=lambda m: _natural(m[0]))  # (name, expected, found)
+        shown = self.SHOWN
+
+        def names(items):
+            more = f" and {len(items) - shown} more" if len(items) > shown else ""
+            return ", ".join(items[:shown]) + more
+
         lines = [f"checkpoint does not match its config{(' (' + context + ')') if context else ''}:"]
         if self.missing:
-            lines.append(f"  missing tensors ({len(self.missing)}): " + ", ".join(self.missing))
+            lines.append(f"  missing tensors ({len(self.missing)}): {names(self.missing)}")
         if self.unexpected:
-            lines.append(f"  unexpected tensors ({len(self.unexpected)}): " + ", ".join(self.unexpected))
-        for name, want, got in self.mis_shaped:
-            lines.append(f"  mis-shaped tensor {name}: expected {tuple(want)}, found {tuple(got)}")
+            lines.append(f"  unexpected tensors ({len(self.unexpected)}): {names(self.unexpected)}")
+        if self.mis_shaped:
+            lines.append(f"  mis-shaped tensors ({len(self.mis_shaped)}): " + names(
+                [f"{name}: expected {tuple(want)}, found {tuple(got)}" for name, want, got in self.mis_shaped]))
         super().__init__("\n".join(lines))
 
 
@@ -143,6 +142,25 @@ class Architecture(Protocol):
         active: Optional[Array] = None,
         record: bool = False,
     ) -> tuple[Array, Cache, Traces]:
+        """One pass over ``ids``; returns ``(logits, cache, traces)``.
+
+        * ``mode="prefill"``: ``ids [B, T]`` int32, **right-padded**, ``lengths [B]`` int32
+          (``1 <= lengths[b] <= T``), from an empty cache. Sequence ``b`` occupies positions
+          ``0 .. lengths[b]-1``; the recurrent state is computed exactly in fp32 over those
+          tokens (``method.prefill``) and the returned cache has ``pos = lengths``. Logits at
+          padded positions are unspecified.
+        * ``mode="decode"``: ``ids [B, 1]``, one token per sequence at position ``cache["pos"]``,
+          through ``method.step``. ``active [B]`` bool (optional): inactive sequences keep their
+          cache unchanged (their logits are unspecified).
+        * ``logits``: ``[B, T, vocab]`` float32; ``logits[b, t]`` predicts the token after
+          ``ids[b, t]``.
+        * ``traces``: ``{}`` unless ``record=True`` (a static flag); then
+          ``{layer_index: {"q", "k", "v", "g", "beta"}}`` for every linear-attention layer, each
+          ``[B, T, ...]`` float32 with the recurrence inputs exactly as the state method sees
+          them: ``q``, ``k`` ``[B, T, H, dk]`` (L2-normalised, ``q`` scaled by ``dk**-0.5``, key
+          heads already expanded to the ``H`` value heads), ``v [B, T, H, dv]``, ``beta [B, T, H]``,
+          ``g [B, T, H]`` (GDN) or ``[B, T, H, dk]`` (KDA): the trace files of docs/design.md §5.
+        """
         ...
 
 
@@ -182,16 +200,12 @@ RUNTIME_FIELDS = ("compute", "scan_layers")
 
 def runtime_free_repr(config: Any) -> str:
     """``repr(config)`` without the ``RUNTIME_FIELDS`` (the dataclass repr's own format)."""
-    import dataclasses
-
     fields = [f for f in dataclasses.fields(config) if f.repr and f.name not in RUNTIME_FIELDS]
     return f"{type(config).__qualname__}(" + ", ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields) + ")"
 
 
 def check_runtime(config: Any) -> None:
     """Raises ``ValueError`` for a ``compute`` other than ``exact``/``fast`` or a non-bool ``scan_layers``."""
-    from models.layers import COMPUTE_MODES
-
     if config.compute not in COMPUTE_MODES:
         raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {config.compute!r}")
     if not isinstance(config.scan_layers, bool):
@@ -248,8 +262,6 @@ def layer_plan(config: Any) -> LayerPlan:
 def stack_layers(per_layer: Sequence[Any], plan: LayerPlan) -> dict:
     """Per-layer trees (params or caches, one per layer) -> ``{"head": (tree, ...), "blocks":
     (tree stacked over the repeats, one per block position), "tail": (tree, ...)}``."""
-    import jax.numpy as jnp
-
     blocks = tuple(
         jax.tree.map(lambda *xs: jnp.stack(xs), *[per_layer[plan.block_layer(r, j)] for r in range(plan.repeats)])
         for j in range(plan.period))
@@ -310,8 +322,6 @@ def layer_caches(cache: Mapping[str, Any], config: Any) -> tuple:
 def finish_cache(config: Any, per_layer: Sequence[Any], *, batch: int) -> dict:
     """The cache ``init_cache`` returns: ``pos [B]`` zeros and the per-layer caches, stacked by
     ``stack_layers`` when ``config.scan_layers``."""
-    import jax.numpy as jnp
-
     pos = jnp.zeros((batch,), jnp.int32)
     if config.scan_layers:
         return dict(pos=pos, **stack_layers(tuple(per_layer), layer_plan(config)))
@@ -331,8 +341,6 @@ def batch_axis(path) -> int:
 
 def take_rows(cache: Any, rows: Array) -> Any:
     """The cache of sequences ``rows [n]`` (int) of ``cache``: a cache of batch ``n``."""
-    import jax.numpy as jnp
-
     return jax.tree_util.tree_map_with_path(lambda path, x: jnp.take(x, rows, axis=batch_axis(path)), cache)
 
 
@@ -375,8 +383,6 @@ def decoder_layer(parts: LayerParts, p: dict, x: Array, cache: dict, cfg: Any, i
     """One pre-norm residual block, ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``, with the
     mixer and MLP that ``cfg.layer_types[i]`` and ``cfg.mlp_types[i]`` name. x ``[B, T, D]``.
     Returns ``(x [B, T, D], new_cache, trace or {})``."""
-    from models import layers as L
-
     h = parts.norm(x, p["input_norm"], eps=cfg.rms_norm_eps)
     trace = {}
     if cfg.layer_types[i] == LINEAR_ATTENTION:
@@ -412,10 +418,6 @@ def run_decoder_stack(params: dict, config: Any, ids: Array, cache: dict, *, par
     differs per layer (``for_layer``, e.g. DAMP) or ``record=True`` walks the same stacked
     layout layer by layer instead.
     """
-    import jax.numpy as jnp
-
-    from models import layers as L
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     check_runtime(config)

@@ -1,22 +1,37 @@
-"""``leapquant convert | generate | score | eval | recall | train-data | train | demo | calibrate-damp``: the model commands of the ``leapquant`` CLI.
+"""The model commands of the ``leapquant`` CLI: ``convert``, ``generate`` and ``score`` here, and the
+commands of the modules in ``COMMAND_MODULES`` (``eval``, ``recall``, ``train-data``, ``train``,
+``demo``, ``calibrate-damp``).
 
-``add_subcommands(subparsers)`` registers them on an ``argparse`` subparsers object; each sets
-``func`` to a handler taking the parsed namespace and returning an exit code. ``main`` runs
-them stand-alone (``python -m models.cli ...``).
+``add_subcommands(subparsers)`` registers them all on an ``argparse`` subparsers object; each sets
+``func`` to a handler taking the parsed namespace and returning an exit code
+(``leapquant_jax.cli_support.run_parser`` runs it). A command module has one function,
+``add_subcommand(subparsers)``, that registers its own commands.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from leapquant_jax.cli import (ArgumentParser, add_method_options, float_in, int_at_least, method_from_args,
-                               method_label, run_parser)
+from leapquant_jax.cli_support import (add_method_options, check_output, float_in, int_at_least, int_in,
+                                       method_from_args, method_label)
+from models import calibrate, demo, evaluate, recall
+from models.base import with_runtime
+from models.checkpoint import convert_checkpoint, eos_token_ids
+from models.decode import (available_memory, check_token_ids, generate, generation_memory, generation_program_bytes,
+                           score, write_traces)
+from models.layers import COMPUTE_MODES, Sampling
+from models.loading import check_checkpoint, load_checkpoint, load_token_ids, load_tokenizer
+from models.prefix_state import PrefixStateError, load_prefix, save_prefix
+from models.serving import generate_one
+from models.training import cli as training_cli
+
+# The command modules, in `leapquant --help` order; a new one is imported above and named here.
+COMMAND_MODULES = (evaluate, recall, training_cli, demo, calibrate)
 
 
 def _id_list(text: str) -> list[int]:
@@ -45,19 +60,9 @@ def _add_state_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def _load(path):
-    from models.checkpoint import load_model
-    from models.decode import to_device
-
-    arch, config, params, config_json = load_model(path)
-    return arch, config, to_device(params), config_json
-
-
 def _add_runtime_options(p: argparse.ArgumentParser, *, compute: str, why: str) -> None:
     """``--compute`` (default ``compute``; ``why`` says why that default) and ``--scan-layers``:
     how the model runs (``models.base.with_runtime``), not what it is."""
-    from models.layers import COMPUTE_MODES
-
     p.add_argument("--compute", choices=COMPUTE_MODES, default=compute,
                    help="matmul precision: exact (fp32 operands) or fast (bf16 operands, fp32 accumulation, "
                         f"bf16 attention caches); {why}")
@@ -67,76 +72,53 @@ def _add_runtime_options(p: argparse.ArgumentParser, *, compute: str, why: str) 
 
 
 def _load_runtime(args):
-    """``_load`` of ``args.checkpoint``, set to run as ``--compute`` and ``--scan-layers`` say."""
-    from models.base import with_runtime
-
-    arch, config, params, config_json = _load(args.checkpoint)
+    """``load_checkpoint`` of ``args.checkpoint``, set to run as ``--compute`` and ``--scan-layers`` say."""
+    arch, config, params, config_json = load_checkpoint(args.checkpoint)
     config, params = with_runtime(config, params, compute=args.compute, scan_layers=args.scan_layers)
     return arch, config, params, config_json
 
 
-def _check_checkpoint(path) -> None:
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"checkpoint {path}: no such directory")
+# Caches and buffers below this share of the device's memory need no compiled count (see
+# check_generation_fits); positions are int32, and the new tokens are bounded well inside them.
+SHAPE_SHARE = 1 / 8
+MAX_NEW_TOKENS = 2**30
 
 
-def _check_output(path, flag: str, *, folder: bool) -> None:
-    # Checked before the model runs, so that a bad path costs nothing and nothing is written.
-    if path is None:
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def check_generation_fits(arch, params, config, prompts, *, method, max_new_tokens: int, sampling, stop_ids,
+                          seed: int, record: bool, prefix_tokens: int = 0) -> None:
+    """Refuses (``ValueError`` naming ``--max-new-tokens``) a generation that would not fit in the
+    device's memory (``models.decode.available_memory``), before anything is allocated, with about
+    how many new tokens would. ``prompts``: the batch (one sequence when ``prefix_tokens``, the
+    tokens of a loaded state, come first: what ``generate_one`` runs).
+
+    A run whose caches and buffers, measured on their shapes (``generation_memory``), take at
+    most ``SHAPE_SHARE`` of the memory goes ahead. Above that, XLA's count for the compiled
+    program (``generation_program_bytes``) decides: its temporaries, attention over the whole
+    cache among them, take a few times the caches' own bytes."""
+    fed = max((len(p) for p in prompts), default=0) + prefix_tokens
+    batch = 1 if prefix_tokens else len(prompts)
+    free, where = available_memory()
+    memory = generation_memory(arch, params, config, batch=batch, prompt_len=fed, method=method, record=record)
+    if memory.bytes(max_new_tokens) <= free * SHAPE_SHARE:
         return
-    path = Path(path)
-    if folder and path.exists() and not path.is_dir():
-        raise FileExistsError(f"{flag} {path} exists and is not a folder")
-    if not folder and path.is_dir():
-        raise IsADirectoryError(f"{flag} {path} is a folder; give a file name")
-
-
-def _load_ids(path: Path, flag: str = "--ids-file") -> np.ndarray:
-    """``--ids-file`` (or ``flag``): a ``.npy`` integer array ``[B, T]`` (or ``[T]``, one row),
-    read without pickle; every problem is reported against the flag."""
-    try:
-        with open(path, "rb") as f:
-            is_npy = f.read(6) == b"\x93NUMPY"
-            f.seek(0)
-            if is_npy:
-                version = np.lib.format.read_magic(f)
-                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                shape, _, dtype = read_header(f)
-    except OSError as err:
-        raise type(err)(f"{flag} {path}: {err.strerror or err}") from None
-    except ValueError as err:
-        raise ValueError(f"{flag} {path}: unreadable .npy header ({err})") from None
-    if not is_npy:
-        raise ValueError(f"{flag} {path} is not a .npy file (save the ids with numpy.save)")
-    # Checked on the header, before loading: an object array would need pickle.
-    if len(shape) not in (1, 2) or not np.issubdtype(dtype, np.integer):
-        raise ValueError(f"{flag} {path} must hold integer ids [B, T] or [T], got {dtype} {shape}")
-    try:
-        ids = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
-        raise ValueError(f"{flag} {path}: unreadable .npy file ({err})") from None
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.size == 0:
-        raise ValueError(f"{flag} {path} holds no tokens (shape {ids.shape})")
-    return ids
-
-
-def _tokenizer(path):
-    tok = Path(path) / "tokenizer.json"
-    if not tok.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(tok))
-    except Exception as err:  # the tokenizers library raises plain Exception for a malformed file
-        raise ValueError(f"{tok} is not a readable tokenizer file ({err})") from None
+    program_prompts = [[0] * fed] if prefix_tokens else prompts
+    need = generation_program_bytes(arch, params, config, program_prompts, method=method,
+                                    max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed,
+                                    record=record)
+    if need > free:
+        fit = int(max_new_tokens * free / need)  # the new tokens' positions take nearly all of it
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: decoding {batch} sequence(s) of {fed} + "
+                         f"{max_new_tokens} tokens needs {_gib(need)} (XLA's count for the compiled program: "
+                         f"caches, attention over them, outputs), more than the {_gib(free)} {where}; at most about "
+                         f"{fit:,} new tokens would fit")
 
 
 def run_convert(args) -> int:
-    from models.checkpoint import convert_checkpoint
-
+    check_checkpoint(args.hf_dir, what="hf_dir")
     t0 = time.time()
     out = convert_checkpoint(args.hf_dir, args.out_dir)
     result = {"command": "convert", "hf_dir": str(args.hf_dir), "out_dir": str(out), "seconds": round(time.time() - t0, 3)}
@@ -145,15 +127,9 @@ def run_convert(args) -> int:
 
 
 def run_generate(args) -> int:
-    from models.checkpoint import eos_token_ids
-    from models.decode import check_token_ids, generate, write_traces
-    from models.layers import Sampling
-    from models.prefix_state import PrefixStateError, load_prefix, save_prefix
-    from models.serving import generate_one
-
     method = method_from_args(args)
-    _check_output(args.record_traces, "--record-traces", folder=True)
-    _check_checkpoint(args.checkpoint)
+    check_output(args.record_traces, "--record-traces", folder=True)
+    check_checkpoint(args.checkpoint)
     stateful = args.save_state is not None or args.load_state is not None
     given = args.prompt or args.prompt_ids or []
     if not given and args.load_state is None:
@@ -166,7 +142,7 @@ def run_generate(args) -> int:
         if args.record_traces:
             raise ValueError(f"--record-traces cannot be combined with {flags}")
     if args.save_state is not None:
-        _check_output(args.save_state, "--save-state", folder=False)
+        check_output(args.save_state, "--save-state", folder=False)
         if Path(args.save_state).exists():
             raise FileExistsError(f"--save-state {args.save_state} exists; not overwriting it")
     prefix = None
@@ -176,7 +152,7 @@ def run_generate(args) -> int:
             raise PrefixStateError(f"--load-state {args.load_state} was saved under --compute {prefix.compute} and "
                                    f"this run has --compute {args.compute}: pass --compute {prefix.compute} to "
                                    "load it")
-    tokenizer = _tokenizer(args.checkpoint)
+    tokenizer = load_tokenizer(args.checkpoint)
     if args.prompt:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer, and {args.checkpoint} has no tokenizer.json; pass --prompt-ids")
@@ -192,6 +168,9 @@ def run_generate(args) -> int:
     else:
         stop = check_token_ids(eos_token_ids(args.checkpoint, config_json), config.vocab_size,
                                name="the checkpoint's eos ids (pass --stop-ids to override)").tolist()
+    check_generation_fits(arch, params, config, prompts, method=method, max_new_tokens=args.max_new_tokens,
+                          sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces),
+                          prefix_tokens=0 if prefix is None else prefix.length + prefix.pending.shape[0])
     t0 = time.time()
     if stateful:
         try:
@@ -233,13 +212,11 @@ def run_generate(args) -> int:
 
 
 def run_score(args) -> int:
-    from models.decode import check_token_ids, score, write_traces
-
     method = method_from_args(args)
-    _check_checkpoint(args.checkpoint)
-    _check_output(args.out, "--out", folder=False)
-    _check_output(args.record_traces, "--record-traces", folder=True)
-    ids = _load_ids(args.ids_file)
+    check_checkpoint(args.checkpoint)
+    check_output(args.out, "--out", folder=False)
+    check_output(args.record_traces, "--record-traces", folder=True)
+    ids = load_token_ids(args.ids_file)
     arch, config, params, _ = _load_runtime(args)
     ids = check_token_ids(ids, config.vocab_size, name="--ids-file ids")
     t0 = time.time()
@@ -259,9 +236,8 @@ def run_score(args) -> int:
 
 
 def add_subcommands(subparsers) -> None:
-    """Registers ``convert``, ``generate``, ``score``, ``eval`` (``models.evaluate``), ``recall``
-    (``models.recall``), ``train-data`` and ``train`` (``models.training.cli``), ``demo``
-    (``models.demo``) and ``calibrate-damp`` (``models.calibrate``) on an argparse subparsers object."""
+    """Registers ``convert``, ``generate``, ``score`` and the commands of ``COMMAND_MODULES`` on an
+    argparse subparsers object."""
     p = subparsers.add_parser("convert", help="convert an HF safetensors directory into a leapquant checkpoint")
     p.add_argument("hf_dir", type=Path, help="HF directory: config.json and *.safetensors")
     p.add_argument("out_dir", type=Path, help="checkpoint directory to create (must not exist, or be empty)")
@@ -275,7 +251,8 @@ def add_subcommands(subparsers) -> None:
                      help="prompt text (repeat for a batch); with --load-state, text to feed after the saved state")
     src.add_argument("--prompt-ids", action="append", type=_prompt_ids,
                      help="comma-separated ids (repeat for a batch); with --load-state, ids to feed after it")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), required=True, help="new tokens per prompt, at most")
+    p.add_argument("--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS, why="token positions are int32"), required=True,
+                   help="new tokens per prompt, at most; refused when they would not fit in the device's memory")
     p.add_argument("--temperature", type=float_in(0.0), default=0.0, help="sampling temperature, 0 = greedy")
     p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass in (0, 1], 1 = off")
     p.add_argument("--top-k", type=int_at_least(0), default=0, help="keep the k likeliest tokens, 0 = off")
@@ -302,33 +279,8 @@ def add_subcommands(subparsers) -> None:
     _add_state_options(p)
     p.set_defaults(func=run_score)
 
-    from models.evaluate import add_subcommand as add_eval_subcommand
-
-    add_eval_subcommand(subparsers)  # eval
-
-    from models.recall import add_subcommand as add_recall_subcommand
-
-    add_recall_subcommand(subparsers)  # recall
-
-    from models.training.cli import add_subcommands as add_training_subcommands
-
-    add_training_subcommands(subparsers)  # train-data, train
-
-    from models.demo import add_subcommand as add_demo_subcommand
-
-    add_demo_subcommand(subparsers)  # demo
-
-    from models.calibrate import add_subcommand as add_calibrate_subcommand
-
-    add_calibrate_subcommand(subparsers)  # calibrate-damp
+    for module in COMMAND_MODULES:
+        module.add_subcommand(subparsers)
 
 
-def main(argv=None) -> int:
-    """The model commands alone, with the ``leapquant`` CLI's error handling."""
-    parser = ArgumentParser(prog="leapquant")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    return run_parser(parser, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["COMMAND_MODULES", "add_subcommands", "check_generation_fits", "run_convert", "run_generate", "run_score"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -28,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import leapquant_jax
+from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.traces import Trace, save_trace
-from models.calibrate import check_state_method
-from models.sharding import constrain_cache, shard_batch, shard_method, shard_params
+from models.fingerprint import check_state_method
 from models.layers import Sampling, sample_next
+from models.sharding import constrain_cache, shard_batch, shard_method, shard_params
 
 Array = jax.Array
 # Prompt lengths are rounded up to a multiple of this, so prompts of nearby lengths share one
@@ -152,6 +154,15 @@ class Generation:
     traces: Optional[dict] = None
 
 
+def _generate_inputs(config, prompts, stop_ids, seed):
+    # What ``generate`` hands the compiled program, checked: (prompts, ids, lengths, stop, key).
+    prompts = [check_token_ids(p, config.vocab_size, name=f"prompts[{b}]") for b, p in enumerate(prompts)]
+    stop_ids = check_token_ids(stop_ids, config.vocab_size, name="stop_ids")
+    ids, lengths = pad_prompts(prompts)
+    stop = jnp.asarray(stop_ids.tolist() or [-1], jnp.int32)
+    return prompts, jnp.asarray(ids), jnp.asarray(lengths), stop, jax.random.PRNGKey(seed)
+
+
 def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, max_new_tokens: int,
              sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), seed: int = 0,
              record: bool = False, mesh=None) -> Generation:
@@ -166,18 +177,14 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
         raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     if isinstance(prompts, (str, bytes)) or not len(prompts):
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
-    prompts = [check_token_ids(p, config.vocab_size, name=f"prompts[{b}]") for b, p in enumerate(prompts)]
-    stop_ids = check_token_ids(stop_ids, config.vocab_size, name="stop_ids")
+    prompts, ids, lengths, stop, key = _generate_inputs(config, prompts, stop_ids, seed)
     check_state_method(method, arch, config, params)
-    ids, lengths = pad_prompts(prompts)
-    stop = jnp.asarray(stop_ids.tolist() or [-1], jnp.int32)
-    ids, lengths = jnp.asarray(ids), jnp.asarray(lengths)
     if mesh is not None:
         method = shard_method(method, mesh)
         params = shard_params(params, mesh)
         ids, lengths = shard_batch(ids, mesh, name="prompts"), shard_batch(lengths, mesh, name="prompts")
     tokens, count, pre, dec = _generate(
-        arch, params, config, ids, lengths, stop, jax.random.PRNGKey(seed),
+        arch, params, config, ids, lengths, stop, key,
         method=method, sampling=sampling, max_new_tokens=max_new_tokens, record=record, mesh=mesh,
     )
     tokens, count = np.asarray(tokens), np.asarray(count)
@@ -194,6 +201,69 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
                              for name in pre[layer]})
             traces[layer] = rows
     return Generation(tokens=out, prompt_lengths=lengths.tolist(), traces=traces)
+
+
+def generation_program_bytes(arch, params, config, prompts: Sequence[Sequence[int]], *, method,
+                             max_new_tokens: int, sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (),
+                             seed: int = 0, record: bool = False) -> int:
+    """Bytes the compiled program of ``generate`` (same arguments, one device) allocates beyond
+    its arguments: XLA's own count of its temporaries (the cache, attention over all of it) and
+    its outputs. Compiling allocates none of them, and ``generate`` then reuses the program."""
+    _, ids, lengths, stop, key = _generate_inputs(config, prompts, stop_ids, seed)
+    compiled = _generate.lower(arch, params, config, ids, lengths, stop, key, method=method, sampling=sampling,
+                               max_new_tokens=max_new_tokens, record=record, mesh=None).compile()
+    stats = compiled.memory_analysis()
+    return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationMemory:
+    """Bytes a generation holds beyond the weights, at least: ``fixed + per_token * max_new_tokens``.
+    ``fixed``: the caches' positions of the prompt and the recurrent states, (recorded) the prompt's
+    traces; ``per_token``: per new token, the caches' positions, the token and (recorded) its traces."""
+
+    fixed: int
+    per_token: int
+
+    def bytes(self, max_new_tokens: int) -> int:
+        return self.fixed + self.per_token * int(max_new_tokens)
+
+
+def generation_memory(arch, params, config, *, batch: int, prompt_len: int, method, record: bool = False
+                      ) -> GenerationMemory:
+    """What ``generate`` (or a one-slot ``models.serving`` pool) of ``batch`` prompts of at most
+    ``prompt_len`` tokens holds, measured on shapes (``jax.eval_shape``: nothing is allocated): the
+    cache of ``prompt_len`` rounded up to ``PROMPT_BUCKET`` plus the new tokens' positions, the
+    new tokens ``[B, N]`` int32 and, with ``record``, every token's traces."""
+    t = -(-int(prompt_len) // PROMPT_BUCKET) * PROMPT_BUCKET
+
+    def cache(max_len):
+        return jax.eval_shape(lambda: arch.init_cache(config, batch=batch, max_len=max_len, method=method))
+
+    per_position = tree_bytes(cache(t + 2)) - tree_bytes(cache(t + 1))
+    fixed = tree_bytes(cache(t))
+    per_token = per_position + 4 * batch
+    if record:
+        ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+        _, _, traces = jax.eval_shape(
+            lambda p, c, i: arch.forward(p, config, i, c, method=method, mode="decode", record=True),
+            params, cache(t + 1), ids)
+        per_trace = tree_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), traces))
+        fixed += per_trace * (t - 1)   # the prompt's traces, then one per fed-back token
+        per_token += per_trace
+    return GenerationMemory(fixed=fixed, per_token=per_token)
+
+
+def available_memory(device=None) -> tuple[int, str]:
+    """``(bytes, what they are)`` that a computation on ``device`` (default: JAX's first) can
+    still allocate: ``bytes_limit - bytes_in_use`` of JAX's ``memory_stats`` where the device
+    reports them (GPUs), else the host's physical memory (the CPU backend allocates there)."""
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return free, f"free on {device.device_kind} (JAX's memory_stats)"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of the host's physical memory"
 
 
 @functools.partial(jax.jit, static_argnames=("arch", "config", "method", "prefill_len", "record", "mesh"))
@@ -268,6 +338,10 @@ def to_device(params) -> Any:
 
 __all__ = [
     "Generation",
+    "GenerationMemory",
+    "available_memory",
+    "generation_memory",
+    "generation_program_bytes",
     "PROMPT_BUCKET",
     "check_token_ids",
     "generate",

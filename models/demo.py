@@ -22,15 +22,28 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import jax
 import numpy as np
+from matplotlib.figure import Figure
+
+from leapquant_jax.cli_support import (add_plot_options, add_states_option, int_at_least, make_folder_for, plot_path,
+                                       progress, state_options)
+from leapquant_jax.method_names import methods_for_labels
+from leapquant_jax.methods import make_method
+from leapquant_jax.quantizers import tree_bytes
+from leapquant_jax.state import LeapQuantState
+from leapquant_jax.studies.errors import method_styles
+from models.base import layer_caches
+from models.decode import check_token_ids
+from models.evaluate import EvalConfig, evaluate, format_table, load_data, segment_rows, warn_if_training_data
+from models.loading import DATA_FILES, check_checkpoint, load_checkpoint, load_tokenizer, read_file_list
+from models.training.data import EOS, default_source, file_sha256, tokenize_texts
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "stdlib-gdn"
 # fp32, two per-step formats bracketing LeapQuant's bytes (bf16 above, int8 below), LeapQuant at 8
 # and 4 bits. Compilation dominates on a CPU (tens of seconds per format), so the list sets the run time.
 DEFAULT_STATES = "fp32,bf16,int8,leapquant,leapquant-b4"
 DEFAULT_CONTEXT = 2048
-DATA_FILES = "DATA_FILES.txt"
-_SPLITS = ("train", "heldout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,39 +67,6 @@ class HeldOutText:
                 "listed_files": self.listed, "python": self.python}
 
 
-def read_file_list(path) -> list[tuple[str, str, str]]:
-    """``DATA_FILES.txt``: one ``split sha256 relative/path`` line per corpus file.
-
-    Returns ``[(split, sha256, path)]`` in file order. Raises ``ValueError`` naming the line of a
-    malformed entry (unknown split, a sha256 that is not 64 hex digits, an absolute path or one
-    leaving the directory) and ``OSError`` naming the file when it cannot be read.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise type(err)(f"{path}: {err.strerror or err}") from None
-    entries = []
-    for number, line in enumerate(text.splitlines(), 1):
-        parts = line.split(" ", 2)
-        if len(parts) != 3:
-            raise ValueError(f"{path} line {number}: expected 'split sha256 relative/path', got {line!r}")
-        split, digest, rel = parts
-        if split not in _SPLITS:
-            raise ValueError(f"{path} line {number}: split must be one of {_SPLITS}, got {split!r}")
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise ValueError(f"{path} line {number}: sha256 must be 64 lowercase hex digits, got {digest!r}")
-        # A listed path only ever names a file inside the standard-library directory.
-        if not rel or rel.startswith("/") or ".." in rel.split("/"):
-            raise ValueError(f"{path} line {number}: expected a relative path inside the directory, got {rel!r}")
-        entries.append((split, digest, rel))
-    if not entries:
-        raise ValueError(f"{path} lists no files")
-    return entries
-
-
 def stdlib_heldout(checkpoint, tokenizer, *, min_tokens: int, stdlib=None) -> HeldOutText:
     """The held-out split of ``checkpoint``'s ``DATA_FILES.txt``, read from ``stdlib`` (default:
     the running interpreter's standard library), keeping the files whose sha256 matches the list,
@@ -96,8 +76,6 @@ def stdlib_heldout(checkpoint, tokenizer, *, min_tokens: int, stdlib=None) -> He
     directory, its Python, the files matched and ``--data`` when fewer than ``min_tokens``
     tokens match, and when the checkpoint has no file list or no tokenizer.
     """
-    from models.training.data import EOS, _tokenize, default_source, file_sha256
-
     checkpoint = Path(checkpoint)
     files_list = checkpoint / DATA_FILES
     if not files_list.is_file():
@@ -122,7 +100,7 @@ def stdlib_heldout(checkpoint, tokenizer, *, min_tokens: int, stdlib=None) -> He
         except UnicodeDecodeError as err:
             raise ValueError(f"{path} matches its listed sha256 but is not UTF-8 ({err.reason})") from None
         used.append(rel)
-    ids = _tokenize(tokenizer, texts) if texts else np.zeros((0,), np.uint16)
+    ids = tokenize_texts(tokenizer, texts) if texts else np.zeros((0,), np.uint16)
     if ids.size < min_tokens:
         corpus = _corpus_python(checkpoint)
         raise ValueError(
@@ -153,13 +131,6 @@ def stream_memory(arch, config, methods: dict) -> dict:
     (window-boundary checkpoint; the state itself for per-step methods), "bytes_per_element",
     "vs_fp32" (bytes over fp32's bytes)}}}``.
     """
-    import jax
-
-    from leapquant_jax.methods import make_method
-    from leapquant_jax.quantizers import tree_bytes
-    from leapquant_jax.state import LeapQuantState
-    from models.base import layer_caches
-
     def states(method):
         cache = jax.eval_shape(lambda: arch.init_cache(config, batch=1, max_len=1, method=method))
         found = [layer["state"] for layer in layer_caches(cache, config) if isinstance(layer, dict) and "state" in layer]
@@ -194,37 +165,47 @@ def format_memory(memory: dict) -> str:
     return "\n".join(lines)
 
 
+def layer_line(errors: dict) -> tuple[list, list]:
+    """``(x, y)`` of one method's per-layer errors (``{model layer: error}``), ``x`` the model
+    layer indices, with a NaN (no line) where an attention layer lies between two linear ones."""
+    xs, ys = [], []
+    for layer, err in sorted((int(k), v) for k, v in errors.items()):
+        if xs and layer != xs[-1] + 1:
+            xs.append(np.nan)
+            ys.append(np.nan)
+        xs.append(layer)
+        ys.append(err)
+    return xs, ys
+
+
 def plot_demo(result: dict, memory: dict, path, *, title: str) -> None:
     """Writes the demo's PNG: (left) each method's final relative state error per
-    linear-attention layer, log scale; (right) KL to fp32 against bytes per stream, each point
-    labelled with its perplexity change. fp32 is the reference (zero error), marked by a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from leapquant_jax.studies.errors import method_styles
-
+    linear-attention layer against its model layer index, log scale, the attention layers
+    between them shaded and not crossed by the lines; (right) KL to fp32 against bytes per
+    stream, each point labelled with its perplexity change. fp32 is the reference (zero error),
+    marked by a line."""
     labels = [m for m in result["methods"] if m != "fp32"]
     styles = method_styles(labels)
     fp32 = result["methods"]["fp32"]
     kib = 1024.0
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.4))
+    fig = Figure(figsize=(13, 5.4))
+    ax, bx = fig.subplots(1, 2)
+    layers = sorted(int(k) for k in fp32["state_rel_error"])
     for label in labels:
         r, mem = result["methods"][label], memory["methods"][label]
         st = styles[label]
         colour = st["color"]
-        layers = list(r["state_rel_error"])
-        ax.plot(range(len(layers)), [r["state_rel_error"][k] for k in layers],
-                label=f"{label}  ({mem['bytes'] / kib:,.0f} KiB per stream)", **st)
+        ax.plot(*layer_line(r["state_rel_error"]), label=f"{label}  ({mem['bytes'] / kib:,.0f} KiB per stream)", **st)
         kl = r["kl_to_fp32"]
         bx.plot(mem["bytes"] / kib, kl, st["marker"], color=colour, markersize=9)
         delta = r["perplexity"] - fp32["perplexity"]
         bx.annotate(f"{label}\nppl {delta:+.4f}", (mem["bytes"] / kib, kl), textcoords="offset points",
                     xytext=(8, 0), ha="left", va="center", fontsize=8, color=colour)
-    ax.set_xticks(range(len(layers)), layers)
+    for gap in sorted(set(range(layers[0], layers[-1] + 1)) - set(layers)):
+        ax.axvspan(gap - 0.5, gap + 0.5, color="0.92", linewidth=0)
+    ax.set_xticks(layers)
     ax.set_yscale("log", nonpositive="mask")
-    ax.set_xlabel("linear-attention layer")
+    ax.set_xlabel("model layer (linear-attention layers; shaded: attention layers)")
     ax.set_ylabel(r"final relative state error  $\|S - S_{fp32}\|_F\, /\, \|S_{fp32}\|_F$")
     ax.set_title("state error per layer (each layer replays fp32's own inputs)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
@@ -244,24 +225,17 @@ def plot_demo(result: dict, memory: dict, path, *, title: str) -> None:
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run_demo(args) -> int:
     """The ``leapquant demo`` handler."""
-    from leapquant_jax.cli import _make_folder_for, _plot_path, _progress
-    from models.cli import _check_checkpoint, _load, _tokenizer
-    from models.decode import check_token_ids
-    from models.evaluate import (EvalConfig, build_methods, state_options, evaluate, format_table, load_data,
-                                 segment_rows)
-
     t0 = time.time()
     cfg = EvalConfig(context=args.context)
     options = state_options(args)
-    methods = build_methods(args.states.split(","), options)
-    plot = _plot_path(args)
-    _check_checkpoint(args.checkpoint)
-    tokenizer = _tokenizer(args.checkpoint)
+    methods = methods_for_labels(args.states.split(","), options)
+    plot = plot_path(args)
+    check_checkpoint(args.checkpoint)
+    tokenizer = load_tokenizer(args.checkpoint)
     if args.data is not None:
         ids = load_data(args.data, tokenizer)
         data = HeldOutText(ids=ids, source=f"--data {args.data}, {ids.shape[-1]:,} tokens"
@@ -269,14 +243,16 @@ def run_demo(args) -> int:
     else:
         data = stdlib_heldout(args.checkpoint, tokenizer, min_tokens=cfg.context)
     rows = segment_rows(data.ids, cfg, source=f"--data {args.data}" if args.data is not None else "the held-out text")
-    arch, config, params, _ = _load(args.checkpoint)
+    arch, config, params, _ = load_checkpoint(args.checkpoint)
     rows = check_token_ids(rows, config.vocab_size, name="--data ids" if args.data is not None else "held-out ids")
+    if args.data is not None:
+        warn_if_training_data(args.checkpoint, args.data)
     memory = stream_memory(arch, config, methods)
     result = evaluate(arch, params, config, rows, methods, cfg,
-                      progress=lambda it, desc: _progress(it, desc=desc, enabled=True, total=len(methods)))
+                      progress=lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
     name = Path(args.checkpoint).resolve().name
     if plot:
-        _make_folder_for(plot)
+        make_folder_for(plot)
         text = Path(args.data).name if args.data is not None else f"held-out text ({len(data.files)} stdlib files)"
         plot_demo(result, memory, plot, title=f"{name}: {cfg.context:,} tokens of {text}, one decode step each "
                                               "from an empty state; state formats against fp32")
@@ -303,9 +279,6 @@ def run_demo(args) -> int:
 
 def add_subcommand(subparsers) -> None:
     """Registers ``demo`` on an argparse subparsers object."""
-    from leapquant_jax.cli import _add_plot_options, int_at_least
-    from models.evaluate import add_state_options
-
     p = subparsers.add_parser("demo", help="fp32 against LeapQuant and per-step state formats on the shipped "
                                            "GDN checkpoint's held-out text: table, memory per stream, plot")
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
@@ -315,10 +288,10 @@ def add_subcommand(subparsers) -> None:
                         f"(default: the held-out files of the checkpoint's {DATA_FILES} from this Python's "
                         "standard library)")
     p.add_argument("--context", type=int_at_least(2), default=DEFAULT_CONTEXT, help="tokens decoded")
-    add_state_options(p, DEFAULT_STATES)
-    _add_plot_options(p, "demo.png")
+    add_states_option(p, DEFAULT_STATES)
+    add_plot_options(p, "demo.png")
     p.set_defaults(func=run_demo)
 
 
-__all__ = ["DEFAULT_CHECKPOINT", "DEFAULT_STATES", "HeldOutText", "add_subcommand", "format_memory", "plot_demo",
-           "read_file_list", "run_demo", "stdlib_heldout", "stream_memory"]
+__all__ = ["DEFAULT_CHECKPOINT", "DEFAULT_STATES", "HeldOutText", "add_subcommand", "format_memory", "layer_line",
+           "plot_demo", "run_demo", "stdlib_heldout", "stream_memory"]

@@ -44,26 +44,19 @@ import functools
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leapquant_jax.methods import WINDOWED_METHODS, make_method
-from leapquant_jax.studies.errors import ALL_METHODS, STUDY_METHODS
-from models.calibrate import check_state_method
+from leapquant_jax.cli_support import add_states_option, int_at_least, progress, state_options, warn
+from leapquant_jax.method_names import methods_for_labels
+from leapquant_jax.methods import make_method
+from models.decode import check_token_ids, generate, score
+from models.fingerprint import check_state_method
+from models.loading import check_checkpoint, load_checkpoint, load_token_ids, load_tokenizer, training_file
 
-# The options of `add_method_options` and the method names they apply to: window and kernels to
-# every windowed method, the rest to LeapQuant alone; the calibration to damp alone.
-_WINDOW_OPTIONS = ("window", "impl")
-_LEAPQUANT_OPTIONS = ("bits", "rank", "compensators", "smoothing") + _WINDOW_OPTIONS
-_STATE_OPTIONS = _LEAPQUANT_OPTIONS + ("calibration",)
-
-
-def state_options(args) -> dict:
-    """The state options of parsed ``add_state_options`` flags, for ``build_methods``."""
-    return {k: getattr(args, k) for k in _STATE_OPTIONS}
 DEFAULT_STATES = "fp32,bf16,int8,bf16-w,int8-w,leapquant,leapquant-b6,leapquant-b4"
 
 
@@ -110,51 +103,6 @@ class EvalConfig:
             return []
         n, every = self.decoded_per_row, self.error_every
         return list(range(every, n + 1, every)) + ([n] if n % every else [])
-
-
-def build_methods(labels: Sequence[str], options: Optional[dict] = None) -> dict:
-    """The state methods of ``labels`` (keys of ``studies.errors.ALL_METHODS``: ``fp32``,
-    ``int8-w+ct``, ``leapquant-b6``, ``mxfp4``, ``damp``, ...), with ``options`` (``bits``, ``window``, ``rank``,
-    ``compensators``, ``smoothing``, ``impl``; ``calibration``, damp's file; ``None`` = the label's
-    default) applied where they mean something.
-
-    Returns ``{label: method}`` in the given order, fp32 first (added when missing: it is the
-    reference). Raises ``ValueError`` for an unknown or repeated label, or an option that
-    contradicts what the label fixes (``leapquant-b6`` with ``bits=4``).
-    """
-    options = {k: v for k, v in (options or {}).items() if v is not None}
-    unknown_opts = set(options) - set(_STATE_OPTIONS)
-    if unknown_opts:
-        raise ValueError(f"unknown state option(s) {sorted(unknown_opts)}; known: {list(_STATE_OPTIONS)}")
-    labels = [str(x).strip() for x in labels]
-    if not labels or any(not x for x in labels):
-        raise ValueError(f"--states must be a comma-separated list of methods, got {','.join(labels)!r}")
-    for label in labels:
-        if label not in ALL_METHODS:
-            raise ValueError(f"--states: unknown method {label!r}; known: {', '.join(ALL_METHODS)}")
-    repeated = sorted({x for x in labels if labels.count(x) > 1})
-    if repeated:
-        raise ValueError(f"--states names {repeated[0]!r} more than once")
-    if "damp" in labels and "calibration" not in options:
-        raise ValueError("--states damp needs its calibration file: --damp-calibration FILE "
-                         "(made by `leapquant calibrate-damp`)")
-    if "calibration" in options and "damp" not in labels:
-        raise ValueError("--damp-calibration is the calibration of method damp, which --states does not name")
-    methods = {}
-    for label in ["fp32"] + [x for x in labels if x != "fp32"]:
-        name, fixed = ALL_METHODS[label]
-        applies = (("calibration",) if name == "damp" else () if name not in WINDOWED_METHODS else
-                   _LEAPQUANT_OPTIONS if name == "leapquant" else _WINDOW_OPTIONS)
-        opts = dict(fixed)
-        for key in applies:
-            if key not in options:
-                continue
-            if key in fixed and fixed[key] != options[key]:
-                raise ValueError(f"--states {label} fixes {key}={fixed[key]!r}, which contradicts "
-                                 f"--{key.replace('_', '-')} {options[key]!r}")
-            opts[key] = options[key]
-        methods[label] = make_method(name, **opts)
-    return methods
 
 
 def segment_rows(ids: np.ndarray, config: EvalConfig, *, source: str = "--data") -> np.ndarray:
@@ -335,8 +283,6 @@ def reference_run(arch, params, config, rows: np.ndarray, cfg: EvalConfig, *, me
     """The fp32 reference (``method``, default ``fp32``) on ``rows [B, context]`` int32: greedy
     continuation, teacher-forced logits through the decode path with recorded traces, and the
     per-layer replay of those traces."""
-    from models.decode import generate, score
-
     method = make_method("fp32") if method is None else method
     rows = np.asarray(rows)
     if rows.shape != (cfg.batch, cfg.context):
@@ -355,8 +301,6 @@ def reference_run(arch, params, config, rows: np.ndarray, cfg: EvalConfig, *, me
 def score_method(arch, params, config, ref: Reference, method, *, label: str = "method") -> dict:
     """One method's entry of ``evaluate``'s ``methods`` (see the module docstring) against ``ref``;
     ``label`` names it in errors. The reference's own method reuses the reference's logits."""
-    from models.decode import score
-
     cfg = ref.cfg
     p, t, g = cfg.prefill, cfg.context, cfg.greedy_tokens
     if method == ref.method:
@@ -439,11 +383,9 @@ def load_data(path, tokenizer) -> np.ndarray:
     """``--data``: a ``.npy`` of token ids ``[N]`` or ``[rows, N]`` or a UTF-8 text file (encoded
     with ``tokenizer``, a ``tokenizers.Tokenizer`` or ``None``). Raises a ``ValueError`` or
     ``OSError`` naming the file."""
-    from models.cli import _load_ids
-
     path = Path(path)
     if path.suffix == ".npy":
-        ids = _load_ids(path, flag="--data")
+        ids = load_token_ids(path, flag="--data")
         return ids[0] if ids.shape[0] == 1 else ids
     try:
         text = path.read_text(encoding="utf-8")
@@ -462,23 +404,29 @@ def load_data(path, tokenizer) -> np.ndarray:
     return ids
 
 
+def warn_if_training_data(checkpoint, data) -> None:
+    """Warns (one line on stderr) when ``--data`` is a file the checkpoint's ``DATA_FILES.txt``
+    lists in its training split: its numbers are not held-out numbers."""
+    listed = training_file(checkpoint, data)
+    if listed is not None:
+        warn(f"--data {data} is training data of {checkpoint} (its DATA_FILES.txt lists it in the train split as "
+             f"{listed}): the numbers are not held-out numbers")
+
+
 def run_eval(args) -> int:
     """The ``leapquant eval`` handler."""
-    from leapquant_jax.cli import _progress
-    from models.cli import _check_checkpoint, _load, _tokenizer
-    from models.decode import check_token_ids
-
     cfg = EvalConfig(context=args.context, prefill=args.prefill, batch=args.batch, greedy_tokens=args.greedy_tokens,
                      error_every=args.error_every)
     options = state_options(args)
-    methods = build_methods(args.states.split(","), options)
-    _check_checkpoint(args.checkpoint)
-    rows = segment_rows(load_data(args.data, _tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
-    arch, config, params, _ = _load(args.checkpoint)
+    methods = methods_for_labels(args.states.split(","), options)
+    check_checkpoint(args.checkpoint)
+    rows = segment_rows(load_data(args.data, load_tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
+    arch, config, params, _ = load_checkpoint(args.checkpoint)
     rows = check_token_ids(rows, config.vocab_size, name=f"--data {args.data} ids")
+    warn_if_training_data(args.checkpoint, args.data)
     t0 = time.time()
     result = evaluate(arch, params, config, rows, methods, cfg,
-                      progress=lambda it, desc: _progress(it, desc=desc, enabled=True, total=len(methods)))
+                      progress=lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
     result.update(checkpoint=str(args.checkpoint), data=str(args.data), prefill=cfg.prefill, batch=cfg.batch,
                   greedy_tokens=cfg.greedy_tokens, error_every=cfg.error_every,
                   state_options={k: v for k, v in options.items() if v is not None},
@@ -487,21 +435,8 @@ def run_eval(args) -> int:
     return 0
 
 
-def add_state_options(p, default: str) -> None:
-    """``--states`` (comma-separated methods, default ``default``) and the LeapQuant options: the
-    state options of ``eval``, ``recall`` and ``demo``."""
-    from leapquant_jax.cli import add_method_options
-
-    p.add_argument("--states", default=default,
-                   help=f"comma-separated methods ({', '.join(STUDY_METHODS)}, or any other per-step method: "
-                        "`leapquant memory --methods all` lists them); fp32, the reference, is always run")
-    add_method_options(p, flag=None)
-
-
 def add_subcommand(subparsers) -> None:
     """Registers ``eval`` on an argparse subparsers object."""
-    from leapquant_jax.cli import int_at_least
-
     p = subparsers.add_parser("eval", help="accuracy of state formats against fp32 on held-out text (decode path)")
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
     p.add_argument("--data", required=True, type=Path,
@@ -515,11 +450,11 @@ def add_subcommand(subparsers) -> None:
                    help="greedy continuation after each row compared with fp32's")
     p.add_argument("--error-every", type=int_at_least(1), default=None,
                    help="also record the state error every N decoded tokens (state_error_curve; default off)")
-    add_state_options(p, DEFAULT_STATES)
+    add_states_option(p, DEFAULT_STATES)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_eval)
 
 
-__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "add_state_options", "build_methods", "evaluate", "final_states", "state_options",
-           "format_table", "greedy_match", "load_data", "next_token_metrics", "reference_run", "relative_state_errors",
-           "replay_states", "run_eval", "score_method", "segment_rows", "state_errors"]
+__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "evaluate", "final_states", "format_table",
+           "greedy_match", "load_data", "next_token_metrics", "reference_run", "relative_state_errors", "replay_states",
+           "run_eval", "score_method", "segment_rows", "state_errors", "warn_if_training_data"]

@@ -22,6 +22,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from models.base import LINEAR_ATTENTION, ConversionError, check_shapes
+from models.kimi_linear import DENSE, KimiLinearConfig
+from models.qwen3_next import QWEN3_NEXT, QwenHybridConfig
 from models.registry import get_architecture
 
 
@@ -50,8 +52,6 @@ def _join_interleaved_qkvz(gdn: Mapping[str, Any], config) -> tuple[np.ndarray, 
 
 
 def _qwen_to_hf(config, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    from models.qwen3_next import QWEN3_NEXT
-
     pre = "model.language_model." if config.model_type in ("qwen3_5", "qwen3_5_moe") else "model."
     out = {pre + "embed_tokens.weight": _np(params["embed"]), pre + "norm.weight": _np(params["final_norm"])}
     _head(out, config, params, pre + "embed_tokens.weight")
@@ -92,8 +92,6 @@ def _qwen_to_hf(config, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _kimi_to_hf(config, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    from models.kimi_linear import DENSE
-
     out = {"model.embed_tokens.weight": _np(params["embed"]), "model.norm.weight": _np(params["final_norm"])}
     _head(out, config, params, "model.embed_tokens.weight")
     h = config.kda_num_heads
@@ -159,9 +157,6 @@ def to_hf_tensors(config, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     when it is non-zero); leaves keep their dtype. Raises ``ConversionError`` when the params do
     not fit the config, naming every offending tensor.
     """
-    from models.kimi_linear import KimiLinearConfig
-    from models.qwen3_next import QwenHybridConfig
-
     if len(params["layers"]) != config.num_layers:
         raise ValueError(f"params have {len(params['layers'])} layers, the config {config.num_layers}")
     if isinstance(config, QwenHybridConfig):

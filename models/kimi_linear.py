@@ -1,8 +1,8 @@
 """Kimi-Linear: a hybrid of Kimi Delta Attention (KDA) and Multi-head Latent Attention (MLA).
 
-Follows the released checkpoints (``moonshotai/Kimi-Linear-48B-A3B``: names as vLLM's loader
-reads them) and transformers' ``kimi_linear`` port, which computes the same maths but names
-some KDA and MoE weights its own way in memory. The converter accepts every naming seen:
+Follows the released checkpoints (``moonshotai/Kimi-Linear-48B-A3B``, names as vLLM's loader reads
+them) and transformers' ``kimi_linear`` port (the same maths, some KDA and MoE weights named its
+own way in memory). The converter accepts every naming seen:
 
 * released / on-disk (what ``save_pretrained`` writes): ``self_attn.{q,k,v}_conv1d``,
   ``self_attn.f_a_proj``, ``f_b_proj``, ``dt_bias``, ``A_log [1, 1, H, 1]``;
@@ -12,10 +12,9 @@ some KDA and MoE weights its own way in memory. The converter accepts every nami
   ``mlp.gate``, fused ``mlp.experts.gate_up_proj [E, 2I, D]`` (gate | up) and ``down_proj``;
 * fla's ``KimiDeltaAttention`` layer: ``f_proj.{0,1}``, ``g_proj.{0,1}`` (with a bias), ``A_log [H]``.
 
-A decoder layer is ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` with plain-``w`` RMSNorms
-(eps ``rms_norm_eps``); the mixer is KDA or MLA as ``layer_types`` says, the MLP a SwiGLU for
-the first ``first_k_dense_replace`` layers and a sigmoid-routed mixture of SwiGLU experts with
-shared experts after that.
+A decoder layer is ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (plain-``w`` RMSNorms, eps
+``rms_norm_eps``); the mixer is KDA or MLA by ``layer_types``, the MLP a SwiGLU for the first
+``first_k_dense_replace`` layers, then sigmoid-routed SwiGLU experts with shared experts.
 
 KDA (per layer, ``H`` heads of ``d`` channels, ``P = H d``):
   1. ``q, k, v = silu(conv_q(q_proj x)), ...``: three separate depthwise causal convolutions.
@@ -36,10 +35,8 @@ MLA (``mla_use_nope`` = true in the released configs: no RoPE anywhere):
   ``rope_interleave`` is false) rotates ``q_rope`` and ``k_rot``; the port never applies RoPE,
   so that path is not checked against a reference.
 
-Matmuls run as ``config.compute`` says (``models/layers.py``: exact fp32, or bf16 operands with
-fp32 accumulation and a bf16 latent cache); everything else in fp32 (weights keep their stored
-dtype). See ``models/base.py`` for the contract; the recurrent state's format is the decode
-loop's ``method``.
+Matmuls run as ``config.compute`` says (``models/layers.py``; ``fast`` keeps a bf16 latent cache),
+everything else in fp32. ``models/base.py`` has the contract; the state's format is ``method``'s.
 """
 
 from __future__ import annotations

@@ -10,11 +10,9 @@ Many tokens (prefill, large decode batches) run one of two algorithms over the s
 ``"scan"`` visits the experts one at a time in a ``lax.scan`` over all tokens and masks by the
 routing weights (``E / k`` times the arithmetic of the routed pairs, in plain dense matmuls);
 ``"ragged"`` sorts the (token, expert) pairs by expert and runs one ``lax.ragged_dot`` per
-projection (only the routed pairs computed). ``"auto"`` is ``scan``, the faster one measured by
-``python -m bench.moe``: on the H200 (JAX 0.11.2, 256 experts, top 8, ``D`` 2304, ``I`` 1024,
-``bench/results/moe-20261130-194946.md``) 24 against 85 ms at 2,048 tokens and 76 against 340 ms
-at 8,192, a tie at 256 (10.2 against 9.6 ms); on a 2-core CPU (exact compute, 512 tokens, 32
-experts, top 4, ``D`` 256, ``I`` 128, ``bench/results/moe-20261130-213056.md``) 76 against 330 ms.
+projection (only the routed pairs computed). ``"auto"`` is ``scan``: in ``python -m bench.moe``
+it was as fast or faster at every size measured, on a GPU and on the CPU (figures in
+docs/performance.md).
 """
 
 from __future__ import annotations

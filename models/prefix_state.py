@@ -1,48 +1,39 @@
 """Prefix states: one sequence's decode state at a window boundary, in host memory or in a file.
 
-A ``PrefixState`` is what a sequence needs to continue decoding after the tokens it has
-consumed (its *prefix*): every leaf of its cache row, with two reductions.
+A ``PrefixState`` is what a sequence needs to continue decoding after the tokens it has consumed
+(its *prefix*): every leaf of its cache row, with two reductions.
 
-* A LeapQuant stream (``leapquant_jax.state.LeapQuantState``) keeps only its ``checkpoint``,
-  the window-boundary state (about 1.19 bytes per state element at 8 bits): a prefix is taken
-  only at a window boundary, where the window buffer is empty and the stream's ``pos`` is 0, so
-  the restore rebuilds both (an empty buffer is all zeros, ``empty_buffer``, laid out as the
-  model's cache lays it out: a file does not depend on whether the buffer keeps its key records
-  per key head or per value head). Per-step states
-  (``fp32``, ``bf16``, ``int8``, ...) are kept whole.
+* A LeapQuant stream (``leapquant_jax.state.LeapQuantState``) keeps only its ``checkpoint``, the
+  window-boundary state: a prefix is taken only at a window boundary, where the window buffer is
+  empty and the stream's ``pos`` is 0, so the restore rebuilds both (all zeros, laid out as the
+  model's cache lays them out). Per-step states (``fp32``, ``bf16``, ``int8``, ...) are kept whole.
 * Attention caches (KV, or MLA's latents) keep their first ``n`` positions, ``n`` the prefix
-  length, not the cache's ``max_len``; the restore pads them with zeros, which attention masks.
+  length; the restore pads them with zeros, which attention masks.
 
-With them: the prefix ``ids [n]``, the ``logits [vocab]`` that follow them (from which the next
-token is sampled), and ``pending [m]``, tokens that follow the prefix but are not in its state.
-A sequence of any length ``L`` is kept (``models.serving.DecodePool.boundary_state``, what
-``generate --save-state`` writes) as its state at its last window boundary ``B`` (``L`` rounded
-down to a multiple of the window ``p``, ``window_boundary``) and the ``L - B < p`` tokens after
-it as pending ids, which a restore feeds through decode steps
-(``models.serving.DecodePool.restore``). A per-step method's window is one token: its prefix
-holds every token and no pending ids. A sequence shorter than one window keeps the empty state
-(``n = 0``: no ids, and no logits, ``logits [0]``) and all its tokens as pending ids.
+With them: the prefix ``ids [n]``, the ``logits [vocab]`` that follow them, and ``pending [m]``,
+tokens after the prefix that are not in its state. A sequence of any length ``L`` is kept
+(``models.serving.DecodePool.boundary_state``, what ``generate --save-state`` writes) as its
+state at its last window boundary ``B`` (``window_boundary``) and the ``L - B < p`` tokens after
+it as pending ids, which a restore feeds through decode steps. A per-step method's window is one
+token. A sequence shorter than one window keeps the empty state (``n = 0``, ``logits [0]``).
 
-Leaves are named per layer (``layers.3.state.checkpoint.residual.codes``) whatever the cache
-layout (``config.scan_layers``), so a prefix taken in one layout restores in the other. The
-model's ``compute`` (``models.layers``: ``exact`` or ``fast``) is recorded: it sets the dtype of
-the attention caches and the rounding of every matmul the sequence continues with, so a prefix
-restores only under the ``compute`` it was made with.
+Leaves are named per layer (``layers.3.state.checkpoint.residual.codes``) whatever the cache layout
+(``config.scan_layers``), so a prefix taken in one layout restores in the other. The model's
+``compute`` is recorded: it sets the attention caches' dtype and every matmul's rounding, so a
+prefix restores only under the ``compute`` it was made with.
 
 A file is a safetensors file: the arrays, and string metadata with a format version, the model's
-fingerprint (``models.calibrate.model_fingerprint``), the state method's identity (its
-``repr``), the ``compute``, the layout of every array (name, dtype, shape) and a sha256 digest
-of all of it (the pending ids included). ``load_prefix`` refuses a damaged file and
-``check_prefix`` one made for another model, method or ``compute``, with ``PrefixStateError``,
-before anything is restored. dtypes safetensors cannot store (``bfloat16``, the ``float8``
-formats) travel as unsigned integers of the same width.
-
-``checkpoint_every`` takes prefix states every ``N`` tokens of a long sequence teacher-forced
-through the decode step: the prefix-caching analog, with the bytes each one holds.
+fingerprint (``models.fingerprint``), the state method's ``repr``, the ``compute``, every array's
+layout (name, dtype, shape) and a sha256 digest of all of it. ``load_prefix`` refuses a damaged
+file and ``check_prefix`` one made for another model, method or ``compute`` (naming the fields
+that differ), with ``PrefixStateError``, before anything is restored. dtypes safetensors cannot
+store (``bfloat16``, the ``float8`` formats) travel as unsigned integers of the same width.
+``checkpoint_every`` takes prefix states every ``N`` tokens of a long sequence (prefix caching).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -55,9 +46,13 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from leapquant_jax.state import LeapQuantState
 from models.base import finish_cache, layer_caches, take_rows
+from models.decode import check_token_ids
+from models.fingerprint import model_fingerprint
 
 Array = jax.Array
 
@@ -206,9 +201,6 @@ def take_prefix(arch, params, config, cache, row: int, *, method, ids, logits, p
     (``n + m >= 1``). Raises ``PrefixStateError`` when a LeapQuant stream of the row is off its
     window boundary (records held in the open window).
     """
-    from models.calibrate import model_fingerprint
-    from models.decode import check_token_ids
-
     batch = cache["pos"].shape[0]
     if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < batch:
         raise ValueError(f"row must be an integer in [0, {batch}), got {row!r}")
@@ -246,12 +238,44 @@ def take_prefix(arch, params, config, cache, row: int, *, method, ids, logits, p
                        pending=pending)
 
 
+def _repr_fields(text: str) -> Optional[dict]:
+    # 'A(x=1, y=B(z=2))' -> {'': 'A', 'x': '1', 'y': 'B', 'y.z': '2'}; None when not such a repr.
+    def walk(node, prefix):
+        if isinstance(node, ast.Call):
+            out = {prefix: ast.unparse(node.func)}
+            for kw in node.keywords:
+                out.update(walk(kw.value, f"{prefix}.{kw.arg}" if prefix else kw.arg))
+            return out
+        return {prefix: ast.unparse(node)}
+
+    try:
+        return walk(ast.parse(text, mode="eval").body, "")
+    except SyntaxError:
+        return None
+
+
+def method_difference(saved: str, current: str, *, most: int = 6) -> str:
+    """Where two state methods' reprs differ, on one short line: the fields that differ
+    (``config.bits 4 in the file, 8 here``; at most ``most``, then how many more), or for methods
+    of two kinds each kind with its top-level fields."""
+    a, b = _repr_fields(saved), _repr_fields(current)
+    if a is None or b is None:
+        return f"{saved[:80]} in the file, {current[:80]} here"
+    if a[""] != b[""]:
+        def kind(f):  # the type and its top-level fields that are plain values
+            nested = {k.split(".")[0] for k in f if "." in k}
+            plain = [f"{k}={v}" for k, v in f.items() if k and "." not in k and k not in nested]
+            return f[""] + "(" + ", ".join(plain) + ")"
+        return f"{kind(a)} in the file, {kind(b)} here"
+    names = [k for k in list(a) + [k for k in b if k not in a] if a.get(k) != b.get(k)]
+    parts = [f"{k} {a.get(k, '(none)')} in the file, {b.get(k, '(none)')} here" for k in names[:most]]
+    return "; ".join(parts) + (f"; and {len(names) - most} more" if len(names) > most else "")
+
+
 def check_prefix(prefix: PrefixState, arch, params, config, *, method) -> None:
     """Raises ``PrefixStateError`` unless ``prefix`` belongs to this model (fingerprint), state
     method (``repr``) and ``config.compute``, its ids and pending ids are token ids of this
     vocabulary, and every leaf has the name, dtype and shape this model's cache needs."""
-    from models.calibrate import model_fingerprint
-
     if prefix.model_type != str(config.model_type):
         raise PrefixStateError(f"the prefix state is for a {prefix.model_type} model, not {config.model_type}")
     fingerprint = model_fingerprint(config, params)
@@ -259,7 +283,8 @@ def check_prefix(prefix: PrefixState, arch, params, config, *, method) -> None:
         raise PrefixStateError(f"the prefix state was saved from another model (fingerprint "
                                f"{prefix.fingerprint[:12]}..., this model's is {fingerprint[:12]}...)")
     if prefix.method != repr(method):
-        raise PrefixStateError(f"the prefix state was saved with state method {prefix.method}, not {method!r}")
+        raise PrefixStateError(f"the prefix state was saved with another state method: "
+                               f"{method_difference(prefix.method, repr(method))}")
     if prefix.compute != config.compute:
         # Caught before the leaves: under the other compute the attention caches have another
         # dtype, and a restored state would continue with matmuls rounded unlike its own.
@@ -355,8 +380,6 @@ def save_prefix(path, prefix: PrefixState, *, overwrite: bool = False) -> Path:
     """Writes ``prefix`` to the safetensors file ``path`` (module docstring) through a temporary
     file in the same folder renamed into place, so no half-written file is ever left. Refuses an
     existing ``path`` (``FileExistsError``) unless ``overwrite``."""
-    from safetensors.numpy import save_file
-
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; give a file name for the prefix state")
@@ -385,8 +408,6 @@ def load_prefix(path) -> PrefixState:
     """Reads a ``save_prefix`` file. Raises ``PrefixStateError`` for a file that is not one, of
     another format version, or damaged (truncated, its metadata or arrays changed: the digest);
     ``FileNotFoundError`` when there is none. Whether it fits a model is ``check_prefix``'s job."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prefix-state file")
@@ -472,8 +493,6 @@ def checkpoint_every(arch, params, config, ids, *, method, every: Optional[int] 
     every ``every`` tokens (a multiple of the method's window ``p``; default 16 rounded up to one),
     in host memory: after ``every``, ``2 * every``, ... tokens (a trailing part shorter than
     ``every`` gets none)."""
-    from models.decode import check_token_ids
-
     ids = check_token_ids(ids, config.vocab_size, name="ids").reshape(-1)
     p = int(getattr(method, "window", 1))
     if every is None:

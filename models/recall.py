@@ -29,8 +29,12 @@ from typing import Callable
 
 import numpy as np
 
-from models.evaluate import (DEFAULT_STATES, add_state_options, build_methods, state_options, load_data,
-                             next_token_metrics)
+from leapquant_jax.cli_support import add_states_option, int_at_least, progress, state_options
+from leapquant_jax.method_names import methods_for_labels
+from models.decode import check_token_ids, score
+from models.evaluate import DEFAULT_STATES, load_data, next_token_metrics, warn_if_training_data
+from models.fingerprint import check_state_method
+from models.loading import check_checkpoint, load_checkpoint, load_tokenizer
 
 METRICS = ("copy_accuracy", "copy_nll", "recall_gain", "agreement_with_fp32")
 
@@ -136,9 +140,6 @@ def recall_probe(arch, params, config, methods: dict, stream: np.ndarray, cfg: R
     "nll": [B]}}``. Raises ``ValueError`` for a bad stream or method list, ``FloatingPointError``
     for non-finite logits.
     """
-    from models.calibrate import check_state_method
-    from models.decode import check_token_ids, score
-
     labels = list(methods)
     if not labels or labels[0] != "fp32":
         raise ValueError(f"methods must start with the fp32 reference, got {labels}")
@@ -196,23 +197,20 @@ def format_recall_table(result: dict) -> str:
 
 def run_recall(args) -> int:
     """The ``leapquant recall`` handler."""
-    from leapquant_jax.cli import _progress
-    from models.cli import _check_checkpoint, _load, _tokenizer
-    from models.decode import check_token_ids
-
     cfg = RecallConfig(span=args.span, gap=args.gap, batch=args.batch, skip=args.skip, prefill=args.prefill,
                        seed=args.seed)
     options = state_options(args)
-    methods = build_methods(args.states.split(","), options)
-    _check_checkpoint(args.checkpoint)
+    methods = methods_for_labels(args.states.split(","), options)
+    check_checkpoint(args.checkpoint)
     source = f"--data {args.data}"
-    stream = load_data(args.data, _tokenizer(args.checkpoint))
+    stream = load_data(args.data, load_tokenizer(args.checkpoint))
     build_recall_rows(stream, cfg, source=source)  # shape and length checked before the model loads
-    arch, config, params, _ = _load(args.checkpoint)
+    arch, config, params, _ = load_checkpoint(args.checkpoint)
     stream = check_token_ids(stream, config.vocab_size, name=f"{source} ids")
+    warn_if_training_data(args.checkpoint, args.data)
     t0 = time.time()
     result = recall_probe(arch, params, config, methods, stream, cfg,
-                          progress=lambda it, desc: _progress(it, desc=desc, enabled=True, total=len(methods)))
+                          progress=lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
     result.update(checkpoint=str(args.checkpoint), data=str(args.data),
                   state_options={k: v for k, v in options.items() if v is not None},
                   seconds=round(time.time() - t0, 3))
@@ -222,8 +220,6 @@ def run_recall(args) -> int:
 
 def add_subcommand(subparsers) -> None:
     """Registers ``recall`` on an argparse subparsers object."""
-    from leapquant_jax.cli import int_at_least
-
     p = subparsers.add_parser("recall", help="exact-copy recall of state formats against fp32 (decode path)")
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
     p.add_argument("--data", required=True, type=Path,
@@ -236,7 +232,7 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--prefill", type=int_at_least(0), default=0,
                    help="leading tokens of each row through the exact fp32 prefill, at most span + gap + skip - 1")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="where in the data the rows' pieces come from")
-    add_state_options(p, DEFAULT_STATES)
+    add_states_option(p, DEFAULT_STATES)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_recall)
 

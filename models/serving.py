@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.base import put_rows, take_rows
-from models.calibrate import check_state_method
+from models.fingerprint import check_state_method
 from models.decode import PROMPT_BUCKET, check_token_ids
 from models.layers import Sampling, sample_next
 from models.prefix_state import (PrefixState, check_prefix, empty_cache, restore_cache, take_prefix,

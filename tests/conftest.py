@@ -17,6 +17,21 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
+def pytest_configure(config):
+    """Under ``-n`` without a ``--dist`` of its own, schedules by ``xdist_group`` (``--dist
+    loadgroup``): a grouped module runs on one worker, so its module-scoped fixtures run once.
+    A worker reads the command line again rather than the controller's choice, so it is told
+    here too. Plain ``pytest``, without pytest-xdist, only learns the marker's name."""
+    config.addinivalue_line("markers", "xdist_group(name): tests that one pytest-xdist worker runs together")
+    given = list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
+    if any(arg == "--dist" or arg.startswith("--dist=") for arg in given):
+        return
+    if hasattr(config, "workerinput"):
+        config.option.loadgroup = True
+    elif getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadgroup"
+
+
 def _xdist_group_name(item):
     """The group name xdist's loadgroup scheduling gives an item, or None when it has no
     ``xdist_group`` mark (the same rule as xdist: the marks' names, sorted, joined by "_")."""

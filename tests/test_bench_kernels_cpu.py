@@ -19,7 +19,7 @@ from pallas_kernels.leapquant_step import step_bytes
 from helpers import live_state, random_sequence, token_at
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
-# one xdist worker compiles them once (pyproject: --dist loadgroup).
+# one xdist worker compiles them once (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("bench_kernels_cpu")
 
 

@@ -23,7 +23,7 @@ from leapquant_jax.quantizers import pack_codes, packed_rows, tree_bytes, unpack
 from leapquant_jax.recurrence import recurrent_scan
 from helpers import random_inputs, rel
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("block_formats")
 
 ML = {"e2m1": ml_dtypes.float4_e2m1fn, "e2m3": ml_dtypes.float6_e2m3fn, "e3m2": ml_dtypes.float6_e3m2fn,

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from leapquant_jax.cli import main
+from leapquant_cli import main
 from leapquant_jax.recurrence import recurrent_scan
 from leapquant_jax.traces import TraceError, load_trace
 from helpers import random_inputs, rel
@@ -44,6 +44,19 @@ def test_replay_leapquant_options(tmp_path, capsys):
             "--no-smoothing", "--out", str(out), "--json"]
     assert main(args) == 0
     assert np.all(np.isfinite(np.load(out)["o"]))
+
+
+def test_replay_takes_the_labels_every_command_takes(tmp_path, capsys):
+    # leapquant-b4 (the label eval and demo know) is LeapQuant with --bits 4
+    _write_trace(tmp_path / "t.npz")
+    outs = []
+    for flags in (["--method", "leapquant-b4"], ["--method", "leapquant", "--bits", "4"]):
+        out = tmp_path / f"o{len(outs)}.npz"
+        assert main(["replay", str(tmp_path / "t.npz"), *flags, "--window", "8", "--out", str(out), "--json"]) == 0
+        assert _json(capsys)["tokens"] == 40
+        outs.append(np.load(out))
+    np.testing.assert_array_equal(outs[0]["o"], outs[1]["o"])
+    np.testing.assert_array_equal(outs[0]["state"], outs[1]["state"])
 
 
 def test_replay_reports_a_missing_key_and_writes_nothing(tmp_path, capsys):
@@ -121,16 +134,26 @@ def test_memory_matches_the_design_table(capsys):
     assert _json(capsys)["checkpoint_bytes_per_element"] == pytest.approx(0.5 + 2 * 512 / 16384 + 6 * 256 * 2 / 16384)
 
 
-def test_memory_lists_every_method_in_bits_per_value(capsys):
-    from leapquant_jax import METHOD_NAMES
+def test_memory_lists_every_method_label_with_checkpoint_and_live_bytes(capsys):
+    from leapquant_jax.method_names import METHOD_LABELS
 
     assert main(["memory", "--json", "--heads", "4", "--methods", "all"]) == 0
     methods = _json(capsys)["methods"]
-    assert list(methods) == list(METHOD_NAMES)
-    # int8 and int4: codes plus one fp32 scale per value column of 128 rows
-    assert methods["int8"]["bits_per_value"] == pytest.approx(8 + 32 / 128)
-    assert methods["int4"]["bytes_per_head"] == 128 * 128 / 2 + 4 * 128
-    assert methods["leapquant"]["bytes_per_head"] == pytest.approx(19456 + 16 * (128 + 128 + 1) * 2 + 4 / 4)
+    # the one name table of every command: LeapQuant at 6 and 4 bits and the partial fixes included
+    assert list(methods) == list(METHOD_LABELS) and {"leapquant-b6", "leapquant-b4", "int8-w+ct"} <= set(methods)
+    keys = {f"{part}_{unit}" for part in ("checkpoint", "live_gdn", "live_kda") for unit in ("bytes_per_head",
+                                                                                          "bits_per_value")}
+    assert all(set(m) == keys for m in methods.values())
+    # int8 and int4: codes plus one fp32 scale per value column of 128 rows, the same in every stream
+    assert methods["int8"]["checkpoint_bits_per_value"] == methods["int8"]["live_kda_bits_per_value"] == 8 + 32 / 128
+    assert methods["int4"]["live_gdn_bytes_per_head"] == 128 * 128 / 2 + 4 * 128
+    lq = methods["leapquant"]
+    assert lq["checkpoint_bytes_per_head"] == 19456
+    assert lq["live_gdn_bytes_per_head"] == pytest.approx(19456 + 16 * (128 + 128 + 1) * 2 + 4 / 4)
+    assert lq["live_kda_bytes_per_head"] > lq["live_gdn_bytes_per_head"]
+    # 4-bit codes, fp32 column and smoothing scales, six fp16 Compensator Tokens
+    assert methods["leapquant-b4"]["checkpoint_bits_per_value"] == pytest.approx(
+        8 * (0.5 + 2 * 512 / 16384 + 6 * 256 * 2 / 16384))
     assert main(["memory", "--methods", "int8,nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
 

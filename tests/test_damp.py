@@ -18,7 +18,7 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.recurrence import delta_rule_token, recurrent_step_general
 from helpers import numpy_reference, random_inputs, rel
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("damp")
 
 CKPTS = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
@@ -210,7 +210,7 @@ def _cli(argv):
     import contextlib
     import io
 
-    from leapquant_jax.cli import main
+    from leapquant_cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

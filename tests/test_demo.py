@@ -13,12 +13,13 @@ import re
 import numpy as np
 import pytest
 
-from leapquant_jax.cli import ArgumentParser, run_parser
-from models.demo import DEFAULT_CHECKPOINT, add_subcommand, read_file_list, stdlib_heldout
+from leapquant_jax.cli_support import ArgumentParser, run_parser
+from models.demo import DEFAULT_CHECKPOINT, add_subcommand, stdlib_heldout
+from models.loading import read_file_list
 
 from helpers import GDN_CHECKPOINT, heldout_ids_file
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("demo")
 
 CKPT = GDN_CHECKPOINT
@@ -86,7 +87,7 @@ def test_demo_prints_the_table_and_writes_the_plot(runs, snippet):
 
 def test_memory_per_stream_is_the_measured_state_of_every_linear_layer(runs):
     from leapquant_jax.studies.errors import state_bytes_per_element
-    from models.evaluate import build_methods
+    from leapquant_jax.method_names import methods_for_labels
 
     text, result, _ = runs
     memory = result["memory"]
@@ -95,7 +96,7 @@ def test_memory_per_stream_is_the_measured_state_of_every_linear_layer(runs):
     heads, dk, dv = config["linear_num_value_heads"], config["linear_key_head_dim"], config["linear_value_head_dim"]
     key_heads = config["linear_num_key_heads"]
     assert memory["layers"] == layers and memory["elements"] == layers * heads * dk * dv
-    methods = build_methods(["leapquant"])
+    methods = methods_for_labels(["leapquant"])
     for label, method in methods.items():
         m = memory["methods"][label]
         # the same bytes from one layer's state pytree, measured alone (studies.errors); the
@@ -161,8 +162,10 @@ def test_a_malformed_file_list_is_refused_by_line(tmp_path, line, message):
 
 
 def test_bad_input_is_refused_by_name_before_the_model_runs(tmp_path, snippet):
-    bare = tmp_path / "bare"
+    bare, empty = tmp_path / "bare", tmp_path / "empty"
     bare.mkdir()
+    empty.mkdir()
+    (bare / "config.json").write_bytes((CKPT / "config.json").read_bytes())
     cases = [
         (["--states", "fp32,int9"], "--states: unknown method 'int9'"),
         (["--context", "1"], "argument --context: must be >= 2"),
@@ -170,6 +173,9 @@ def test_bad_input_is_refused_by_name_before_the_model_runs(tmp_path, snippet):
         (["--data", str(snippet), "--context", "300"], "--context 300 is longer than the data: --data .* holds 256"),
         (["--checkpoint", str(bare)], "bare has no DATA_FILES.txt .*pass --data FILE"),
         (["--checkpoint", str(tmp_path / "nowhere")], "checkpoint .*nowhere: no such directory"),
+        (["--checkpoint", str(empty)], "checkpoint .*empty has no config.json"),
+        (["--checkpoint", str(CKPT / "config.json")], "config.json is a file; give the checkpoint's folder"),
+        (["--window", "512"], r"argument --window: must be in \[1, 256\]"),
         (["--plot", "demo.xyz"], "--plot 'demo.xyz': the file name must end in one of"),
         (["--states", "leapquant-b4", "--bits", "8"], "leapquant-b4 fixes bits=4"),
     ]
@@ -179,3 +185,14 @@ def test_bad_input_is_refused_by_name_before_the_model_runs(tmp_path, snippet):
         assert err.startswith("leapquant: error: "), err
         assert re.search(message, err), (argv, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_layer_plot_breaks_its_line_at_attention_layers():
+    """The x values of the per-layer error plot are the model's layer indices, with no line drawn
+    across an attention layer (layers 3 and 7 of the shipped checkpoint)."""
+    from models.demo import layer_line
+
+    xs, ys = layer_line({"0": 1.0, "1": 2.0, "2": 3.0, "4": 4.0, "5": 5.0, "6": 6.0})
+    assert xs[:3] == [0, 1, 2] and np.isnan(xs[3]) and xs[4:] == [4, 5, 6]
+    assert ys[:3] == [1.0, 2.0, 3.0] and np.isnan(ys[3]) and ys[4:] == [4.0, 5.0, 6.0]
+    assert layer_line({"2": 0.5, "1": 0.25}) == ([1, 2], [0.25, 0.5])

@@ -12,13 +12,14 @@ import jax
 import numpy as np
 import pytest
 
-from leapquant_jax.cli import main
-from models.evaluate import (EvalConfig, build_methods, greedy_match, load_data, next_token_metrics, replay_states,
+from leapquant_cli import main
+from leapquant_jax.method_names import methods_for_labels
+from models.evaluate import (EvalConfig, greedy_match, load_data, next_token_metrics, replay_states,
                              segment_rows)
 
 from helpers import GDN_CHECKPOINT, heldout_ids_file
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("eval")
 
 CKPT = GDN_CHECKPOINT
@@ -128,7 +129,7 @@ def test_greedy_match_equals_the_methods_own_greedy_decoding(result, heldout_npy
     arch, config, params, _ = load_model(CKPT)
     params = to_device(params)
     rows = np.load(heldout_npy)[:BATCH * CONTEXT].astype(np.int32).reshape(BATCH, CONTEXT)
-    methods = build_methods(["leapquant"])
+    methods = methods_for_labels(["leapquant"])
     reference = np.asarray(generate(arch, params, config, list(rows), method=methods["fp32"],
                                     max_new_tokens=GREEDY).tokens)
     for label, method in methods.items():
@@ -168,7 +169,7 @@ def test_replay_snapshots_are_the_states_of_the_prefixes():
     every = 12
     traces = {0: _random_traces(0), 2: _random_traces(1)}                         # two "layers"
     for label, prefill in (("int8", 4), ("leapquant", 0)):
-        method = build_methods([label])[label]
+        method = methods_for_labels([label])[label]
         final, snaps = replay_states(method, traces, prefill=prefill, every=every)
         tokens = EvalConfig(context=48, prefill=prefill, error_every=every).curve_tokens
         assert tokens == ([12, 24, 36, 44] if prefill else [12, 24, 36, 48])
@@ -225,7 +226,7 @@ def test_segment_rows_and_methods_refuse_what_does_not_fit():
         segment_rows(stream, EvalConfig(context=30, batch=4))
     with pytest.raises(ValueError, match="prefill"):
         EvalConfig(context=8, prefill=7)
-    methods = build_methods(["leapquant-b4", "int8-w+ct"], {"window": 8})
+    methods = methods_for_labels(["leapquant-b4", "int8-w+ct"], {"window": 8})
     assert list(methods) == ["fp32", "leapquant-b4", "int8-w+ct"]
     assert methods["leapquant-b4"].config.bits == 4 and methods["int8-w+ct"].config.window == 8
     assert not methods["int8-w+ct"].config.smoothing
@@ -275,3 +276,30 @@ def test_load_data_reads_text_with_the_checkpoint_tokenizer_and_npy_rows(tmp_pat
     np.save(tmp_path / "floats.npy", np.ones(4))
     with pytest.raises(ValueError, match="--data .*floats.npy must hold integer ids"):
         load_data(tmp_path / "floats.npy", None)
+
+
+def test_eval_warns_when_the_data_is_in_the_checkpoints_training_split(tmp_path):
+    """A ``--data`` file whose sha256 ``DATA_FILES.txt`` lists in the train split gets one warning
+    line on stderr (its numbers are not held-out numbers); the run goes on. A held-out file gets none."""
+    import hashlib
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in CKPT.iterdir():
+        if f.name != "DATA_FILES.txt":
+            (ckpt / f.name).symlink_to(f)
+    text = "def add(a, b):\n    return a + b\n" * 4
+    data = tmp_path / "decoder.py"
+    data.write_text(text)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    argv = ["eval", str(ckpt), "--data", str(data), "--context", "4", "--greedy-tokens", "1", "--states", "fp32",
+            "--json"]
+    for split, warned in (("train", True), ("heldout", False)):
+        (ckpt / "DATA_FILES.txt").write_text(f"heldout {'0' * 64} other.py\n{split} {digest} json/decoder.py\n")
+        code, out, err = _run(argv)
+        assert code == 0, err
+        assert json.loads(out)["context"] == 4
+        warnings = [line for line in err.splitlines() if line.startswith("leapquant: warning: ")]
+        assert len(warnings) == warned, err
+        if warned:
+            assert f"--data {data} is training data" in warnings[0] and "train split as json/decoder.py" in warnings[0]

@@ -40,7 +40,7 @@ from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state
                      random_state, rel, token_at)
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
-# one xdist worker compiles them once (pyproject: --dist loadgroup).
+# one xdist worker compiles them once (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("kernels")
 
 INTERPRET = True

@@ -22,7 +22,7 @@ from models.checkpoint import flatten_params, save_converted
 from models.flax_modules import HybridLM, from_checkpoint, param_shapes
 from models.registry import architecture_for_config
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("models_flax")
 
 LINEAR, FULL = "linear_attention", "full_attention"

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("models_kimi")
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("models_qwen")
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -229,7 +229,7 @@ def test_qwen3_5_vlm_layout_converts_like_the_text_model(tmp_path):
 
 def test_cli_generate_and_score_with_traces(next_tiny, tmp_path, capsys):
     from leapquant_jax.traces import load_trace
-    from models.cli import main
+    from leapquant_cli import main
 
     prompt = ",".join(map(str, PROMPTS[1]))
     # exact matmuls, as transformers computes in fp32 (generate's default is the bf16-operand "fast")

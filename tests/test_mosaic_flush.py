@@ -20,7 +20,7 @@ from pallas_kernels import mosaic_flush
 from helpers import check_flush, copy_tree, expanded_state, live_state
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
-# one xdist worker compiles them once (pyproject: --dist loadgroup).
+# one xdist worker compiles them once (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("mosaic_flush")
 
 

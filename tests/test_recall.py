@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from leapquant_jax.cli import ArgumentParser, run_parser
+from leapquant_jax.cli_support import ArgumentParser, run_parser
 from leapquant_jax.methods import make_method
 from models.recall import METRICS, RecallConfig, add_subcommand, build_recall_rows, format_recall_table, recall_probe
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("recall")
 
 CKPT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
@@ -57,9 +57,9 @@ def result(heldout_npy):
 
 @pytest.fixture(scope="module")
 def model():
-    from models.cli import _load
+    from models.loading import load_checkpoint
 
-    arch, config, params, _ = _load(CKPT)
+    arch, config, params, _ = load_checkpoint(CKPT)
     return arch, config, params
 
 
@@ -107,11 +107,11 @@ def test_recall_json_has_the_documented_fields(result):
 def test_fp32_against_itself_and_a_direct_computation(result, model, snippet):
     # Same shapes and methods as the command above: its compiled programs are reused.
     from models.decode import score
-    from models.evaluate import build_methods
+    from leapquant_jax.method_names import methods_for_labels
 
     arch, config, params = model
     cfg = RecallConfig(span=SPAN, gap=GAP, batch=BATCH)
-    methods = build_methods(["fp32"])
+    methods = methods_for_labels(["fp32"])
     methods["fp32 again"] = make_method("fp32")
     direct = recall_probe(arch, params, config, methods, snippet, cfg)
     fp32, again = direct["methods"]["fp32"], direct["methods"]["fp32 again"]

@@ -37,7 +37,7 @@ from models.training.model import hf_config, init_params
 
 from helpers import rel
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("serving")
 
 VOCAB = 64
@@ -419,7 +419,7 @@ def test_checkpoint_every_keeps_restorable_prefix_states(gdn):
 
 
 def cli(capsys, *argv):
-    from models.cli import main
+    from leapquant_cli import main
 
     code = main([str(a) for a in argv])
     captured = capsys.readouterr()

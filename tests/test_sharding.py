@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("sharding")
 
 ROOT = Path(__file__).resolve().parents[1]

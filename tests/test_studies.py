@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from leapquant_jax.cli import main
+from leapquant_cli import main
 from leapquant_jax.methods import WINDOWED_METHODS
 from leapquant_jax.studies.errors import (
     STUDY_METHODS,
@@ -21,7 +21,7 @@ from leapquant_jax.studies.errors import (
 from leapquant_jax.studies.freeze import format_freeze_table, run_freeze_study
 from leapquant_jax.studies.memory import MemoryQuery, measure_memory
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("studies")
 
 # dk != dv and three heads, so a transposed shape or a position not shared by the heads shows.

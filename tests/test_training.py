@@ -30,10 +30,10 @@ from models.export import to_hf_tensors  # noqa: E402
 from models.registry import architecture_for_config, get_architecture  # noqa: E402
 from models.training import data as D  # noqa: E402
 from models.training import loop, report  # noqa: E402
-from models.training.cli import main as train_main  # noqa: E402
+from leapquant_cli import main as train_main  # noqa: E402
 from models.training.model import TrainingRecurrence, forward_logits, hf_config, init_params  # noqa: E402
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("training")
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "models" / "checkpoints"

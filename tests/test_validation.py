@@ -16,12 +16,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import rel  # noqa: E402
 
 from leapquant_jax import make_method  # noqa: E402
-from leapquant_jax.cli import main  # noqa: E402
+from leapquant_jax.method_names import method_for_label, methods_for_labels  # noqa: E402
+from leapquant_cli import main  # noqa: E402
 from leapquant_jax.recurrence import recurrent_scan  # noqa: E402
 from leapquant_jax.studies.memory import MemoryQuery, measure_memory  # noqa: E402
 from leapquant_jax.traces import TraceError, load_trace, validate_trace  # noqa: E402
 
-# The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
+# The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("validation")
 
 VOCAB = 100
@@ -117,6 +118,32 @@ def test_replay_refuses_positive_log_decays_and_empty_traces(capsys, tmp_path):
     refused(capsys, ["replay", tmp_path / "t.npz", "--method", "fp32", "--out", tmp_path / "o.npz"], "no tokens")
 
 
+@pytest.mark.parametrize("value", [5.0, -0.5])
+def test_replay_refuses_beta_outside_the_delta_rules_range(capsys, tmp_path, value):
+    x = write_trace(tmp_path / "t.npz")
+    beta = x["beta"].copy()
+    beta[3, 1] = value
+    write_trace(tmp_path / "t.npz", beta=beta)
+    out = tmp_path / "o.npz"
+    refused(capsys, ["replay", tmp_path / "t.npz", "--method", "fp32", "--out", out], f"beta[3, 1] = {value:g}",
+            "outside [0, 2]", out=out)
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "t.npz", "--method", "leapquant", "--out", "o.npz"],
+    ["generate", "ckpt", "--prompt-ids", "1", "--max-new-tokens", 1, "--state", "int8-w"],
+    ["eval", "ckpt", "--data", "d.npy"],
+    ["study", "errors"],
+    ["memory"],
+])
+def test_a_window_beyond_the_bound_is_refused_by_name(capsys, tmp_path, argv):
+    from leapquant_jax.method_names import MAX_WINDOW
+
+    refused(capsys, argv + ["--window", 100000], "argument --window", f"[1, {MAX_WINDOW}], got 100000")
+    with pytest.raises(ValueError, match=f"--window {MAX_WINDOW + 1}: a window holds 1 to {MAX_WINDOW} records"):
+        method_for_label("leapquant", {"window": MAX_WINDOW + 1})
+
+
 def test_validate_trace_names_each_tensor_and_shape(tmp_path):
     x = write_trace(tmp_path / "t.npz")
     with pytest.raises(TraceError, match=r"'q' and 'k' have a different number of tokens") as info:
@@ -158,7 +185,8 @@ def test_memory_query_validates_its_fields():
     (["study", "errors", "--window", 0], ["argument --window"]),
     (["study", "errors", "--tokens", 0], ["argument --tokens"]),
     (["study", "errors", "--every", -1], ["argument --every"]),
-    (["study", "errors", "--tokens", 100, "--every", 64], ["tokens (100)"]),
+    (["study", "errors", "--tokens", 100, "--every", 64], ["--tokens 100 must be a multiple of --every 64"]),
+    (["study", "errors", "--tokens", 96, "--every", 24], ["--every 24 must be a multiple of --window 16"]),
     (["study", "outliers", "--dk", 0], ["argument --dk"]),
     (["study", "outliers", "--head", -1], ["argument --head"]),
     (["study", "freeze", "--decays", "0.9,1.5"], ["decays", "1.5"]),
@@ -187,6 +215,44 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "generate" in capsys.readouterr().out
+
+
+def test_top_level_help_describes_every_command_in_whole_sentences(capsys):
+    from leapquant_cli import DESCRIPTION
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert " ".join(DESCRIPTION.split()) in text.replace("train- data", "train-data")
+    assert DESCRIPTION.endswith(".")
+    for command in ("replay", "study", "memory", "convert", "generate", "score", "eval", "recall", "calibrate-damp",
+                    "demo", "train-data", "train"):
+        assert command in DESCRIPTION
+
+
+def test_every_command_takes_the_same_method_names():
+    """One name table (``method_names.METHOD_LABELS``): ``generate``/``score --state``, ``replay
+    --method`` and ``eval``/``recall``/``demo --states`` build the same method from a label."""
+    from leapquant_cli import build_parser
+    from leapquant_jax.cli_support import method_from_args, state_options
+
+    parser = build_parser()
+    want = methods_for_labels(["leapquant-b4"], {"window": 8})["leapquant-b4"]
+    assert want.config.bits == 4 and want.config.window == 8
+    for argv in (["generate", "c", "--max-new-tokens", "1", "--state", "leapquant-b4"],
+                 ["score", "c", "--ids-file", "i.npy", "--out", "o.npy", "--state", "leapquant-b4"],
+                 ["replay", "t.npz", "--out", "o.npz", "--method", "leapquant-b4"]):
+        assert method_from_args(parser.parse_args(argv + ["--window", "8"])) == want
+    for command in ("eval", "recall", "demo"):
+        checkpoint = ["c"] if command != "demo" else []
+        args = parser.parse_args([command, *checkpoint, "--data", "d.npy", "--states", "int8,leapquant-b4",
+                                  "--window", "8"])
+        assert methods_for_labels(args.states.split(","), state_options(args))["leapquant-b4"] == want
+    # a label fixes what its name says; the method's own name takes the options
+    with pytest.raises(ValueError, match="--state leapquant-b4 fixes bits=4, which contradicts --bits 8"):
+        method_for_label("leapquant-b4", {"bits": 8})
+    assert method_for_label("leapquant", {"bits": 4}) == method_for_label("leapquant-b4")
 
 
 def test_a_missing_argument_is_one_line(capsys):
@@ -418,6 +484,64 @@ def test_generate_names_a_malformed_tokenizer(capsys, tiny_model, tmp_path):
     d = _copy(tiny_model["ckpt"], tmp_path / "ckpt")
     (d / "tokenizer.json").write_text("{")
     refused(capsys, _generate(d, "--prompt", "hello"), "tokenizer.json is not a readable tokenizer file")
+
+
+def test_a_checkpoint_folder_without_config_or_a_file_is_named(capsys, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(capsys, ["generate", empty, "--prompt", "hello", "--max-new-tokens", 2], f"{empty} has no config.json")
+    (tmp_path / "file").write_text("x")
+    refused(capsys, ["generate", tmp_path / "file", "--prompt-ids", "1", "--max-new-tokens", 2], "is a file")
+    refused(capsys, ["convert", tmp_path / "file", tmp_path / "out"], "hf_dir", "is a file", out=tmp_path / "out")
+
+
+def test_generate_refuses_more_new_tokens_than_memory_holds(capsys, tiny_model, tmp_path):
+    """Refused before anything is allocated, with XLA's count for the compiled program (which
+    compiling allocates nothing for) and about how many new tokens would fit; nothing written."""
+    import re
+
+    from models.base import with_runtime
+    from models.checkpoint import load_model
+    from models.cli import MAX_NEW_TOKENS
+    from models.decode import available_memory, generation_program_bytes
+
+    traces = tmp_path / "traces"
+    argv = _generate(tiny_model["ckpt"], "--prompt-ids", "1,2,3", "--max-new-tokens", MAX_NEW_TOKENS, "--stop-ids", "",
+                     "--record-traces", traces)
+    line = refused(capsys, argv, f"--max-new-tokens {MAX_NEW_TOKENS}: decoding 1 sequence(s) of 3 + {MAX_NEW_TOKENS}",
+                   out=traces)
+    arch, config, params, _ = load_model(tiny_model["ckpt"])
+    config, params = with_runtime(config, params, compute="fast", scan_layers=False)  # generate's default
+    need = generation_program_bytes(arch, params, config, [[1, 2, 3]], method=make_method("fp32"),
+                                    max_new_tokens=MAX_NEW_TOKENS, record=True)
+    free, _ = available_memory()
+    assert need > free and f"needs {need / 2**30:,.2f} GiB" in line
+    fit = int(re.search(r"at most about ([\d,]+) new tokens would fit", line).group(1).replace(",", ""))
+    assert fit == int(MAX_NEW_TOKENS * free / need)
+    refused(capsys, _generate(tiny_model["ckpt"], "--prompt-ids", "1", "--max-new-tokens", MAX_NEW_TOKENS + 1),
+            "argument --max-new-tokens", f"[1, {MAX_NEW_TOKENS}]", "int32")
+
+
+def test_a_load_state_of_another_method_names_the_differing_fields():
+    from models.prefix_state import method_difference
+
+    diff = method_difference(repr(make_method("leapquant", bits=4, window=8)), repr(make_method("leapquant")))
+    assert diff == "config.bits 4 in the file, 8 here; config.window 8 in the file, 16 here"
+    diff = method_difference(repr(make_method("fp32")), repr(make_method("leapquant")))
+    assert diff == "PerStepMethod(format_name='fp32', impl='auto') in the file, WindowedMethod(label='leapquant') here"
+
+
+def test_a_checkpoint_with_many_wrong_tensors_is_named_in_one_short_line():
+    from leapquant_jax.cli_support import one_line
+    from models.base import ConversionError
+
+    err = ConversionError(unexpected=[f"model.layers.{i}.mlp.gate.weight" for i in range(300)],
+                          missing=["model.norm.weight"], context="qwen3_5_text")
+    line = one_line(err)
+    assert len(line) < 400 and len(err.unexpected) == 300
+    assert "unexpected tensors (300): model.layers.0.mlp.gate.weight, model.layers.1.mlp.gate.weight" in line
+    assert line.endswith("model.layers.4.mlp.gate.weight and 295 more")
+    assert "missing tensors (1): model.norm.weight" in line
 
 
 def test_generate_refuses_a_missing_checkpoint_and_a_file_as_trace_folder(capsys, tiny_model, tmp_path):

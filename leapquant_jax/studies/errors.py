@@ -19,36 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..damp import DampMethod, calibrate
-from ..methods import METHOD_NAMES, WINDOWED_METHODS, make_method
+from ..method_names import METHOD_LABELS, STUDY_METHODS
+from ..methods import WINDOWED_METHODS, make_method
 from ..quantizers import tree_bytes
 from ..state import LeapQuantState
 from ..synthetic import SyntheticSpec, synthetic_batch
 from .memory import state_shapes
 
-# Study label -> (method name, options). Labels are the CLI's method names, with -b6/-b4 for
-# LeapQuant at 6 and 4 bits and the two partial fixes on top of int8-w.
-STUDY_METHODS: dict[str, tuple[str, dict]] = {
-    "fp32": ("fp32", {}),
-    "bf16": ("bf16", {}),
-    "fp16": ("fp16", {}),
-    "fp8": ("fp8", {}),
-    "int8": ("int8", {}),
-    "bf16-w": ("bf16-w", {}),
-    "int8-w": ("int8-w", {}),
-    "int8-w+ct": ("leapquant", dict(bits=8, smoothing=False)),
-    "int8-w+smooth": ("leapquant", dict(bits=8, compensators=False)),
-    "leapquant": ("leapquant", dict(bits=8)),
-    "leapquant-b6": ("leapquant", dict(bits=6)),
-    "leapquant-b4": ("leapquant", dict(bits=4)),
-}
-
-# Every label the studies and `eval` accept: the lineup above (the default of `study errors`), then
-# each other per-step method under its own name (the rival formats: block floats, adapted KV-cache
-# methods, error feedback, stochastic rounding, ...).
-ALL_METHODS: dict[str, tuple[str, dict]] = {
-    **STUDY_METHODS,
-    **{n: (n, {}) for n in METHOD_NAMES if n not in WINDOWED_METHODS and n not in STUDY_METHODS},
-}
+# The studies' lineup (``STUDY_METHODS``, the default of `study errors`) and every label the
+# studies and `eval` accept (``ALL_METHODS``): the one table of ``method_names``.
+ALL_METHODS = METHOD_LABELS
 
 
 @dataclasses.dataclass(frozen=True)

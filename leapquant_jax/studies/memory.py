@@ -6,8 +6,10 @@ import dataclasses
 
 import jax
 
-from ..methods import METHOD_NAMES, make_method
+from ..method_names import METHOD_LABELS
+from ..methods import make_method
 from ..quantizers import tree_bytes
+from ..state import LeapQuantState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +67,33 @@ def measure_memory(query: MemoryQuery) -> dict:
     }
 
 
-def method_memory(names, *, dk: int = 128, dv: int = 128, heads: int = 32, kda: bool = False) -> dict:
-    """Per method of ``names`` (``make_method`` names with their defaults; ``"all"`` for every
-    one): ``{name: {"bits_per_value", "bytes_per_head"}}`` of a live stream of ``heads`` heads of
-    ``[dk, dv]`` (a windowed method's window buffer and position included, shared by the heads),
-    measured on the state pytree. Raises ``ValueError`` naming an unknown method."""
-    names = list(METHOD_NAMES) if names == "all" else list(names)
+def method_memory(labels, *, dk: int = 128, dv: int = 128, heads: int = 32, key_heads: int | None = None) -> dict:
+    """Per method label of ``labels`` (``method_names.METHOD_LABELS``, each with the options its
+    label fixes and the defaults otherwise; ``"all"`` for every one), measured on the state
+    pytrees of ``heads`` heads of ``[dk, dv]``: ``{label: {"checkpoint_bytes_per_head",
+    "checkpoint_bits_per_value", "live_gdn_bytes_per_head", "live_gdn_bits_per_value",
+    "live_kda_bytes_per_head", "live_kda_bits_per_value"}}``. ``checkpoint`` is the
+    window-boundary state (a per-step method's state itself); ``live_gdn`` / ``live_kda`` a
+    decoding stream with scalar (GDN) or per-channel (KDA) decays, a windowed method's window
+    buffer and position included (shared by the heads; key records by ``key_heads``). Raises
+    ``ValueError`` naming an unknown label."""
+    labels = list(METHOD_LABELS) if labels == "all" else list(labels)
     out = {}
-    for name in names:
-        per_head = tree_bytes(state_shapes(make_method(name), heads, dk, dv, kda)) / heads
-        out[name] = {"bits_per_value": 8 * per_head / (dk * dv), "bytes_per_head": per_head}
+    for label in labels:
+        if label not in METHOD_LABELS:
+            raise ValueError(f"unknown method {label!r}; known: {', '.join(METHOD_LABELS)}")
+        name, fixed = METHOD_LABELS[label]
+        method = make_method(name, **fixed)
+        entry = {}
+        for stream, kda in (("live_gdn", False), ("live_kda", True)):
+            shapes = state_shapes(method, heads, dk, dv, kda, key_heads)
+            entry[stream] = tree_bytes(shapes) / heads
+            if not kda:
+                entry["checkpoint"] = tree_bytes(shapes.checkpoint if isinstance(shapes, LeapQuantState) else shapes) / heads
+        out[label] = {}
+        for part in ("checkpoint", "live_gdn", "live_kda"):
+            out[label][f"{part}_bytes_per_head"] = entry[part]
+            out[label][f"{part}_bits_per_value"] = 8 * entry[part] / (dk * dv)
     return out
 
 

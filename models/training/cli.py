@@ -4,19 +4,29 @@
 checkpoint is there), evaluates on held-out text, measures the decay spectrum, plots, exports
 the model as a Hugging Face directory (``config.json``, bf16 ``model.safetensors``, tokenizer
 files) together with ``TRAINING.md``, ``training.json``, the plots, the data file list, a
-held-out snippet for cross-checks, and ``SHA256SUMS``. Run stand-alone with
-``python -m models.training.cli train ...``.
+held-out snippet for cross-checks, and ``SHA256SUMS``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from models.checkpoint import save_hf
+from models.export import to_hf_tensors
+from models.loading import DATA_FILES
+from models.registry import architecture_for_config
+from models.training import data as D
+from models.training import loop, report
+from models.training.model import hf_config, init_params, parameter_count
 
 # The held-out snippet shipped with a checkpoint (its first tokens of held-out text), on which
 # tests compare our logits with transformers'.
@@ -27,17 +37,11 @@ FP32_TENSOR_SUFFIXES = ("A_log", "dt_bias")
 
 
 def run_train_data(args) -> int:
-    from models.training.data import DataSpec, default_source, prepare_data
-
-    source = args.source or default_source()
+    source = args.source or D.default_source()
     t0 = time.time()
-    try:
-        manifest = prepare_data(source, args.out, spec=DataSpec(vocab_size=args.vocab_size,
-                                                                 held_out_fraction=args.held_out_fraction),
-                                python_version=args.python_version)
-    except FileExistsError as err:
-        print(f"leapquant train-data: error: {err}", file=sys.stderr)
-        return 2
+    manifest = D.prepare_data(source, args.out, spec=D.DataSpec(vocab_size=args.vocab_size,
+                                                                held_out_fraction=args.held_out_fraction),
+                              python_version=args.python_version)
     summary = {"command": "train-data", "out": str(args.out), "source": manifest["source"],
                "python_version": manifest["python_version"], "files": manifest["files"],
                "excluded": len(manifest["excluded"]), "file_list_sha256": manifest["file_list_sha256"],
@@ -95,11 +99,6 @@ def _command_line(args) -> str:
 
 def export_tensors(config, params) -> dict:
     """HF tensors for the shipped file: bf16, except the decay gates (fp32)."""
-    import ml_dtypes
-    import numpy as np
-
-    from models.export import to_hf_tensors
-
     out = {}
     for name, x in to_hf_tensors(config, params).items():
         x = np.asarray(x, np.float32)
@@ -109,19 +108,9 @@ def export_tensors(config, params) -> dict:
 
 def run_train(args) -> int:
     t_start = time.time()
-    import jax
-    import numpy as np
-
-    from models.checkpoint import save_hf
-    from models.registry import architecture_for_config
-    from models.training import data as D
-    from models.training import loop, report
-    from models.training.model import hf_config, init_params, parameter_count
-
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"leapquant train: error: {out} exists and is not an empty directory; not overwriting it", file=sys.stderr)
-        return 2
+        raise FileExistsError(f"--out {out} exists and is not an empty directory; not overwriting it")
     name = args.name or out.name
     state_dir = Path(args.state_dir) if args.state_dir else Path("out") / "train" / name
     recall = D.RecallSpec(**{k: v for k, v in dict(fraction=args.recall_fraction, pairs=args.recall_pairs,
@@ -191,7 +180,7 @@ def run_train(args) -> int:
                                                               "ids": snippet}) + "\n")
         files = {n: tmp / n for n in ("loss_curve.png", "decay_spectrum.png", "training.json", "TRAINING.md",
                                       "heldout_snippet.json")}
-        files.update({"DATA_FILES.txt": corpus.path / D.FILES_LIST, D.TOKENIZER: corpus.path / D.TOKENIZER,
+        files.update({DATA_FILES: corpus.path / D.FILES_LIST, D.TOKENIZER: corpus.path / D.TOKENIZER,
                       D.TOKENIZER_CONFIG: corpus.path / D.TOKENIZER_CONFIG})
         save_hf(out, config_json=config_json, tensors=tensors, files=files)
     report.write_sha256sums(out)
@@ -207,7 +196,7 @@ def run_train(args) -> int:
     return 0
 
 
-def add_subcommands(subparsers) -> None:
+def add_subcommand(subparsers) -> None:
     """Registers ``train-data`` and ``train`` on an argparse subparsers object."""
     p = subparsers.add_parser("train-data", help="prepare the training corpus (stdlib sources, BPE tokenizer, tokens)")
     p.add_argument("--out", type=Path, default=Path("out/data"), help="output directory (default out/data)")
@@ -247,12 +236,4 @@ def add_subcommands(subparsers) -> None:
     p.set_defaults(func=run_train)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="leapquant")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["SNIPPET_TOKENS", "add_subcommand", "export_tensors", "run_train", "run_train_data"]

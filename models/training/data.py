@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as bpe_models
 
 EOS = "<|endoftext|>"
 RECALL = "<|recall|>"
@@ -121,9 +123,7 @@ def file_sha256(path) -> str:
 def train_tokenizer(texts, spec: DataSpec):
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` (an iterable of str),
     with ``SPECIAL_TOKENS`` at ids 0, 1, 2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(bpe_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, min_frequency=spec.min_frequency,
@@ -141,7 +141,8 @@ def tokenizer_config() -> dict:
             "additional_special_tokens": [RECALL, QUERY]}
 
 
-def _tokenize(tok, texts: list[str]) -> np.ndarray:
+def tokenize_texts(tok, texts: list[str]) -> np.ndarray:
+    """The corpus's token stream ``[N]`` uint16: each text's tokens, then ``EOS``, in order."""
     eos = tok.token_to_id(EOS)
     pieces = []
     for enc in tok.encode_batch(texts):
@@ -192,7 +193,7 @@ def prepare_data(source, out_dir, *, spec: DataSpec = DataSpec(), python_version
     try:
         counts = {}
         for split, name in (("train", TRAIN_TOKENS), ("heldout", HELDOUT_TOKENS)):
-            ids = _tokenize(tok, texts[split])
+            ids = tokenize_texts(tok, texts[split])
             np.save(tmp / name, ids)
             counts[split] = {"files": len(texts[split]), "bytes": sum(len(t.encode("utf-8")) for t in texts[split]),
                              "tokens": int(ids.size)}
@@ -375,6 +376,7 @@ __all__ = [
     "prepare_data",
     "recall_row",
     "sample_batch",
+    "tokenize_texts",
     "tokenizer_config",
     "train_tokenizer",
 ]

@@ -40,7 +40,11 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import safetensors.numpy
+from tqdm.auto import tqdm
 
+from models.checkpoint import read_safetensors
 from models.training import data as D
 from models.training.model import (TrainingRecurrence, forward_logits, masked_loss, trainable_mask,
                                    weight_decay_mask)
@@ -135,8 +139,6 @@ def learning_rate(step: Array, total: Array, cfg: TrainConfig) -> Array:
 
 def make_optimizer(cfg: TrainConfig, params):
     """AdamW without its learning-rate factor (the step applies the schedule)."""
-    import optax
-
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
@@ -242,8 +244,6 @@ def _named_leaves(tree) -> list[tuple[str, Any]]:
 
 def save_state(state_dir, *, params, opt_state, meta: dict) -> Path:
     """Writes ``ckpt-<step>`` atomically, points ``LATEST`` at it, deletes older checkpoints."""
-    from safetensors.numpy import save_file
-
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{int(meta['step']):08d}"
@@ -253,7 +253,7 @@ def save_state(state_dir, *, params, opt_state, meta: dict) -> Path:
         for prefix, tree in (("params", params), ("opt_state", opt_state)):
             for key, x in _named_leaves(tree):
                 tensors[prefix + key] = np.asarray(x).copy(order="C")  # keeps 0-d leaves 0-d (step counts)
-        save_file(tensors, str(tmp / STATE_FILE))
+        safetensors.numpy.save_file(tensors, str(tmp / STATE_FILE))
         (tmp / META_FILE).write_text(json.dumps(dict(meta, format=STATE_FORMAT), indent=1))
         final, k = state_dir / name, 0
         while final.exists():  # a second save at the same step: never replace what LATEST may name
@@ -286,8 +286,6 @@ def latest_state(state_dir) -> Optional[Path]:
 def load_state(path, *, params_template, opt_template) -> tuple[Any, Any, dict]:
     """Reads a checkpoint into the structure of the templates (same pytree paths, shapes and
     dtypes; every difference is named)."""
-    from models.checkpoint import read_safetensors
-
     path = Path(path)
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format") != STATE_FORMAT:
@@ -345,8 +343,6 @@ def train(trainer: Trainer, corpus: D.Corpus, params, *, state_dir, start_time: 
     stop_at_step: end this call at that step although the schedule goes on (a staged run,
     resumed later). Returns the final params and the ``RunState``; the last checkpoint is saved.
     """
-    from tqdm.auto import tqdm
-
     cfg = trainer.cfg
     params = jax.tree.map(jnp.asarray, params)
     opt_state = trainer.init_optimizer(params)

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from models.base import FULL_ATTENTION, LINEAR_ATTENTION
 from models.registry import architecture_for_config
@@ -243,8 +244,6 @@ def forward_logits(arch, config, params, ids: Array, recurrence: TrainingRecurre
 def masked_loss(logits: Array, targets: Array, mask: Array) -> tuple[Array, Array]:
     """Mean next-token cross-entropy over ``mask``: logits ``[B, T, V]``, targets, mask
     ``[B, T]``. Returns ``(loss, per_token [B, T])``."""
-    import optax
-
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0), per_token
 
