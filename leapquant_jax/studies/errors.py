@@ -43,10 +43,11 @@ STUDY_METHODS: dict[str, tuple[str, dict]] = {
 
 # Every label the studies and `eval` accept: the lineup above (the default of `study errors`), then
 # each other per-step method under its own name (the rival formats: block floats, adapted KV-cache
-# methods, error feedback, stochastic rounding, ...).
+# methods, error feedback, stochastic rounding, ...), then the lossless windowed ``fp32-w``.
 ALL_METHODS: dict[str, tuple[str, dict]] = {
     **STUDY_METHODS,
     **{n: (n, {}) for n in METHOD_NAMES if n not in WINDOWED_METHODS and n not in STUDY_METHODS},
+    "fp32-w": ("fp32-w", {}),
 }
 
 
