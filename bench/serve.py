@@ -65,6 +65,7 @@ from bench.decode import (MODELS, STATES, build_method, copy_bandwidth, model_co
 from leapquant_jax.quantizers import tree_bytes
 from models.base import put_rows
 from models.layers import COMPUTE_MODES, FAST
+from models.prefix_state import empty_cache
 
 # The serving setup (STEPQuant's appendix F.5): 128 prompt and 1,024 generated tokens.
 PROMPT, GENERATE = 128, 1024
@@ -148,7 +149,7 @@ def measure_batch(arch, config, params, method, *, batch: int, prompt: int, gene
     rows = min(prefill_rows, batch)
     held = jnp.zeros((hold_bytes // 4,), jnp.float32) if hold_bytes else None
     ids = jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt), 0, config.vocab_size, jnp.int32)
-    cache = jax.jit(lambda: arch.init_cache(config, batch=batch, max_len=max_len, method=method))()
+    cache = empty_cache(arch, config, method=method, batch=batch, max_len=max_len)
     t0 = time.perf_counter()
     prefill = prefill_program(arch, config, method, rows, max_len).lower(
         params, cache, ids[:rows], jnp.int32(0)).compile()
