@@ -471,7 +471,8 @@ def serve_requests(pool: DecodePool, requests: Sequence[Sequence[int]], *, max_n
     per request). Request ``i`` samples with ``PRNGKey(seed + i)``. A request with ids outside the
     vocabulary, an empty prompt, a prompt and budget longer than a slot, or logits that are not
     finite after its prompt is refused; a slot whose logits turn non-finite is ended. Either way
-    its ``Served.error`` says why, by name. Returns one ``Served`` per request, in request order.
+    its ``Served.error`` says why, by name. Returns one ``Served`` per request, in request order;
+    its times are read from ``clock`` (seconds), after the host has the tokens of each step.
     """
     if isinstance(requests, (str, bytes)) or not len(requests):
         raise ValueError(f"requests must be a non-empty list of token-id lists, got {requests!r}")
