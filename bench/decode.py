@@ -73,6 +73,12 @@ MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         rms_norm_eps=1e-6, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=12288, tie_word_embeddings=False),
+    "qwen3.5-4b": dict(
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560, num_hidden_layers=32,
+        full_attention_interval=4, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=9216, tie_word_embeddings=True),
     "kimi-linear-48b-a3b": dict(
         model_type="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
         num_attention_heads=32, num_key_value_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -93,7 +99,7 @@ MODELS = {
 }
 
 STATES = {"fp32": ("fp32", {}), "bf16": ("bf16", {}), "lq8": ("leapquant", dict(bits=8)),
-          "lq6": ("leapquant", dict(bits=6)), "lq4": ("leapquant", dict(bits=4))}
+          "lq6": ("leapquant", dict(bits=6)), "lq4": ("leapquant", dict(bits=4)), "fp32-w": ("fp32-w", {})}
 # Standard deviation of the random weights: small enough that activations stay finite at depth.
 WEIGHT_STD = 0.02
 
@@ -174,9 +180,10 @@ def weight_bytes_read(params, config, batch: int) -> float:
 
 
 def step_bytes(weights: float, per_stream: dict, batch: int, state: str) -> float:
-    """Bytes one decode step must move (module docstring)."""
+    """Bytes one decode step must move (module docstring; ``fp32-w`` as LeapQuant, its checkpoint
+    fp32)."""
     s, c, p = per_stream["state"], per_stream["checkpoint"], per_stream["window"]
-    if state.startswith("lq"):
+    if p > 1:  # a windowed state (LeapQuant, fp32-w)
         buffer = s - c
         state_bytes = c + buffer / 2 + (c + buffer + c) / p
     else:

@@ -43,10 +43,10 @@ STUDY_METHODS: dict[str, tuple[str, dict]] = {
 }
 
 # Every label: the lineup, then each other method under its own name (the rival formats: block
-# floats, adapted KV-cache methods, error feedback, stochastic rounding, damp).
+# floats, adapted KV-cache methods, error feedback, stochastic rounding, damp; the lossless fp32-w).
 METHOD_LABELS: dict[str, tuple[str, dict]] = {
     **STUDY_METHODS,
-    **{n: (n, {}) for n in METHOD_NAMES if n not in WINDOWED_METHODS and n not in STUDY_METHODS},
+    **{n: (n, {}) for n in METHOD_NAMES if n not in STUDY_METHODS},
 }
 
 WINDOW_OPTIONS = ("window", "impl")

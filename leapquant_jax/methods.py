@@ -12,7 +12,8 @@ A method is a frozen, hashable dataclass (a static argument to ``jit``) with
 ``make_method(name, **options)`` builds one from a docs/design.md §5 name: per-step ``fp32``,
 ``bf16``, ``fp16``, ``int8``, ``fp8``, ``int6``, ``int4`` and the formats of ``formats`` (eq. 2:
 re-quantize after every token), the stateful per-step methods of ``feedback``; windowed
-``bf16-w``, ``int8-w`` (no compensators, no smoothing) and ``leapquant``. The shared drivers
+``bf16-w``, ``int8-w`` (no compensators, no smoothing), ``leapquant`` and the lossless ``fp32-w``
+(an fp32 checkpoint, ``fp32w``). The shared drivers
 (``decode``, ``prefill``) live in ``runner``.
 """
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 from . import dispatch, windowed
 from .damp import DampCalibration, DampMethod
 from .feedback import METHODS as STATEFUL_PER_STEP
+from .fp32w import fp32w_config
 from .per_step import DENSE_KERNEL_FORMATS, PER_STEP_METHODS, PerStepMethod
 from .recurrence import Token
 from .runner import Runner, check_dense, check_dims, check_token
@@ -34,7 +36,7 @@ from .state import LeapQuantConfig, LeapQuantState
 
 Array = jax.Array
 
-WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant")
+WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant", "fp32-w")
 # The per-step formats, then the per-step methods whose state carries more than the rounded
 # values (error feedback, stochastic rounding), then DAMP (calibrated per layer), then the windowed ones.
 METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS
@@ -42,7 +44,8 @@ METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWE
 
 @dataclasses.dataclass(frozen=True)
 class WindowedMethod(Runner):
-    """The windowed recurrence with a ``LeapQuantConfig`` (``bf16-w``, ``int8-w``, ``leapquant``)."""
+    """The windowed recurrence with a ``LeapQuantConfig`` (``bf16-w``, ``int8-w``, ``leapquant``,
+    ``fp32-w``)."""
 
     config: LeapQuantConfig = LeapQuantConfig()
     label: str = "leapquant"
@@ -130,8 +133,9 @@ def make_method(
 ):
     """Builds a state method from its docs/design.md §5 name.
 
-    name: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8`` (per step), ``bf16-w``, ``int8-w``
-    or ``leapquant``. The options (``bits``, ``window``, ``rank``, ``compensators``,
+    name: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8`` (per step), ``bf16-w``, ``int8-w``,
+    ``leapquant`` or ``fp32-w`` (which takes ``window``, ``record_dtype`` and ``impl`` alone:
+    ``fp32w.fp32w_config``). The options (``bits``, ``window``, ``rank``, ``compensators``,
     ``smoothing`` and any other ``LeapQuantConfig`` field) apply to windowed methods; ``None``
     keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``impls``:
     which implementation runs the dense step) on ``fp32`` and ``bf16``. ``calibration`` (a
@@ -157,6 +161,8 @@ def make_method(
         return PerStepMethod(name) if name in PER_STEP_METHODS else STATEFUL_PER_STEP[name]()
     if name not in WINDOWED_METHODS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(METHOD_NAMES)}")
+    if name == "fp32-w":
+        return WindowedMethod(fp32w_config(**given), label=name)
     fields = {f.name for f in dataclasses.fields(LeapQuantConfig)}
     unknown = set(given) - fields
     if unknown:

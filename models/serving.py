@@ -18,7 +18,13 @@ those of ``generate`` on its prompt alone, and sampled ones too wherever the two
 steps (``feed``, a restored state's pending ids) do not use up the key: the token after the last
 of them is drawn with the key that would have drawn the first token after the prompt.
 
-``serve`` drives a queue of requests through a pool; ``save``/``restore`` move one sequence's
+Faults stay with their slot. A request with ids outside the vocabulary, or a prompt and budget
+longer than a slot, is refused (``ValueError`` naming it) before anything changes. A prefill whose
+logits are not finite is refused too (``PoolFault``), and a slot whose logits turn non-finite in a
+step is ended: its rows reset, a ``SlotFault`` added to ``faults``; the other slots go on.
+
+``serve`` drives a queue of requests through a pool (``serve_requests`` does it request by request,
+reporting each one's refusal or fault and its times); ``save``/``restore`` move one sequence's
 state out of and into a slot, ``boundary_state`` takes the state of a sequence of any length at
 its last window boundary (``models.prefix_state``), and ``generate_one`` runs one sequence,
 optionally from or into a prefix state.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from typing import Optional, Sequence
 
 import jax
@@ -46,6 +53,23 @@ from models.prefix_state import (PrefixState, check_prefix, empty_cache, restore
                                  window_boundary)
 
 Array = jax.Array
+
+
+class PoolFault(ValueError):
+    """A sequence the pool cannot continue: its logits are not finite (after its prompt, or in a
+    step of its slot, which then ends)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotFault:
+    """A slot ended by a fault: ``slot``, the ``tokens`` it had consumed, ``reason``."""
+
+    slot: int
+    tokens: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"slot {self.slot} ended after {self.tokens} tokens: {self.reason}"
 
 
 def _positive_int(value, name: str) -> int:
@@ -92,7 +116,7 @@ def _prefill(arch, params, config, blank, ids, lengths, keys, *, method, samplin
     logits, cache, _ = arch.forward(params, config, ids, blank, method=method, mode="prefill", lengths=lengths)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first, keys = _sample_rows(last, keys, sampling)
-    return cache, last, first, keys
+    return cache, last, first, keys, jnp.all(jnp.isfinite(last), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("arch", "config", "method", "sampling"), donate_argnames=("cache",))
@@ -100,10 +124,11 @@ def _step(arch, params, config, cache, logits, tokens, active, keys, *, method, 
     new_logits, cache, _ = arch.forward(params, config, tokens[:, None], cache, method=method, mode="decode",
                                         active=active)
     nxt, new_keys = _sample_rows(new_logits[:, 0], keys, sampling)
-    nxt = jnp.where(active, nxt, 0)
+    finite = jnp.all(jnp.isfinite(new_logits[:, 0]), axis=-1) | ~active
+    nxt = jnp.where(active & finite, nxt, 0)
     keys = jnp.where(active.reshape((-1,) + (1,) * (keys.ndim - 1)), new_keys, keys)
     logits = jnp.where(active[:, None], new_logits[:, 0], logits)
-    return nxt, cache, logits, keys
+    return nxt, cache, logits, keys, finite
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "logits"))
@@ -120,7 +145,8 @@ class DecodePool:
     Host-side per slot: whether it is in use, its pending token (sampled, not yet fed), its
     position and consumed ids, its sampling key and the key that drew the pending token (a token
     fed in its place is drawn again with it). On the device: the cache (batch ``slots``) and
-    ``logits [slots, vocab]``, each slot's last next-token logits.
+    ``logits [slots, vocab]``, each slot's last next-token logits. ``faults``: the slots ended
+    because their logits turned non-finite, in order.
     """
 
     def __init__(self, arch, params, config, *, method, pool: PoolConfig):
@@ -139,6 +165,7 @@ class DecodePool:
         self._pending = np.zeros(s, np.int32)
         self._pos = np.zeros(s, np.int64)
         self._ids: list[list[int]] = [[] for _ in range(s)]
+        self._faults: list[SlotFault] = []
 
     # -- inspection
 
@@ -166,6 +193,11 @@ class DecodePool:
     def positions(self) -> np.ndarray:
         """``[slots]``: tokens each slot has consumed."""
         return self._pos.copy()
+
+    @property
+    def faults(self) -> tuple:
+        """The ``SlotFault`` of every slot a step ended, oldest first."""
+        return tuple(self._faults)
 
     def free_slots(self) -> list[int]:
         """The slots not in use, lowest first."""
@@ -223,13 +255,17 @@ class DecodePool:
         self.check_fits(prompt.shape[0], budget)
         slot = self._free_slot(slot)
         drew = np.asarray(jax.random.PRNGKey(seed))[None]
-        cache, last, first, keys = self._prefill_one(prompt, drew)
+        cache, last, first, keys, finite = self._prefill_one(prompt, drew)
+        if not bool(np.asarray(finite)[0]):
+            raise PoolFault(f"the logits after the prompt ({prompt.shape[0]} tokens) are not finite; "
+                            f"the prompt was not admitted")
         return self._occupy(slot, cache, last, first, keys, drew, prompt)
 
     def _prefill_one(self, prompt: np.ndarray, keys: np.ndarray, *, length: Optional[int] = None):
         """Prefill of the first ``length`` (default all, ``>= 1``) tokens of ``prompt [n]`` from an
         empty row, in the program of the prompt's bucket (the tokens past ``length`` are padding):
-        ``(cache of batch 1, last logits [1, vocab], first token [1], keys [1, ...])``."""
+        ``(cache of batch 1, last logits [1, vocab], first token [1], keys [1, ...], finite [1])``,
+        ``finite`` whether those logits are all finite."""
         n, bucket = prompt.shape[0], self.pool.bucket
         t = min(-(-n // bucket) * bucket, self.max_len)
         ids = np.zeros((1, t), np.int32)
@@ -251,6 +287,8 @@ class DecodePool:
         cache = restore_cache(self.arch, self.params, self.config, prefix, method=self.method, max_len=self.max_len)
         drew = np.asarray(jax.random.PRNGKey(seed))[None]
         if not m:
+            if not np.all(np.isfinite(prefix.logits)):
+                raise PoolFault("the prefix state's logits are not finite; it was not restored")
             logits = jnp.asarray(prefix.logits)[None]
             first, keys = _sample_rows(logits, jnp.asarray(drew), self.pool.sampling)
             return self._occupy(slot, cache, logits, first, keys, drew, prefix.ids)
@@ -283,7 +321,7 @@ class DecodePool:
             b = window_boundary(ids.shape[0], self.method)
             if b:
                 # The prompt's own bucket, whatever b: one prefill program per bucket, as insert.
-                cache, last, _, _ = self._prefill_one(ids, np.asarray(jax.random.PRNGKey(0))[None], length=b)
+                cache, last, _, _, _ = self._prefill_one(ids, np.asarray(jax.random.PRNGKey(0))[None], length=b)
                 logits = last[0]
             else:
                 cache, logits = self._blank, None
@@ -323,9 +361,9 @@ class DecodePool:
         full = np.flatnonzero(active & (self._pos >= self.max_len))
         if full.size:
             raise ValueError(f"slot {int(full[0])} has consumed all max_len = {self.max_len} positions")
-        nxt, self.cache, self.logits, keys = _step(self.arch, self.params, self.config, self.cache, self.logits,
-                                                   tokens.astype(np.int32), active, self._keys,
-                                                   method=self.method, sampling=self.pool.sampling)
+        nxt, self.cache, self.logits, keys, finite = _step(self.arch, self.params, self.config, self.cache,
+                                                           self.logits, tokens.astype(np.int32), active, self._keys,
+                                                           method=self.method, sampling=self.pool.sampling)
         nxt = np.asarray(nxt)
         self._drew[active] = self._keys[active]
         self._keys = np.array(keys)
@@ -333,11 +371,23 @@ class DecodePool:
             self._ids[s].append(int(tokens[s]))
         self._pos[active] += 1
         self._pending[active] = nxt[active]
+        for s in np.flatnonzero(~np.asarray(finite)):
+            self._end(int(s), "its next-token logits are not finite")
         return nxt
+
+    def _end(self, slot: int, reason: str) -> None:
+        """Ends ``slot`` for a fault: recorded in ``faults``, its rows reset to the empty cache (so
+        no non-finite value stays in the pool), the slot freed."""
+        self._faults.append(SlotFault(slot=slot, tokens=int(self._pos[slot]), reason=reason))
+        self.cache, self.logits = _write(self.cache, self.logits, jnp.asarray([slot], jnp.int32), self._blank,
+                                         jnp.zeros((1, self.config.vocab_size), jnp.float32))
+        self._active[slot] = False
+        self._ids[slot] = []
 
     def step(self) -> np.ndarray:
         """One decode step of every slot in use: each feeds its pending token and samples the
-        next. Returns the new tokens ``[slots]`` int32 (0 for free slots)."""
+        next. Returns the new tokens ``[slots]`` int32 (0 for free slots). A slot whose logits
+        turn non-finite is ended (``faults``; its token 0) and the others go on."""
         if not self._active.any():
             raise ValueError("no slot is in use: nothing to step")
         return self._run(self._pending, self._active.copy())
@@ -345,7 +395,8 @@ class DecodePool:
     def feed(self, slot: int, ids: Sequence[int]) -> int:
         """Teacher-forces ``ids [m]`` through decode steps of ``slot`` alone (its pending token is
         dropped; the other slots wait) and returns the token sampled after the last one, drawn
-        with the key that drew the dropped token (the tokens fed use up no key)."""
+        with the key that drew the dropped token (the tokens fed use up no key). Raises
+        ``PoolFault`` when the slot's logits turn non-finite (the slot is then ended)."""
         slot = self._check_slot(slot, in_use=True)
         ids = check_token_ids(ids, self.config.vocab_size, name="ids").reshape(-1)
         if self._pos[slot] + ids.shape[0] > self.max_len:
@@ -358,6 +409,8 @@ class DecodePool:
             tokens[slot] = t
             self._keys[slot] = key
             self._run(tokens, only)
+            if not self._active[slot]:
+                raise PoolFault(str(self._faults[-1]))
         return int(self._pending[slot])
 
 
@@ -375,62 +428,132 @@ def _budgets(max_new_tokens, n: int) -> list[int]:
 
 def decode_slot(pool: DecodePool, slot: int, *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
     """Steps the pool until slot ``slot`` has generated ``max_new_tokens`` tokens (its pending
-    token first) or a stop token (kept); returns them and evicts the slot."""
+    token first) or a stop token (kept); returns them and evicts the slot. Raises ``PoolFault``
+    when the slot's logits turn non-finite (the pool has then ended it)."""
     budget = _positive_int(max_new_tokens, "max_new_tokens")
     stop = set(check_token_ids(stop_ids, pool.config.vocab_size, name="stop_ids").tolist())
     pool.check_fits(len(pool.ids(slot)), budget, name=f"slot {slot}")
     tokens = [int(pool.pending[slot])]
     while len(tokens) < budget and tokens[-1] not in stop:
-        tokens.append(int(pool.step()[slot]))
+        nxt = pool.step()
+        if not pool.active[slot]:
+            raise PoolFault(str(pool.faults[-1]))
+        tokens.append(int(nxt[slot]))
     pool.evict(slot)
     return tokens
 
 
-def serve(pool: DecodePool, requests: Sequence[Sequence[int]], *, max_new_tokens, stop_ids: Sequence[int] = (),
-          seed: int = 0) -> list[list[int]]:
-    """Continuous batching of ``requests`` (prompts, token ids ``[n_i]``) through an empty pool.
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One request's outcome in ``serve_requests``.
+
+    tokens: its new tokens (up to a fault, the tokens sampled before it); error: ``None`` when it
+    finished (a stop token or its budget), else why it was refused or ended; start_s,
+    first_token_s, end_s: host-clock seconds from the start of the run at which it entered a slot,
+    had its first token (sampled after its prompt) and left (``None`` where it never did).
+    All requests are queued at 0, so ``end_s`` is its latency.
+    """
+
+    tokens: tuple
+    error: Optional[str] = None
+    start_s: Optional[float] = None
+    first_token_s: Optional[float] = None
+    end_s: Optional[float] = None
+
+
+def serve_requests(pool: DecodePool, requests: Sequence[Sequence[int]], *, max_new_tokens,
+                   stop_ids: Sequence[int] = (), seed: int = 0, clock=time.perf_counter) -> list[Served]:
+    """Continuous batching of ``requests`` (prompts, token ids ``[n_i]``) through an empty pool,
+    request by request: one that cannot be served is reported and the others go on.
 
     Requests enter free slots in order as slots free up; every step advances all slots in use;
     a sequence leaves at a stop token (kept) or after ``max_new_tokens`` tokens (an int, or one
-    per request). Request ``i`` samples with ``PRNGKey(seed + i)``. Returns each request's new
-    tokens, in request order: with greedy sampling what ``models.decode.generate`` gives it alone.
+    per request). Request ``i`` samples with ``PRNGKey(seed + i)``. A request with ids outside the
+    vocabulary, an empty prompt, a prompt and budget longer than a slot, or logits that are not
+    finite after its prompt is refused; a slot whose logits turn non-finite is ended. Either way
+    its ``Served.error`` says why, by name. Returns one ``Served`` per request, in request order;
+    its times are read from ``clock`` (seconds), after the host has the tokens of each step.
     """
     if isinstance(requests, (str, bytes)) or not len(requests):
         raise ValueError(f"requests must be a non-empty list of token-id lists, got {requests!r}")
     if pool.active.any():
         raise ValueError(f"serve needs an empty pool; slots {np.flatnonzero(pool.active).tolist()} are in use")
-    prompts = [check_token_ids(p, pool.config.vocab_size, name=f"requests[{i}]").reshape(-1)
-               for i, p in enumerate(requests)]
-    budgets = _budgets(max_new_tokens, len(prompts))
+    budgets = _budgets(max_new_tokens, len(requests))
     stop = set(check_token_ids(stop_ids, pool.config.vocab_size, name="stop_ids").tolist())
-    for i, (p, b) in enumerate(zip(prompts, budgets)):
-        if p.shape[0] < 1:
-            raise ValueError(f"requests[{i}] needs at least one token")
-        pool.check_fits(p.shape[0], b, name=f"requests[{i}]")
-    queue = collections.deque(range(len(prompts)))
-    out: list = [None] * len(prompts)
+    t0 = clock()
+    out: list = [None] * len(requests)
+    prompts: dict[int, np.ndarray] = {}
+    for i, p in enumerate(requests):
+        try:
+            prompt = check_token_ids(p, pool.config.vocab_size, name=f"requests[{i}]").reshape(-1)
+            if prompt.shape[0] < 1:
+                raise ValueError(f"requests[{i}] needs at least one token")
+            pool.check_fits(prompt.shape[0], budgets[i], name=f"requests[{i}]")
+            prompts[i] = prompt
+        except ValueError as err:
+            out[i] = Served(tokens=(), error=str(err))
+        except TypeError:
+            out[i] = Served(tokens=(), error=f"requests[{i}] must be a sequence of token ids, got {p!r}")
+    queue = collections.deque(prompts)
     live: dict[int, int] = {}  # slot -> request
     tokens: dict[int, list[int]] = {}  # slot -> its new tokens so far
+    times: dict[int, tuple] = {}  # slot -> (start_s, first_token_s)
 
-    def finish(slot: int) -> None:
-        out[live.pop(slot)] = tokens[slot]
-        pool.evict(slot)
+    def finish(slot: int, error: Optional[str] = None) -> None:
+        i = live.pop(slot)
+        out[i] = Served(tokens=tuple(tokens.pop(slot)), error=error, start_s=times[slot][0],
+                        first_token_s=times[slot][1], end_s=clock() - t0)
+        if error is None:
+            pool.evict(slot)
 
     while queue or live:
         while queue and pool.free_slots():
             i = queue.popleft()
-            slot = pool.insert(prompts[i], budget=budgets[i], seed=seed + i)
-            live[slot], tokens[slot] = i, [int(pool.pending[slot])]
+            start = clock() - t0
+            try:
+                slot = pool.insert(prompts[i], budget=budgets[i], seed=seed + i)
+            except PoolFault as err:
+                out[i] = Served(tokens=(), error=f"requests[{i}]: {err}", start_s=start, end_s=clock() - t0)
+                continue
+            live[slot], tokens[slot], times[slot] = i, [int(pool.pending[slot])], (start, clock() - t0)
             if tokens[slot][-1] in stop or budgets[i] == 1:
                 finish(slot)
         if not live:
             continue
+        known = len(pool.faults)
         nxt = pool.step()
+        ended = {f.slot: f for f in pool.faults[known:]}
         for slot in list(live):
+            if slot in ended:
+                finish(slot, error=f"requests[{live[slot]}]: {ended[slot]}")
+                continue
             tokens[slot].append(int(nxt[slot]))
             if tokens[slot][-1] in stop or len(tokens[slot]) == budgets[live[slot]]:
                 finish(slot)
     return out
+
+
+def serve(pool: DecodePool, requests: Sequence[Sequence[int]], *, max_new_tokens, stop_ids: Sequence[int] = (),
+          seed: int = 0) -> list[list[int]]:
+    """Continuous batching of ``requests`` (prompts, token ids ``[n_i]``) through an empty pool
+    (``serve_requests``), all or nothing: every request is checked before any runs (``ValueError``
+    naming the first that cannot be served), and a request a fault ended raises ``PoolFault``
+    once the others are done. Returns each request's new tokens, in request order: with greedy
+    sampling what ``models.decode.generate`` gives it alone.
+    """
+    if isinstance(requests, (str, bytes)) or not len(requests):
+        raise ValueError(f"requests must be a non-empty list of token-id lists, got {requests!r}")
+    budgets = _budgets(max_new_tokens, len(requests))
+    for i, (p, b) in enumerate(zip(requests, budgets)):
+        p = check_token_ids(p, pool.config.vocab_size, name=f"requests[{i}]").reshape(-1)
+        if p.shape[0] < 1:
+            raise ValueError(f"requests[{i}] needs at least one token")
+        pool.check_fits(p.shape[0], b, name=f"requests[{i}]")
+    served = serve_requests(pool, requests, max_new_tokens=budgets, stop_ids=stop_ids, seed=seed)
+    errors = [r.error for r in served if r.error is not None]
+    if errors:
+        raise PoolFault("; ".join(errors))
+    return [list(r.tokens) for r in served]
 
 
 def generate_one(arch, params, config, *, method, prompt: Sequence[int] = (), prefix: Optional[PrefixState] = None,
@@ -488,4 +611,5 @@ def generate_one(arch, params, config, *, method, prompt: Sequence[int] = (), pr
     return decode_slot(pool, slot, max_new_tokens=budget, stop_ids=stop_ids), state
 
 
-__all__ = ["DecodePool", "PoolConfig", "decode_slot", "generate_one", "serve"]
+__all__ = ["DecodePool", "PoolConfig", "PoolFault", "Served", "SlotFault", "decode_slot", "generate_one", "serve",
+           "serve_requests"]

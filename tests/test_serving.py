@@ -32,7 +32,7 @@ from models import prefix_state as ps
 from models.base import scan_params
 from models.checkpoint import architecture_for_config, save_converted
 from models.decode import PROMPT_BUCKET, generate, to_device
-from models.serving import DecodePool, PoolConfig, serve
+from models.serving import DecodePool, PoolConfig, serve, serve_requests
 from models.training.model import hf_config, init_params
 
 from helpers import rel
@@ -177,6 +177,133 @@ def test_pool_refuses_what_does_not_fit(tiny):
         pool.evict(1)
     with pytest.raises(ValueError, match="serve needs an empty pool"):
         serve(pool, [[1]], max_new_tokens=1)
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+class PoisonArch:
+    """The model with its logits made NaN at position ``at``: in decode steps for the rows feeding
+    the token at that position, in prefill for prompts of ``at`` tokens. Only the sequences that
+    reach it meet the fault."""
+
+    def __init__(self, arch, at: int):
+        self.arch, self.at = arch, at
+
+    def init_cache(self, config, **kw):
+        return self.arch.init_cache(config, **kw)
+
+    def forward(self, params, config, ids, cache, *, method, mode, lengths=None, **kw):
+        import jax.numpy as jnp
+
+        logits, new, traces = self.arch.forward(params, config, ids, cache, method=method, mode=mode,
+                                                lengths=lengths, **kw)
+        bad = cache["pos"] == self.at if mode == "decode" else lengths == self.at
+        return jnp.where(bad[:, None, None], jnp.nan, logits), new, traces
+
+
+def test_a_bad_request_is_refused_by_name_and_the_other_slots_go_on(gdn):
+    rng = np.random.default_rng(41)
+    prompts = prompts_for(rng, 4)
+    want = [gdn.alone(p, "fp32") for p in prompts]
+    pool = gdn.pool("fp32")
+    requests = [prompts[0], [3, VOCAB + 5], prompts[1], [1] * (MAX_LEN + 1), "abc", None, prompts[2], prompts[3]]
+    served = serve_requests(pool, requests, max_new_tokens=MAX_NEW)
+    assert [served[i].error for i in (1, 3, 4, 5)] == [
+        f"requests[1][1] = {VOCAB + 5} is outside the vocabulary [0, {VOCAB})",
+        f"requests[3] ({MAX_LEN + 1} tokens) and {MAX_NEW} new tokens need {MAX_LEN + MAX_NEW} positions, more than "
+        f"the pool's max_len = {MAX_LEN}",
+        "requests[4] must hold integer token ids, got the string 'abc'",
+        "requests[5] must be a sequence of token ids, got None"]
+    good = [served[i] for i in (0, 2, 6, 7)]
+    assert [list(r.tokens) for r in good] == want and all(r.error is None for r in good)
+    assert all(0 <= r.start_s <= r.first_token_s <= r.end_s for r in good)
+    assert not pool.active.any() and not pool.faults
+
+    # In a running pool: a refused insert changes nothing, and the slots in use go on.
+    pool.insert(prompts[0], budget=MAX_NEW, slot=0)
+    pool.insert(prompts[1], budget=MAX_NEW, slot=2)
+    got = {0: [int(pool.pending[0])], 2: [int(pool.pending[2])]}
+    for i in range(MAX_NEW - 1):
+        if i == 5:
+            with pytest.raises(ValueError, match=f"prompt\\[1\\] = {VOCAB} is outside the vocabulary"):
+                pool.insert([1, VOCAB], budget=2)
+            with pytest.raises(ValueError, match=f"more than the pool's max_len = {MAX_LEN}"):
+                pool.insert([1] * MAX_LEN, budget=2)
+            assert pool.active.tolist() == [True, False, True]
+        nxt = pool.step()
+        for slot in got:
+            got[slot].append(int(nxt[slot]))
+    assert [got[0], got[2]] == want[:2]
+
+
+def test_a_slot_whose_logits_turn_non_finite_is_ended_and_reported_and_the_others_go_on(gdn):
+    """Logits turn NaN at position 16: request 1 reaches it in a decode step (ended after 17
+    tokens), request 4's prompt has 16 tokens (refused at its prefill); the rest never reach it."""
+    from models.serving import PoolFault, decode_slot
+
+    rng = np.random.default_rng(43)
+    at = PROMPT_BUCKET
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (4, 6, 8, 5, at)]
+    budgets = [10, MAX_NEW, 8, 10, 4]
+    want = [gdn.alone(p, "fp32")[:b] for p, b in zip(prompts, budgets)]
+    pool = DecodePool(PoisonArch(gdn.arch, at), gdn.params, gdn.config, method=METHODS["fp32"],
+                      pool=PoolConfig(slots=SLOTS, max_len=MAX_LEN))
+    served = serve_requests(pool, prompts, max_new_tokens=budgets)
+    assert served[1].error == "requests[1]: slot 1 ended after 17 tokens: its next-token logits are not finite"
+    assert list(served[1].tokens) == want[1][:at - len(prompts[1]) + 1]  # the tokens before the fault
+    assert served[4].error == (f"requests[4]: the logits after the prompt ({at} tokens) are not finite; "
+                               "the prompt was not admitted")
+    assert [list(served[i].tokens) for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    assert all(served[i].error is None for i in (0, 2, 3))
+    assert [(f.slot, f.tokens) for f in pool.faults] == [(1, at + 1)]
+    assert not pool.active.any()
+    assert all(np.isfinite(x).all() for x in leaves(pool.cache) if np.issubdtype(x.dtype, np.floating))
+    assert np.isfinite(np.asarray(pool.logits)).all()
+
+    with pytest.raises(PoolFault, match=r"requests\[1\]: slot 1 ended after 17 tokens.*requests\[4\]: the logits"):
+        serve(pool, prompts, max_new_tokens=budgets)
+    slot = pool.insert(prompts[1], budget=MAX_NEW)
+    with pytest.raises(PoolFault, match=f"slot {slot} ended after 17 tokens"):
+        decode_slot(pool, slot, max_new_tokens=MAX_NEW)
+    assert not pool.active.any()
+
+
+def test_a_slot_whose_state_turns_non_finite_is_ended_and_the_others_go_past_a_flush(gdn):
+    """A LeapQuant pool: one slot's cache rows set to NaN mid-window; it ends at the next step, and
+    the other two decode through their window's flush (computed for every row) to the tokens they
+    decode alone. The slot then serves a new request."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.base import put_rows, take_rows
+    from models.serving import decode_slot
+
+    rng = np.random.default_rng(47)
+    prompts = prompts_for(rng, 4, low=3)
+    want = [gdn.alone(p, "leapquant") for p in prompts]
+    pool = gdn.pool("leapquant")
+    known = len(pool.faults)
+    for p in prompts[:3]:
+        pool.insert(p, budget=MAX_NEW)
+    got = [[int(t)] for t in pool.pending]
+    for i in range(MAX_NEW - 1):
+        if i == 2:
+            rows = jnp.asarray([1], jnp.int32)
+            nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                               take_rows(pool.cache, rows))
+            pool.cache = put_rows(pool.cache, rows, nan)
+        nxt = pool.step()
+        if i == 2:
+            assert pool.active.tolist() == [True, False, True]
+            assert [(f.slot, f.tokens) for f in pool.faults[known:]] == [(1, len(prompts[1]) + 3)]
+        for slot in (0, 2) if i >= 2 else (0, 1, 2):
+            got[slot].append(int(nxt[slot]))
+    assert [got[0], got[2]] == [want[0], want[2]]
+    assert got[1] == want[1][:3]
+    pool.evict(0)
+    pool.evict(2)
+    assert decode_slot(pool, pool.insert(prompts[3], budget=MAX_NEW, slot=1), max_new_tokens=MAX_NEW) == want[3]
 
 
 # ----------------------------------------------------------------------------- save and restore

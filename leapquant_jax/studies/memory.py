@@ -41,7 +41,8 @@ def state_shapes(method, heads: int, dk: int, dv: int, kda: bool, key_heads: int
 
 def measure_memory(query: MemoryQuery) -> dict:
     """Bytes per head and per element for fp32, bf16, a checkpoint and live GDN/KDA streams,
-    and totals for ``layers x heads`` heads. A live stream's per-sequence position is shared
+    the lossless ``fp32-w`` (a live GDN stream at the query's window), and totals for
+    ``layers x heads`` heads. A live stream's per-sequence position is shared
     by its heads, so per-head figures divide it among them, and so are key records shared by
     the value heads of a key head (``key_heads``)."""
     q = query
@@ -54,6 +55,8 @@ def measure_memory(query: MemoryQuery) -> dict:
         "checkpoint": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, False).checkpoint) / q.heads,
         "live_gdn": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, False, kh)) / q.heads,
         "live_kda": tree_bytes(state_shapes(lq, q.heads, q.dk, q.dv, True, kh)) / q.heads,
+        "fp32-w": tree_bytes(state_shapes(make_method("fp32-w", window=q.window), q.heads, q.dk, q.dv, False, kh))
+        / q.heads,
     }
     heads_total = q.layers * q.heads
     return {
