@@ -115,16 +115,24 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if not only_full:
         return run(config, state, only_full=False)
     full = state.pos >= config.window
+    if request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION:
+        many = jnp.mean(full.astype(jnp.float32)) >= MIN_FULL_FRACTION[chosen][state.per_channel_decay]
+        state = _at_most_once(many, lambda s: run(config, s, only_full=True), state)
+        return _at_most_once(jnp.any(full) & ~many, lambda s: kernel("flush", Impl.FUSED)(config, s, only_full=True),
+                             state)
+    return _at_most_once(jnp.any(full), lambda s: run(config, s, only_full=True), state)
 
-    def flush_full(s):
-        if request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION:
-            least = MIN_FULL_FRACTION[chosen][state.per_channel_decay]
-            fused = kernel("flush", Impl.FUSED)
-            return jax.lax.cond(jnp.mean(full.astype(jnp.float32)) >= least, lambda s: run(config, s, only_full=True),
-                                lambda s: fused(config, s, only_full=True), s)
-        return run(config, s, only_full=True)
 
-    return jax.lax.cond(jnp.any(full), flush_full, lambda s: s, state)
+def _at_most_once(pred: jax.Array, fn, operand):
+    """``fn(operand)`` where ``pred`` (a scalar bool), else ``operand``: a loop of at most one turn.
+    Why not ``lax.cond``: XLA gives a conditional's result a buffer of its own when its branches
+    yield different values, so the branch that does nothing copies the state into it, on every
+    step that flushes nothing; a loop updates its carried state in place (docs/performance.md)."""
+    def body(carry):
+        _, x = carry
+        return jnp.zeros((), bool), fn(x)
+
+    return jax.lax.while_loop(lambda carry: carry[0], body, (pred, operand))[1]
 
 
 def dense_step(values: jax.Array, token: Token, *, impl: str = AUTO) -> tuple[jax.Array, jax.Array]:
