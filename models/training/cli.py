@@ -82,14 +82,20 @@ def _describe(config, config_json: dict) -> dict:
 
 
 def _command_line(args) -> str:
-    parts = ["leapquant", "train", "--arch", args.arch, "--data", str(args.data), "--out", str(args.out)]
-    for flag in ("name", "size", "state_dir", "minutes", "steps", "batch", "seq_len", "lr", "warmup", "recall_fraction",
+    parts = ["leapquant", "train", "--arch", args.arch] + (["--data", str(args.data)] if args.data is not None else [])
+    parts += ["--out", str(args.out)]
+    for flag in ("task", "task_vocab", "task_keys", "task_values", "task_needle_rows", "task_gap", "name",
+                 "size",
+                 "state_dir", "minutes", "steps", "batch", "seq_len", "lr", "warmup", "weight_decay", "recall_fraction",
                  "recall_pairs", "recall_min_gap",
                  "recurrence", "chunk", "seed", "eval_every", "eval_windows", "final_eval_windows",
                  "spectrum_windows", "reserve_seconds"):
         value = getattr(args, flag)
         if value is not None:
             parts += ["--" + flag.replace("_", "-"), str(value)]
+    for flag in ("task_fillers", "task_pairs", "task_spreads", "task_lengths"):  # lists
+        if getattr(args, flag):
+            parts += ["--" + flag.replace("_", "-")] + [str(x) for x in getattr(args, flag)]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -118,6 +124,16 @@ def run_train(args) -> int:
     from models.training import loop, report
     from models.training.model import hf_config, init_params, parameter_count
 
+    if args.task is not None:
+        from models.training.task_cli import run_train_task
+
+        return run_train_task(args, t_start)
+    if args.data is None:
+        raise ValueError("train needs --data (a `leapquant train-data` directory) or --task")
+    given = [f"--{k.replace('_', '-')}" for k in ("task_pairs", "task_spreads", "task_vocab", "task_keys", "task_values",
+                                                  "task_needle_rows", "task_gap", "task_fillers", "task_lengths") if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to --task runs")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         print(f"leapquant train: error: {out} exists and is not an empty directory; not overwriting it", file=sys.stderr)
@@ -130,7 +146,8 @@ def run_train(args) -> int:
         arch=args.arch, size=args.size or "ship", seq_len=args.seq_len, batch=args.batch, peak_lr=args.lr,
         warmup_steps=args.warmup, recurrence=args.recurrence, chunk=args.chunk, seed=args.seed,
         eval_every=args.eval_every, eval_windows=args.eval_windows, final_eval_windows=args.final_eval_windows,
-        steps=args.steps, minutes=args.minutes, reserve_seconds=args.reserve_seconds).items() if v is not None}
+        steps=args.steps, minutes=args.minutes, reserve_seconds=args.reserve_seconds,
+        weight_decay=args.weight_decay).items() if v is not None}
     cfg = loop.TrainConfig(recall=recall, **overrides)
     corpus = D.load_corpus(args.data)
     config_json = hf_config(cfg.arch, vocab_size=corpus.vocab_size, eos_token_id=corpus.special(D.EOS), size=cfg.size)
@@ -220,20 +237,37 @@ def add_subcommands(subparsers) -> None:
 
     p = subparsers.add_parser("train", help="train a small GDN or KDA model, export it with TRAINING.md")
     p.add_argument("--arch", required=True, choices=("gdn", "kda"))
-    p.add_argument("--data", required=True, type=Path, help="directory written by `leapquant train-data`")
+    p.add_argument("--data", type=Path, help="directory written by `leapquant train-data` (or give --task)")
     p.add_argument("--out", required=True, type=Path, help="checkpoint directory to create (HF format)")
     p.add_argument("--name", help="model name (default: the --out directory's name)")
-    p.add_argument("--size", choices=("ship", "tiny"), help="model size (default ship; tiny for smoke runs)")
+    p.add_argument("--size", choices=("ship", "tiny", "recall", "recall-tiny"),
+                   help="model size (default ship, recall with --task; the tiny ones for smoke runs)")
     p.add_argument("--state-dir", type=Path, help="resumable training state (default out/train/NAME)")
     p.add_argument("--minutes", type=float, help="wall-clock budget of the whole command")
     p.add_argument("--steps", type=int, help="schedule length in steps")
     p.add_argument("--batch", type=int, help="rows per step (default 16)")
     p.add_argument("--seq-len", type=int, help="tokens per row (default 2048)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
+    p.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0.1)")
     p.add_argument("--warmup", type=int, help="warm-up steps (default 100)")
     p.add_argument("--recall-fraction", type=float, help="share of rows carrying the recall task (default 0.25; 0 = none)")
     p.add_argument("--recall-pairs", type=int, help="key-value pairs per recall row (default 32)")
     p.add_argument("--recall-min-gap", type=int, help="fewest text tokens between pairs and queries (default 1024)")
+    p.add_argument("--task", choices=("mqar",), help="train on generated long-memory task rows instead of --data "
+                   "(models.training.task_data; the checkpoint gets a task.json for `leapquant task`)")
+    p.add_argument("--task-pairs", type=int, nargs="+", help="MQAR pair counts, equal shares of each batch (default 16 32 64)")
+    p.add_argument("--task-spreads", type=float, nargs="+",
+                   help="query regions as fractions of the row after the pairs, equal shares (default 1: to the end)")
+    p.add_argument("--task-lengths", type=int, nargs="+",
+                   help="curriculum over row lengths: equal parts of the schedule, each dividing --seq-len, tokens per "
+                        "step kept (default: every row --seq-len long)")
+    p.add_argument("--task-needle-rows", type=int, help="needle rows per batch (default 0)")
+    p.add_argument("--task-gap", type=int, help="MQAR filler tokens between pairs and queries (default 0)")
+    p.add_argument("--task-fillers", choices=("noise", "pairs"), nargs="+",
+                   help="fillers, equal shares: noise tokens, or distractor pairs on keys never queried (default noise)")
+    p.add_argument("--task-vocab", type=int, help="task vocabulary size (default 2048)")
+    p.add_argument("--task-keys", type=int, help="key ids of the task vocabulary (default 512)")
+    p.add_argument("--task-values", type=int, help="value ids of the task vocabulary (default 512)")
     p.add_argument("--recurrence", choices=("chunked", "recurrent"), help="linear-attention form (default chunked)")
     p.add_argument("--chunk", type=int, help="chunk length of the chunked form (default 64)")
     p.add_argument("--seed", type=int)
