@@ -321,6 +321,7 @@ def add_subcommands(subparsers) -> None:
     from models.calibrate import add_subcommand as add_calibrate_subcommand
 
     add_calibrate_subcommand(subparsers)  # calibrate-damp
+    __import__("importlib").import_module("models.task_eval").add_subcommand(subparsers)  # task
 
 
 def main(argv=None) -> int:
