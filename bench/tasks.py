@@ -107,9 +107,13 @@ def task_result(job: dict) -> dict:
             results.setdefault(m["label"], {})[m["length"]] = float(m["acc"])
     lines = [x.strip() for x in job["stderr"].splitlines() if x.strip()]
     error = [x for x in lines if x.startswith("leapquant: error")] or lines[-1:]
-    return {"task": "mqar", "results": results, "partial": True,
-            "status": "cut at the time budget" if job["timed_out"] else
-            f"exit {job['returncode']}" + (f": {error[-1]}" if error else "")}
+    if job["timed_out"]:
+        status = "cut at the time budget"
+    elif job["returncode"] < 0:
+        status = f"stopped by signal {-job['returncode']}"
+    else:
+        status = f"exit {job['returncode']}" + (f": {error[-1]}" if error else "")
+    return {"task": "mqar", "results": results, "partial": True, "status": status}
 
 
 def targets(result: dict, lengths: list) -> list:
