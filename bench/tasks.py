@@ -3,22 +3,24 @@
     python -m bench.tasks --recall models/checkpoints/recall-gdn models/checkpoints/recall-kda
                           --lms models/checkpoints/stdlib-gdn models/checkpoints/stdlib-kda --lm-data HELDOUT.npy
                           [--lengths 1024 2048 4096 8192 16384] [--samples 32] [--fillers pairs noise]
-                          [--states ...] [--generate 2048] [--prompts 8] [--context 256] [--gen-states ...]
-                          [--time-budget 480] [--commit HASH] [--out bench/results] [--tiny]
+                          [--states ...] [--processes 1] [--generate 2048] [--prompts 8] [--context 256]
+                          [--gen-states ...] [--time-budget 480] [--commit HASH] [--out bench/results] [--tiny]
 
 Jobs, all started at once as separate processes sharing the accelerator (a decode step of these
 small models is latency-bound, so they overlap; ``XLA_PYTHON_CLIENT_PREALLOCATE=false``):
 
-* per recall checkpoint and filler, ``leapquant task CKPT --task mqar --filler F --lengths ...
-  --states ... --progress --json --plot``: accuracy per state method and length;
+* per recall checkpoint and filler, ``--processes`` runs of ``leapquant task CKPT --task mqar
+  --filler F --lengths ... --states ... --progress --json``, the states dealt out among them (each
+  also runs fp32, its reference): accuracy per state method and length, merged into one table;
 * per language model, ``leapquant eval LM --data HELDOUT --context C --batch P --generate G
   --states ... --json``: first divergence from fp32, KL along fp32's continuation, repetition.
 
 Each job gets what is left of ``--time-budget`` (seconds from the start); a task job cut short
 keeps the (method, length) cells it printed (``--progress`` lines), the rest read "not run". The
 report, ``<out>/tasks-<UTC>.md`` and ``.json`` (date, device, JAX, commit, every command), has
-one accuracy table per recall checkpoint and filler, the targets evaluated on it, and one
-generation table per language model; the accuracy plots are ``tasks-<UTC>-<ckpt>-<filler>.png``.
+one accuracy table per recall checkpoint and filler (fp32 from the first of its runs), the
+targets evaluated on it, and one generation table per language model; the accuracy plots
+(``models.task_eval.plot_task``) are ``tasks-<UTC>-<ckpt>-<filler>.png``.
 ``--tiny`` is a CPU smoke run of the whole pipeline (short lengths, few rows and methods).
 """
 
@@ -45,10 +47,51 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def task_command(ckpt, filler, args, plot) -> list:
+def task_command(ckpt, filler, args, states: str) -> list:
     return [sys.executable, "-m", "models.cli", "task", str(ckpt), "--task", "mqar", "--filler", filler,
-            "--lengths", *map(str, args.lengths), "--samples", str(args.samples), "--states", args.states,
-            "--progress", "--json", "--plot", str(plot)] + (["--pairs", str(args.pairs)] if args.pairs else [])
+            "--lengths", *map(str, args.lengths), "--samples", str(args.samples), "--states", states,
+            "--progress", "--json"] + (["--pairs", str(args.pairs)] if args.pairs else [])
+
+
+def deal_states(states: str, processes: int) -> list[str]:
+    """The state list dealt out round-robin among ``processes`` runs (fp32 left to each run,
+    which adds it as its reference); runs left without a state are dropped."""
+    labels = [x for x in states.split(",") if x != "fp32"]
+    groups = [labels[i::processes] for i in range(processes)]
+    out = [",".join(["fp32"] + g) for g in groups if g]
+    return out or ["fp32"]
+
+
+def merge_task_jobs(jobs: list, args) -> dict:
+    """One report entry from the runs of one checkpoint and filler: their results merged (each
+    (method, length) from the first run that has it), plotted, partial if any run was."""
+    from models.task_eval import checkpoint_task, plot_task
+
+    first = jobs[0]
+    results, partial, full = {}, [], None
+    for job in jobs:
+        r = task_result(job)
+        for label, row in r["results"].items():
+            for length, acc in row.items():
+                results.setdefault(label, {}).setdefault(length, acc)
+        if r.get("partial"):
+            partial.append(r["status"])
+        elif full is None:
+            full = r
+    merged = dict(full or {}, task="mqar", results=results, lengths=args.lengths)
+    if partial:
+        merged.update(partial=True, status="; ".join(partial))
+    if full is None:
+        mix, train_length = checkpoint_task(first["ckpt"])
+        merged.update(checkpoint=str(first["ckpt"]), samples=args.samples, train_length=train_length,
+                      spec={"pairs": args.pairs or (max(mix.pairs) if mix else "?"), "filler": first["filler"]})
+    entry = dict(name=first["name"], kind="task", returncode=max(j["returncode"] for j in jobs),
+                 timed_out=any(j["timed_out"] for j in jobs), seconds=max(j["seconds"] for j in jobs),
+                 command=" + ".join(f"`{_shown(j['cmd'])}`" for j in jobs)[1:-1], result=merged)
+    if results:
+        plot_task(merged, first["plot"])
+        entry["plot"] = first["plot"]
+    return entry
 
 
 def generation_command(lm, args) -> list:
@@ -169,7 +212,7 @@ def render(report: dict) -> str:
             if r.get("nonfinite_rows"):
                 lines += ["", "Non-finite logits (rows counted wrong): " + "; ".join(
                     f"{k} at {', '.join(v)}" for k, v in r["nonfinite_rows"].items()) + "."]
-            lines += ["", "Targets:", ""] + [f"- {t}" for t in targets(r, lengths)]
+            lines += ["", "Targets (points lost against fp32):", ""] + [f"- {t}" for t in targets(r, lengths)]
             if job.get("plot"):
                 lines += ["", f"![accuracy against length]({Path(job['plot']).name})"]
             lines.append("")
@@ -202,6 +245,9 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, help="pairs per row (default: the checkpoint's largest training count)")
     p.add_argument("--fillers", nargs="+", default=["pairs", "noise"], choices=("pairs", "noise"))
     p.add_argument("--states", default=TASK_STATES)
+    p.add_argument("--processes", type=int, default=1,
+                   help="runs per recall checkpoint and filler, the states dealt out among them (a decode step of "
+                        "these models is latency-bound: runs side by side overlap on one GPU)")
     p.add_argument("--generate", type=int, default=2048)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--context", type=int, default=256, help="prompt tokens")
@@ -223,23 +269,27 @@ def main(argv=None) -> int:
     for ckpt in args.recall:
         for filler in args.fillers:
             plot = args.out / f"tasks-{stamp}-{ckpt.name}-{filler}.png"
-            jobs.append(dict(name=f"{ckpt.name}, {filler} filler", kind="task", plot=str(plot),
-                             cmd=task_command(ckpt, filler, args, plot)))
+            for states in deal_states(args.states, args.processes):
+                jobs.append(dict(name=f"{ckpt.name}, {filler} filler", kind="task", plot=str(plot), ckpt=ckpt,
+                                 filler=filler, cmd=task_command(ckpt, filler, args, states)))
     for lm in args.lms:
         jobs.append(dict(name=f"{lm.name}, free-running generation", kind="generate", cmd=generation_command(lm, args)))
     run_jobs(jobs, deadline=t0 + args.time_budget)
     import jax
 
-    out_jobs = []
+    out_jobs, groups = [], {}
     for job in jobs:
+        if job["kind"] == "task":
+            groups.setdefault(job["name"], []).append(job)
+    for name, group in groups.items():
+        out_jobs.append(merge_task_jobs(group, args))
+    for job in jobs:
+        if job["kind"] == "task":
+            continue
         entry = {k: job[k] for k in ("name", "kind", "returncode", "timed_out", "seconds")}
         entry["command"] = _shown(job["cmd"])
         try:
-            if job["kind"] == "task":
-                entry["result"] = task_result(job)
-                if Path(job["plot"]).exists():
-                    entry["plot"] = job["plot"]
-            elif job["returncode"] == 0:
+            if job["returncode"] == 0:
                 entry["result"] = json.loads(job["stdout"].strip().splitlines()[-1])
             else:
                 raise ValueError("cut at the time budget" if job["timed_out"] else
@@ -248,7 +298,8 @@ def main(argv=None) -> int:
             entry["error"] = str(err)
         out_jobs.append(entry)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": args.commit or "unknown", "command": "python -m bench.tasks " + " ".join(sys.argv[1:] if argv is None else argv),
+              "commit": args.commit or "unknown",
+              "command": "python -m bench.tasks " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": {"device": f"{jax.devices()[0].device_kind} x{len(jax.devices())}", "jax": jax.__version__},
               "lengths": args.lengths, "task_states": args.states.split(","), "jobs": out_jobs,
               "seconds": round(time.time() - t0, 1)}

@@ -9,15 +9,16 @@ length)``: every state method sees the same rows. Every token of a row goes thro
 method's decode step (teacher-forced, no prefill), as in ``leapquant eval``, all rows at once:
 a jitted ``lax.scan`` over ``chunk`` tokens (``SCAN_CHUNK`` at most) carries the cache from one
 call to the next, so one program per method serves every length (rows are padded to whole
-chunks; what follows a row's end is never scored), and only the argmax of each position is kept. Accuracy is the fraction of scored positions (the queried values) whose argmax is the
+chunks; what follows a row's end is never scored), and only the argmax of each position is
+kept. Accuracy is the fraction of scored positions (the queried values) whose argmax is the
 right value. A row whose logits turned non-finite counts as wrong, and the report names where.
 
 The vocabulary split, the default pair count and filler and the training length come from the
-checkpoint's ``task.json`` (``leapquant train --task``), else from ``TaskVocab``'s defaults; a checkpoint
-whose vocabulary cannot hold the split is refused. ``damp`` without ``--damp-calibration`` is
-calibrated here (``models.calibrate.calibrate_model``) on ``DAMP_ROWS`` rows of the task's
-training distribution: the checkpoint's training rows at its training length, or this task at
-its first length when the checkpoint has no ``task.json``.
+checkpoint's ``task.json`` (``leapquant train --task``), else from ``TaskVocab``'s defaults; a
+checkpoint whose vocabulary cannot hold the split is refused. ``damp`` without
+``--damp-calibration`` is calibrated here (``models.calibrate.calibrate_model``) on ``DAMP_ROWS``
+rows of the task's training distribution: the checkpoint's training rows at its training
+length, or this task at its first length when the checkpoint has no ``task.json``.
 
 ``--json`` prints ``{"task", "results": {method: {"<length>": accuracy}}, ...}``; ``--plot``
 writes accuracy against length, one line per method.
@@ -226,7 +227,8 @@ def format_task_table(result: dict) -> str:
 
 
 def plot_task(result: dict, path) -> None:
-    """Accuracy against length, one line per method (the styles of ``study errors``) -> ``path``."""
+    """Accuracy against length, one line per method (the styles of ``study errors``) -> ``path``;
+    a (method, length) missing from ``result["results"]`` is left out of its line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +241,7 @@ def plot_task(result: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
     lengths = result["lengths"]
     for label in labels:
-        acc = [result["results"][label][str(n)] for n in lengths]
+        acc = [result["results"][label].get(str(n), np.nan) for n in lengths]   # a length not run: a gap
         style = (dict(color="0.2", linestyle="-", marker="o", linewidth=2.6, alpha=0.5) if label == "fp32"
                  else styles[label])
         ax.plot(lengths, acc, label=label, markersize=5, **style)
@@ -311,7 +313,8 @@ def run_task(args) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress else (lambda msg: None)
     t0 = time.time()
     if auto_damp:
-        options["calibration"] = damp_calibration(arch, params, config, mix, train_length, spec, seed=args.seed)
+        options["calibration"] = damp_calibration(arch, params, config, mix, train_length,
+                                                  spec.with_length(cfg.lengths[0]), seed=args.seed)
         log(f"damp calibrated on {DAMP_ROWS} rows of the training distribution ({time.time() - t0:.1f} s)")
     methods = build_methods(labels, options)
     result = run_task_eval(arch, params, config, methods, cfg, progress=log)
@@ -355,6 +358,6 @@ def add_subcommand(subparsers) -> None:
     p.set_defaults(func=run_task)
 
 
-__all__ = ["DAMP_ROWS", "DEFAULT_TASK_STATES", "SCAN_CHUNK", "predictions", "TaskEvalConfig", "add_subcommand", "check_vocabulary",
-           "damp_calibration", "format_task_table", "plot_task", "run_task", "run_task_eval", "task_accuracy",
-           "task_spec"]
+__all__ = ["DAMP_ROWS", "DEFAULT_TASK_STATES", "SCAN_CHUNK", "TaskEvalConfig", "add_subcommand", "check_vocabulary",
+           "damp_calibration", "format_task_table", "plot_task", "predictions", "run_task", "run_task_eval",
+           "task_accuracy", "task_spec"]

@@ -84,8 +84,7 @@ def _describe(config, config_json: dict) -> dict:
 def _command_line(args) -> str:
     parts = ["leapquant", "train", "--arch", args.arch] + (["--data", str(args.data)] if args.data is not None else [])
     parts += ["--out", str(args.out)]
-    for flag in ("task", "task_vocab", "task_keys", "task_values", "task_needle_rows", "task_gap", "name",
-                 "size",
+    for flag in ("task", "task_vocab", "task_keys", "task_values", "task_needle_rows", "task_gap", "name", "size",
                  "state_dir", "minutes", "steps", "batch", "seq_len", "lr", "warmup", "weight_decay", "recall_fraction",
                  "recall_pairs", "recall_min_gap",
                  "recurrence", "chunk", "seed", "eval_every", "eval_windows", "final_eval_windows",
@@ -130,8 +129,9 @@ def run_train(args) -> int:
         return run_train_task(args, t_start)
     if args.data is None:
         raise ValueError("train needs --data (a `leapquant train-data` directory) or --task")
-    given = [f"--{k.replace('_', '-')}" for k in ("task_pairs", "task_spreads", "task_vocab", "task_keys", "task_values",
-                                                  "task_needle_rows", "task_gap", "task_fillers", "task_lengths") if getattr(args, k) is not None]
+    task_flags = ("task_pairs", "task_spreads", "task_vocab", "task_keys", "task_values", "task_needle_rows", "task_gap",
+                  "task_fillers", "task_lengths")
+    given = [f"--{k.replace('_', '-')}" for k in task_flags if getattr(args, k) is not None]
     if given:
         raise ValueError(f"{', '.join(given)} apply to --task runs")
     out = Path(args.out)

@@ -1,15 +1,15 @@
 """Training rows for the long-memory tasks (``models.tasks``): what ``leapquant train --task`` feeds.
 
-A ``TaskMix`` says which rows a step holds: MQAR rows with each filler of ``fillers``, each
-pair count of ``pairs`` and each query spread of ``spreads`` in equal shares (the easy rows, few pairs or queries packed right
-after them, give the gradient a foothold while the hard ones are learned: a curriculum inside
-every batch), and ``needle_rows`` needle rows. Across steps, ``lengths`` is a curriculum over
-row lengths: the schedule is cut into as many equal parts, part ``i`` has rows of
-``lengths[i]`` tokens and as many rows as keep the tokens per step those of the run's
-``batch x seq_len`` (one compiled program per distinct length). Without ``lengths`` every row
-has the run's ``seq_len``. The batch of step ``s`` is a
-function of ``(seed, s)`` alone, so a resumed run sees the batches of an uninterrupted one; the
-held-out rows come from another key stream (``HELDOUT_STREAM``) and are fixed for the run.
+A ``TaskMix`` says which rows a step holds: MQAR rows with each filler of ``fillers``, each pair
+count of ``pairs`` and each query spread of ``spreads`` in equal shares (the easy rows, few
+pairs or queries packed right after them, give the gradient a foothold while the hard ones are
+learned: a curriculum inside every batch), and ``needle_rows`` needle rows. Across steps,
+``lengths`` is a curriculum over row lengths: the schedule is cut into as many equal parts, part
+``i`` has rows of ``lengths[i]`` tokens and as many rows as keep the tokens per step those of
+the run's ``batch x seq_len`` (one compiled program per distinct length). Without ``lengths``
+every row has the run's ``seq_len``. The batch of step ``s`` is a function of ``(seed, s)`` and
+the schedule length alone, so a resumed run sees the batches of an uninterrupted one; the held-out rows come from
+another key stream (``HELDOUT_STREAM``) and are fixed for the run.
 
 The loss counts the scored positions only (the queried values): pairs and filler are noise by
 design and cannot be predicted.
