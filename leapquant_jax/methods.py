@@ -13,7 +13,8 @@ A method is a frozen, hashable dataclass (a static argument to ``jit``) with
 ``bf16``, ``fp16``, ``int8``, ``fp8``, ``int6``, ``int4`` and the formats of ``formats`` (eq. 2:
 re-quantize after every token), the stateful per-step methods of ``feedback``; windowed
 ``bf16-w``, ``int8-w`` (no compensators, no smoothing), ``leapquant`` and the lossless ``fp32-w``
-(an fp32 checkpoint, ``fp32w``). The shared drivers
+(an fp32 checkpoint, ``fp32w``); the lifetime-calibrated ``stepquant-6/-4`` (``stepquant``) and
+``leapquant-alloc-6/-4`` (``leapquant_alloc``). The shared drivers
 (``decode``, ``prefill``) live in ``runner``.
 """
 
@@ -29,17 +30,23 @@ from . import dispatch, windowed
 from .damp import DampCalibration, DampMethod
 from .feedback import METHODS as STATEFUL_PER_STEP
 from .fp32w import fp32w_config
+from .leapquant_alloc import NAMES as ALLOC_NAMES
+from .leapquant_alloc import AllocMethod
 from .per_step import DENSE_KERNEL_FORMATS, PER_STEP_METHODS, PerStepMethod
 from .recurrence import Token
 from .runner import Runner, check_dense, check_dims, check_token
 from .state import LeapQuantConfig, LeapQuantState
+from .stepquant import NAMES as STEPQUANT_NAMES
+from .stepquant import StepQuantMethod
 
 Array = jax.Array
 
 WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant", "fp32-w")
 # The per-step formats, then the per-step methods whose state carries more than the rounded
-# values (error feedback, stochastic rounding), then DAMP (calibrated per layer), then the windowed ones.
-METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS
+# values (error feedback, stochastic rounding), then DAMP (calibrated per layer), then the windowed ones,
+# then those calibrated for their lifetime-aware widths (``lifetime``: one calibration file for all four).
+LIFETIME_METHODS = tuple(STEPQUANT_NAMES) + tuple(ALLOC_NAMES)
+METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS + LIFETIME_METHODS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +146,21 @@ def make_method(
     ``smoothing`` and any other ``LeapQuantConfig`` field) apply to windowed methods; ``None``
     keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``impls``:
     which implementation runs the dense step) on ``fp32`` and ``bf16``. ``calibration`` (a
-    ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option.
+    ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option. The
+    ``LIFETIME_METHODS`` take a ``lifetime.LifetimeCalibration`` (or its path), and
+    ``leapquant-alloc-*`` also ``window`` and ``impl``.
     """
+    if name in LIFETIME_METHODS:
+        given = {k: v for k, v in dict(bits=bits, window=window, rank=rank, compensators=compensators,
+                                       smoothing=smoothing, **config_options).items() if v is not None}
+        allowed = {"window", "impl"} if name in ALLOC_NAMES else set()
+        if set(given) - allowed:
+            takes = "a calibration, window and impl" if allowed else "only a calibration"
+            raise ValueError(f"method {name!r} takes {takes} (its widths come from the calibration), got "
+                             f"{sorted(set(given) - allowed)}")
+        if name in ALLOC_NAMES:
+            return AllocMethod(plan=name, calibration=calibration, **given)
+        return StepQuantMethod(plan=name, calibration=calibration)
     if name == "damp":
         others = {k: v for k, v in dict(bits=bits, window=window, rank=rank, compensators=compensators,
                                          smoothing=smoothing, **config_options).items() if v is not None}
@@ -150,7 +170,8 @@ def make_method(
             calibration = DampCalibration.load(str(calibration))
         return DampMethod(calibration=calibration)
     if calibration is not None:
-        raise ValueError(f"only method 'damp' takes a calibration, not {name!r}")
+        raise ValueError(f"only method 'damp' takes a calibration (and the lifetime-calibrated "
+                         f"{', '.join(LIFETIME_METHODS)}), not {name!r}")
     opts = dict(bits=bits, window=window, rank=rank, compensators=compensators, smoothing=smoothing, **config_options)
     given = {k: v for k, v in opts.items() if v is not None}
     if name in DENSE_KERNEL_FORMATS and set(given) == {"impl"}:
@@ -181,4 +202,4 @@ def make_method(
     return WindowedMethod(LeapQuantConfig(**{**base, **given}), label=name)
 
 
-__all__ = ["DENSE_KERNEL_FORMATS", "METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod", "WINDOWED_METHODS", "WindowedMethod", "make_method"]
+__all__ = ["DENSE_KERNEL_FORMATS", "LIFETIME_METHODS", "METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod", "WINDOWED_METHODS", "WindowedMethod", "make_method"]
