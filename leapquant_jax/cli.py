@@ -50,7 +50,7 @@ def cmd_replay(args) -> int:
     elif getattr(method, "calibration", None) is not None:
         found = re.fullmatch(r"layer(\d+)(_b\d+)?\.npz", os.path.basename(args.trace))
         if found is None:
-            raise ValueError(f"method damp keeps different channels per layer: pass --layer, the model layer "
+            raise ValueError(f"method {method.name} keeps a different layout per layer: pass --layer, the model layer "
                              f"{args.trace} was recorded from (or keep the layerNN.npz name --record-traces gives)")
         method = method.for_layer(int(found.group(1)))
     trace = load_trace(args.trace)
@@ -188,7 +188,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--out", required=True, help="output .npz with o [T, H, dv] and state [H, dk, dv]")
     p.add_argument("--chunk", type=int_at_least(1), default=1024, help="tokens per compiled chunk")
     p.add_argument("--layer", type=int_at_least(0),
-                   help="model layer the trace comes from (method damp; default: from a layerNN.npz name)")
+                   help="model layer the trace comes from (calibrated methods; default: from a layerNN.npz name)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_replay)
 
