@@ -10,7 +10,6 @@ held-out snippet for cross-checks, and ``SHA256SUMS``.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import tempfile
 import time
