@@ -123,11 +123,16 @@ def model_config(name: str, layers: int | None, compute: str, scan_layers: bool 
 
 def random_params(arch, config, seed: int = 0, mesh=None):
     """Random bf16 weights (normal, ``WEIGHT_STD``) in the config's layout, made on the device leaf
-    by leaf (never the whole model on the host); on ``mesh`` placed by ``models.sharding``."""
+    by leaf (never the whole model on the host); on ``mesh`` in the architecture's tensor-parallel
+    layout and placed by ``models.sharding``."""
     shapes = param_shapes(arch, config, dtype=jnp.bfloat16)
     if config.scan_layers:
         stacked = jax.eval_shape(lambda t: stack_layers(t, layer_plan(config)), shapes["layers"])
         shapes = dict({k: v for k, v in shapes.items() if k != "layers"}, **stacked)
+    if mesh is not None:
+        from models.sharding import tensor_parallel_layout
+
+        shapes = tensor_parallel_layout(shapes, mesh, arch=arch, config=config)
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     shardings = [None] * len(leaves)
     if mesh is not None:
@@ -323,7 +328,7 @@ def run(args, result: dict, save) -> dict:
     if args.mesh:
         from models.sharding import make_mesh
 
-        mesh = make_mesh(*args.mesh)
+        mesh = make_mesh(*args.mesh)  # checked in parse_args
     result["memory"] = memory_table(args)
     bandwidth = copy_bandwidth(args.copy_bytes)
     result.update(copy_bandwidth_GBps=bandwidth / 1e9, rows=[])
@@ -417,7 +422,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-gb", type=float, default=64.0)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes of the bandwidth probe's array")
-    ap.add_argument("--mesh", nargs=2, type=int, metavar=("DATA", "MODEL"), default=None)
+    ap.add_argument("--mesh", nargs=2, type=int, metavar=("DATA", "MODEL"), default=None,
+                    help="a DATA x MODEL device mesh: sequences over DATA, heads, channels and experts over MODEL")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -428,7 +434,29 @@ def parse_args(argv=None):
         ap.error("--steps and --repeats must be >= 1")
     if "fp32" in args.states and args.states[0] != "fp32":
         ap.error("give fp32 first in --states: the other states are compared with it")
+    if args.mesh:
+        try:
+            check_mesh_args(args.mesh, args.models, args.layers, args.batches)
+        except ValueError as err:
+            ap.error(str(err))
     return args
+
+
+def check_mesh_args(mesh, models, layers, batches) -> None:
+    """Raises ``ValueError`` (one line naming ``--mesh`` and what does not fit) unless the
+    ``DATA MODEL`` mesh fits the visible devices and splits every model's heads and experts
+    (``models.sharding.check_mesh``) and every batch."""
+    from models.sharding import check_mesh, make_mesh
+
+    data, model = mesh
+    try:
+        for name in models:
+            _, config, _ = model_config(name, layers, FAST)
+            for batch in batches:
+                check_mesh(config, data, model, batch=batch)
+        make_mesh(data, model)
+    except ValueError as err:
+        raise ValueError(f"--mesh {data} {model}: {err}") from None
 
 
 def main(argv=None) -> int:

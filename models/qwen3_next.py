@@ -26,8 +26,8 @@ import numpy as np
 
 from leapquant_jax.recurrence import expand_heads
 from models import layers as L
-from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, LayerParts, check_shapes,
-                         finish_cache, run_decoder_stack)
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, STACKED_SECTIONS, ConversionError, LayerParts,
+                         check_shapes, finish_cache, run_decoder_stack)
 from models.moe import routed_experts
 
 Array = jax.Array
@@ -393,13 +393,20 @@ def gdn_projections(p: dict, x: Array, cfg: QwenHybridConfig, *, tail: Array, le
 
     x ``[B, T, D]``. Returns ``(q, k [B, T, Hk, dk], v [B, T, Hv, dv], z [B, T, Hv, dv],
     g, beta [B, T, Hv], new_tail)`` with ``q`` L2-normalised and scaled by ``dk**-0.5``, ``k``
-    L2-normalised: the inputs the state method takes.
+    L2-normalised: the inputs the state method takes. ``p["qkv"]`` ``[C, D]`` and ``p["conv"]``
+    ``[C, Kc]`` are flat (rows ``[q | k | v]``) or grouped ``[G, C/G, ...]``
+    (``tensor_parallel_layout``); ``tail`` ``[B, Kc-1, C]`` follows the same channel order.
     """
     bsz, t, _ = x.shape
     hk, dk, hv, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    mixed, new_tail = L.causal_conv1d(L.linear(x, p["qkv"], compute=cfg.compute), p["conv"], tail=tail, lengths=lengths)
-    mixed = jax.nn.silu(mixed)
-    q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    w, conv, groups = p["qkv"], p["conv"], 1
+    if w.ndim == 3:  # grouped (tensor_parallel_layout): [G, C/G, D], the merge is free on a split G
+        groups = w.shape[0]
+        w, conv = w.reshape(-1, w.shape[-1]), conv.reshape(-1, conv.shape[-1])
+    mixed, new_tail = L.causal_conv1d(L.linear(x, w, compute=cfg.compute), conv, tail=tail, lengths=lengths)
+    mixed = jax.nn.silu(mixed).reshape(bsz, t, groups, cfg.conv_dim // groups)
+    q, k, v = jnp.split(mixed, [cfg.key_dim // groups, 2 * cfg.key_dim // groups], axis=-1)
+    q, k, v = (y.reshape(bsz, t, -1) for y in (q, k, v))
     q = L.l2norm(q.reshape(bsz, t, hk, dk)) * dk**-0.5
     k = L.l2norm(k.reshape(bsz, t, hk, dk))
     v = v.reshape(bsz, t, hv, dv)
@@ -496,6 +503,40 @@ def moe_mlp(p: dict, x: Array, cfg: QwenHybridConfig) -> Array:
     return out.reshape(shape)
 
 
+def _group_rows(x: Array, sections: tuple[int, ...], groups: int, axis: int) -> Array:
+    # rows [s_0 | s_1 | ...] along ``axis`` -> [G, sum(s) / G] there, group g holding the g-th
+    # share of every section in order
+    parts = jnp.split(x, np.cumsum(sections)[:-1].tolist(), axis=axis)
+    parts = [y.reshape(y.shape[:axis] + (groups, y.shape[axis] // groups) + y.shape[axis + 1:]) for y in parts]
+    return jnp.concatenate(parts, axis=axis + 1)
+
+
+def tensor_parallel_layout(params: Mapping[str, Any], config: QwenHybridConfig, model: int) -> dict:
+    """``params`` in the layout a model axis of ``model`` devices splits without re-layout: each GDN
+    layer's fused ``qkv [C, D]`` (rows ``[q | k | v]``) and short convolution ``conv [C, Kc]``
+    grouped as ``[model, C/model, ...]``, group ``g`` holding rows ``[q_g | k_g | v_g]``, the
+    ``g``-th share of the key and value heads (``gdn_projections`` reads either layout). Split
+    over ``model`` by that leading axis, each device computes exactly its own heads' q, k and v.
+    Per-layer or scanned params (``models.base.scan_params``); the identity for ``model`` 1."""
+    if model == 1:
+        return dict(params)
+    for name, n in (("linear_num_key_heads", config.linear_num_key_heads),
+                    ("linear_num_value_heads", config.linear_num_value_heads)):
+        if n % model:
+            raise ValueError(f"a model axis of {model} does not divide the {n} GDN heads ({name})")
+    sections = (config.key_dim, config.key_dim, config.value_dim)
+
+    def regroup(path, x):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if len(keys) < 2 or keys[-2] != PARTS.linear_key or keys[-1] not in ("qkv", "conv"):
+            return x
+        if np.ndim(x) == 3 + (keys[0] in STACKED_SECTIONS):
+            raise ValueError(f"{'.'.join(keys)} is already grouped ({np.shape(x)})")
+        return _group_rows(x, sections, model, axis=1 if keys[0] in STACKED_SECTIONS else 0)
+
+    return jax.tree_util.tree_map_with_path(regroup, dict(params))
+
+
 # ============================================================================= model
 
 
@@ -543,6 +584,7 @@ class _QwenHybrid:
     convert = staticmethod(convert)
     init_cache = staticmethod(init_cache)
     forward = staticmethod(forward)
+    tensor_parallel_layout = staticmethod(tensor_parallel_layout)
 
 
 ARCH = _QwenHybrid()
@@ -564,4 +606,5 @@ __all__ = [
     "param_specs",
     "route_top_k",
     "split_interleaved_qkvz",
+    "tensor_parallel_layout",
 ]
