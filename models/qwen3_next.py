@@ -28,7 +28,7 @@ from leapquant_jax.recurrence import expand_heads
 from models import layers as L
 from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, STACKED_SECTIONS, ConversionError, LayerParts,
                          check_shapes, finish_cache, run_decoder_stack)
-from models.moe import routed_experts
+from models.moe import group_experts, routed_experts
 
 Array = jax.Array
 F32 = jnp.float32
@@ -468,9 +468,8 @@ def attention_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, po
         # right padding: a valid query only sees earlier tokens of its own row, all valid
         out = L.causal_attention(q, k, v, scale=hd**-0.5, compute=cfg.compute)
     else:
-        rows, pos = jnp.arange(bsz), positions[:, 0]
-        kc = cache["k"].at[rows, pos].set(k[:, 0].astype(cache["k"].dtype))
-        vc = cache["v"].at[rows, pos].set(v[:, 0].astype(cache["v"].dtype))
+        pos = positions[:, 0]
+        kc, vc = L.set_rows(cache["k"], pos, k[:, 0]), L.set_rows(cache["v"], pos, v[:, 0])
         if active is not None:
             keep = active[:, None, None, None]
             kc, vc = jnp.where(keep, kc, cache["k"]), jnp.where(keep, vc, cache["v"])
@@ -484,7 +483,7 @@ def route_top_k(router_logits: Array, *, top_k: int, normalize: bool) -> tuple[A
     """Softmax router (HF ``Qwen3NextTopKRouter``): fp32 softmax over experts, top-k, optional
     renormalisation. ``[N, E] -> (weights [N, k], indices [N, k])``."""
     probs = jax.nn.softmax(router_logits.astype(F32), axis=-1)
-    weights, idx = jax.lax.top_k(probs, top_k)
+    weights, idx = L.top_k(probs, top_k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, idx
@@ -517,7 +516,8 @@ def tensor_parallel_layout(params: Mapping[str, Any], config: QwenHybridConfig, 
     grouped as ``[model, C/model, ...]``, group ``g`` holding rows ``[q_g | k_g | v_g]``, the
     ``g``-th share of the key and value heads (``gdn_projections`` reads either layout). Split
     over ``model`` by that leading axis, each device computes exactly its own heads' q, k and v.
-    Per-layer or scanned params (``models.base.scan_params``); the identity for ``model`` 1."""
+    Routed experts in ``model`` groups (``models.moe.group_experts``). Per-layer or scanned params
+    (``models.base.scan_params``); the identity for ``model`` 1."""
     if model == 1:
         return dict(params)
     for name, n in (("linear_num_key_heads", config.linear_num_key_heads),
@@ -534,7 +534,7 @@ def tensor_parallel_layout(params: Mapping[str, Any], config: QwenHybridConfig, 
             raise ValueError(f"{'.'.join(keys)} is already grouped ({np.shape(x)})")
         return _group_rows(x, sections, model, axis=1 if keys[0] in STACKED_SECTIONS else 0)
 
-    return jax.tree_util.tree_map_with_path(regroup, dict(params))
+    return group_experts(jax.tree_util.tree_map_with_path(regroup, dict(params)), model)
 
 
 # ============================================================================= model

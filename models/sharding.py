@@ -105,7 +105,7 @@ def _split(shape: tuple, axis: int, size: int) -> bool:
 
 def _param_spec(keys: list, shape: tuple, model: int) -> P:
     name = keys[-1]
-    if "moe" in keys and len(shape) == 3:                     # routed experts [E, ...]: experts over model
+    if "moe" in keys and len(shape) in (3, 4):                # routed experts [E, ...] or [G, E/G, ...] over model
         return P("model") if _split(shape, 0, model) else P()
     if name in COLUMN_PARALLEL and _split(shape, 0, model):
         return P("model")
