@@ -6,8 +6,9 @@
                            [--mesh DATA MODEL]
                            [--commit HASH] [--out bench/results]
 
-Models are random bf16 weights in the shape of a released checkpoint (``MODELS``; ``tiny`` runs
-anywhere in seconds), built on the device from the converter's own params tree. ``--layout``:
+Models are random bf16 weights in the shape of a released checkpoint (``MODELS``; ``tiny``,
+``tiny-tp`` and ``tiny-kimi`` run anywhere in seconds), built on the device from the converter's
+own params tree. ``--layout``:
 the layers one by one (default) or under one ``lax.scan`` (``config.scan_layers``); scanned, the
 caches go through the scan as stacked inputs and outputs and XLA copies them every step
 (docs/end-to-end.md has the measured cost). For each model, context, batch and state format: a cache
@@ -96,6 +97,23 @@ MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         rms_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=48, tie_word_embeddings=False),
+    # qwen3.5-9b's and kimi-linear-48b-a3b's architectures at test scale, every count a mesh splits
+    # (heads, KV heads, experts) divisible by 8
+    "tiny-tp": dict(
+        model_type="qwen3_5_text", vocab_size=64, hidden_size=64, num_hidden_layers=4, full_attention_interval=4,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=64, tie_word_embeddings=False),
+    "tiny-kimi": dict(
+        model_type="kimi_linear", vocab_size=64, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, mla_use_nope=True, intermediate_size=64, moe_intermediate_size=16,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.446, moe_renormalize=True, use_grouped_topk=False, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        linear_attn_config={"num_heads": 8, "head_dim": 16, "short_conv_kernel_size": 4, "full_attn_layers": [4],
+                            "kda_layers": [1, 2, 3]}),
 }
 
 STATES = {"fp32": ("fp32", {}), "bf16": ("bf16", {}), "lq8": ("leapquant", dict(bits=8)),
