@@ -139,30 +139,38 @@ def model_config(name: str, layers: int | None, compute: str, scan_layers: bool 
     return arch, config, cj
 
 
-def random_params(arch, config, seed: int = 0, mesh=None):
-    """Random bf16 weights (normal, ``WEIGHT_STD``) in the config's layout, made on the device leaf
-    by leaf (never the whole model on the host); on ``mesh`` in the architecture's tensor-parallel
-    layout and placed by ``models.sharding``."""
+def placed_shapes(arch, config, mesh=None):
+    """The bf16 weights of ``config`` as ``jax.ShapeDtypeStruct`` leaves, in the tree
+    ``random_params`` makes (layers stacked under ``config.scan_layers``); on ``mesh`` in the
+    architecture's tensor-parallel layout, each leaf with its ``models.sharding`` placement
+    (what ``jit(...).lower`` needs to compile a program for the placed weights)."""
     shapes = param_shapes(arch, config, dtype=jnp.bfloat16)
     if config.scan_layers:
         stacked = jax.eval_shape(lambda t: stack_layers(t, layer_plan(config)), shapes["layers"])
         shapes = dict({k: v for k, v in shapes.items() if k != "layers"}, **stacked)
-    if mesh is not None:
-        from models.sharding import tensor_parallel_layout
+    if mesh is None:
+        return shapes
+    from jax.sharding import NamedSharding
 
-        shapes = tensor_parallel_layout(shapes, mesh, arch=arch, config=config)
+    from models.sharding import param_specs, tensor_parallel_layout
+
+    shapes = tensor_parallel_layout(shapes, mesh, arch=arch, config=config)
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    shardings = [None] * len(leaves)
-    if mesh is not None:
-        from jax.sharding import NamedSharding
+    specs = jax.tree_util.tree_leaves(param_specs(shapes, mesh))
+    placed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)) for x, s in zip(leaves, specs)]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
-        from models.sharding import param_specs
 
-        shardings = [NamedSharding(mesh, s) for s in jax.tree_util.tree_leaves(param_specs(shapes, mesh))]
+def random_params(arch, config, seed: int = 0, mesh=None):
+    """Random bf16 weights (normal, ``WEIGHT_STD``) in the config's layout, made on the device leaf
+    by leaf (never the whole model on the host); on ``mesh`` in the architecture's tensor-parallel
+    layout and placed by ``models.sharding`` (``placed_shapes``)."""
+    leaves, treedef = jax.tree_util.tree_flatten(placed_shapes(arch, config, mesh))
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     makers = {}  # one compiled maker per distinct leaf shape
     out = []
-    for key, leaf, sharding in zip(keys, leaves, shardings):
+    for key, leaf in zip(keys, leaves):
+        sharding = leaf.sharding if mesh is not None else None
         sig = (leaf.shape, leaf.dtype, sharding)
         if sig not in makers:
             makers[sig] = jax.jit(lambda k, s=leaf: (jax.random.normal(k, s.shape, jnp.float32) * WEIGHT_STD

@@ -55,19 +55,23 @@ def tiny(arch: str, heads: int = 4, key_heads: int = 2):
 def step_collectives(name: str, mesh_shape: tuple[int, int], state: str = "fp32", *, batch: int = 8) -> dict:
     """The collectives of one decode step of ``bench.decode``'s model ``name`` (its layers one by
     one) with ``state`` on a ``mesh_shape`` mesh, as ``bench.decode.collective_bytes`` counts them
-    in the compiled program; nothing runs."""
+    in the program compiled for the placed weights and cache (``bench.decode.placed_shapes``,
+    ``models.sharding.cache_specs``); nothing is allocated or run."""
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    from bench.decode import build_method, collective_bytes, make_steps, model_config, random_params
-    from models.sharding import constrain_cache
+    from bench.decode import build_method, collective_bytes, make_steps, model_config, placed_shapes
+    from models.sharding import cache_specs
 
     mesh = make_mesh(*mesh_shape)
     arch, config, _ = model_config(name, None, "fast", scan_layers=False)
     method = build_method(state, mesh)
-    params = random_params(arch, config, mesh=mesh)
-    cache = jax.jit(lambda: constrain_cache(arch.init_cache(config, batch=batch, max_len=16, method=method), mesh))()
-    ids = jnp.zeros((1, batch), jnp.int32)
-    return collective_bytes(make_steps(arch, config, method, mesh).lower(params, cache, ids).compile().as_text())
+    cache = jax.eval_shape(lambda: arch.init_cache(config, batch=batch, max_len=16, method=method))
+    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                         cache, cache_specs(cache, mesh))
+    ids = jax.ShapeDtypeStruct((1, batch), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(None, "data")))
+    compiled = make_steps(arch, config, method, mesh).lower(placed_shapes(arch, config, mesh), cache, ids).compile()
+    return collective_bytes(compiled.as_text())
 
 
 def collectives_main(states: list) -> int:
