@@ -468,19 +468,20 @@ def parse_args(argv=None):
     return args
 
 
-def check_mesh_args(mesh, models, layers, batches) -> None:
+def check_mesh_args(mesh, models, layers, batches, *, devices: bool = True) -> None:
     """Raises ``ValueError`` (one line naming ``--mesh`` and what does not fit) unless the
-    ``DATA MODEL`` mesh fits the visible devices and splits every model's heads and experts
-    (``models.sharding.check_mesh``) and every batch."""
+    ``DATA MODEL`` mesh splits every model's heads and experts (``models.sharding.check_mesh``)
+    and every batch, and (``devices``) fits the visible devices."""
     from models.sharding import check_mesh, make_mesh
 
     data, model = mesh
     try:
         for name in models:
             _, config, _ = model_config(name, layers, FAST)
-            for batch in batches:
+            for batch in batches or [None]:
                 check_mesh(config, data, model, batch=batch)
-        make_mesh(data, model)
+        if devices:
+            make_mesh(data, model)
     except ValueError as err:
         raise ValueError(f"--mesh {data} {model}: {err}") from None
 
