@@ -22,7 +22,8 @@ and its curve every ``--error-every`` decoded tokens, per segment. Jobs, most im
 4. Table 6: every other per-step method (``TABLE6``: direct and block formats, the adapted
    KVQuant/QuaRot/TurboQuant states, stochastic rounding, error feedback, fp8 tiles, int16 and
    ``damp`` with the ``damp-calibration.json`` shipped in the checkpoint folder or
-   ``--damp-calibration``), at 8, 6 and 4 bits.
+   ``--damp-calibration``; ``stepquant-6/-4`` and ``leapquant-alloc-6/-4`` with its
+   ``stepquant-calibration.json``), at 8, 6 and 4 bits.
 
 The jobs form three groups (``--groups``): ``formats`` (1 and 2), ``sweeps`` (3) and ``rivals``
 (4, which also runs Table 1's per-step formats and LeapQuant so that Table 6 compares within one
@@ -69,13 +70,15 @@ from typing import Optional
 import numpy as np
 
 from bench.harness import environment, git_commit
-from leapquant_jax.methods import make_method
+from leapquant_jax.methods import LIFETIME_METHODS, make_method
 from leapquant_jax.studies.errors import ALL_METHODS
 from models.evaluate import EvalConfig, segment_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 # DAMP's calibration, shipped inside each checkpoint folder (``leapquant calibrate-damp``).
 DAMP_FILE = "damp-calibration.json"
+# The lifetime calibration of stepquant-* and leapquant-alloc-* (``leapquant calibrate-stepquant``), beside it.
+LIFETIME_FILE = "stepquant-calibration.json"
 SHIPPED = (ROOT / "models" / "checkpoints" / "stdlib-gdn", ROOT / "models" / "checkpoints" / "stdlib-kda")
 
 
@@ -91,9 +94,15 @@ class Job:
     bits: int
     group: str = "formats"
 
-    def method(self, damp_calibration: Optional[str] = None):
+    def method(self, damp_calibration: Optional[str] = None, lifetime_calibration: Optional[str] = None):
         """The state method (``impl`` left at its default: Pallas kernels on a GPU); ``damp``
-        takes its calibration file ``damp_calibration``."""
+        takes its calibration file ``damp_calibration``, ``stepquant-*`` and ``leapquant-alloc-*``
+        theirs, ``lifetime_calibration``."""
+        if self.name in LIFETIME_METHODS:
+            if lifetime_calibration is None:
+                raise ValueError(f"{self.name}: no calibration file ({LIFETIME_FILE} in the checkpoint; `leapquant "
+                                 "calibrate-stepquant` makes one)")
+            return make_method(self.name, calibration=lifetime_calibration)
         if self.name == "damp":
             if damp_calibration is None:
                 raise ValueError("damp: no calibration file (--damp-calibration, or damp-calibration.json in the "
@@ -121,8 +130,10 @@ TABLE6 = {
     10: ("damp",),
     8: ("fp8", "fp8-channel", "fp8-tensor", "fp8-tile", "fp8-tile+sr", "int8", "int8-channel", "int8-tensor",
         "int8+sr", "int8+ef", "int8+ef4", "mxfp8", "kvquant", "quarot", "turboquant", "leapquant"),
-    6: ("int6", "mxfp6", "nvfp6", "kvquant-b6", "quarot-b6", "turboquant-b6", "leapquant-b6"),
-    4: ("int4", "mxfp4", "nvfp4", "kvquant-b4", "quarot-b4", "turboquant-b4", "leapquant-b4"),
+    6: ("int6", "mxfp6", "nvfp6", "kvquant-b6", "quarot-b6", "turboquant-b6", "stepquant-6", "leapquant-b6",
+        "leapquant-alloc-6"),
+    4: ("int4", "mxfp4", "nvfp4", "kvquant-b4", "quarot-b4", "turboquant-b4", "stepquant-4", "leapquant-b4",
+        "leapquant-alloc-4"),
 }
 
 
@@ -288,7 +299,7 @@ def run_worker(spec_path: str) -> int:
         t1 = time.time()
         record = {"kind": "job", "label": job.label, "method": job.name, "options": dict(job.options), "bits": job.bits}
         try:
-            method = job.method(spec["damp_calibration"])
+            method = job.method(spec["damp_calibration"], spec.get("lifetime_calibration"))
             record["result"] = score_method(arch, params, config, ref, method, label=job.label)
             record["bytes_per_element"] = state_bytes_per_element(method, heads, dk, dv, kda)
             record["head"] = {"heads": heads, "dk": dk, "dv": dv, "kda": kda}
@@ -326,6 +337,8 @@ def run_workers(args, cfg: EvalConfig, jobs: list, base: str, start: float, log)
                 damp = args.damp_calibration or (ckpt / DAMP_FILE if (ckpt / DAMP_FILE).is_file() else None)
                 spec = dict(checkpoint=str(ckpt), name=ckpt.name, data=str(args.data), cfg=dataclasses.asdict(cfg),
                             damp_calibration=None if damp is None else str(damp),
+                            lifetime_calibration=(str(ckpt / LIFETIME_FILE) if (ckpt / LIFETIME_FILE).is_file()
+                                                  else None),
                             jobs=[j.label for j in jobs], queue=queue, jsonl=base + ".jsonl", worker=w, start=start,
                             deadline=start + args.time_budget,
                             fig6=f"{base}-fig6-{ckpt.name}.png" if w == 0 else None)

@@ -1,8 +1,8 @@
 """The ``leapquant`` command line: every package's commands under one parser.
 
 ``leapquant_jax.cli`` registers ``replay``, ``study`` and ``memory``; ``models.cli`` registers
-``convert``, ``generate``, ``score``, ``eval``, ``recall``, ``train-data``, ``train``, ``demo``
-and ``calibrate-damp``. The shared parser, argument types and error handling are
+``convert``, ``generate``, ``score``, ``eval``, ``recall``, ``train-data``, ``train``, ``demo``,
+``calibrate-damp`` and ``calibrate-stepquant``. The shared parser, argument types and error handling are
 ``leapquant_jax.cli_support``'s. Run as ``leapquant ...`` or ``python -m leapquant_cli ...``.
 """
 
@@ -19,7 +19,8 @@ PACKAGES = (leapquant_jax.cli, models.cli)
 
 DESCRIPTION = ("LeapQuant in JAX: recurrent states of linear-attention models (Gated DeltaNet, Kimi Delta "
                "Attention) stored in 8, 6 or 4 bits. Replay traces and run the studies (replay, study, memory); "
-               "convert, run and evaluate models (convert, generate, score, eval, recall, calibrate-damp, demo); "
+               "convert, run and evaluate models (convert, generate, score, eval, recall, calibrate-damp, "
+               "calibrate-stepquant, demo); "
                "train small ones (train-data, train). Each command has its own --help.")
 
 

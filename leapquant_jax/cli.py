@@ -50,7 +50,7 @@ def cmd_replay(args) -> int:
     elif getattr(method, "calibration", None) is not None:
         found = re.fullmatch(r"layer(\d+)(_b\d+)?\.npz", os.path.basename(args.trace))
         if found is None:
-            raise ValueError(f"method damp keeps different channels per layer: pass --layer, the model layer "
+            raise ValueError(f"method {method.name} keeps a different layout per layer: pass --layer, the model layer "
                              f"{args.trace} was recorded from (or keep the layerNN.npz name --record-traces gives)")
         method = method.for_layer(int(found.group(1)))
     trace = load_trace(args.trace)
@@ -149,6 +149,8 @@ def cmd_study_outliers(args) -> int:
 
 def cmd_memory(args) -> int:
     names = None
+    if args.stepquant_calibration and not args.methods:
+        raise ValueError("--stepquant-calibration measures methods of --methods: pass --methods too")
     if args.methods:
         names = "all" if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",")]
         if names != "all" and (not names or not all(names)):
@@ -164,7 +166,8 @@ def cmd_memory(args) -> int:
                 f"r={q['rank']}, p={q['window']}; checkpoint: the window-boundary state; live_gdn / live_kda: a "
                 "decoding stream with its window buffer, scalar (GDN) or per-channel (KDA) decays)")
     if names is not None:
-        r["methods"] = method_memory(names, dk=args.dk, dv=args.dv, heads=args.heads, key_heads=args.key_heads)
+        r["methods"] = method_memory(names, dk=args.dk, dv=args.dv, heads=args.heads, key_heads=args.key_heads,
+                                     calibration=args.stepquant_calibration)
         rows.append(f"\nbits per value, each method as its label fixes it, defaults otherwise:\n"
                     f"{'method':<16}{'checkpoint':>12}{'live GDN':>12}{'live KDA':>12}")
         rows += [f"{k:<16}{m['checkpoint_bits_per_value']:>12.3f}{m['live_gdn_bits_per_value']:>12.3f}"
@@ -185,7 +188,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--out", required=True, help="output .npz with o [T, H, dv] and state [H, dk, dv]")
     p.add_argument("--chunk", type=int_at_least(1), default=1024, help="tokens per compiled chunk")
     p.add_argument("--layer", type=int_at_least(0),
-                   help="model layer the trace comes from (method damp; default: from a layerNN.npz name)")
+                   help="model layer the trace comes from (calibrated methods; default: from a layerNN.npz name)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_replay)
 
@@ -234,6 +237,9 @@ def add_subcommands(sub) -> None:
     p.add_argument("--methods", default=None,
                    help="also every state method's bits per value (checkpoint, live GDN and KDA streams): 'all' or "
                         "a comma-separated list of method names")
+    p.add_argument("--stepquant-calibration", metavar="FILE",
+                   help="measure stepquant-* and leapquant-alloc-* with the plans of this calibration (its layers' "
+                        "mean; pass its --heads, --dk, --dv) instead of their names' uniform widths")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_memory)
 

@@ -150,6 +150,9 @@ def add_method_options(parser: argparse.ArgumentParser, *, flag: Optional[str] =
                              "on a GPU, the reference elsewhere; pallas: a kernel or an error; or one by name)")
     parser.add_argument("--damp-calibration", dest="calibration", metavar="FILE",
                         help="method damp's calibration file (made by `leapquant calibrate-damp`)")
+    parser.add_argument("--stepquant-calibration", dest="stepquant_calibration", metavar="FILE",
+                        help="the calibration file of methods stepquant-6/-4 and leapquant-alloc-6/-4 (made by "
+                             "`leapquant calibrate-stepquant`)")
 
 
 def add_states_option(parser: argparse.ArgumentParser, default: str) -> None:

@@ -278,7 +278,6 @@ def calibrate(traces: dict, *, k_hi: int = DEFAULT_CHANNELS, tau: int = DEFAULT_
         raise ValueError("damp calibration needs the traces of at least one linear-attention layer")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive integer, got {every!r}")
-    fp32 = PerStepMethod("fp32")
     layers = sorted(traces)
     first = traces[layers[0]]
     b, t, heads, dv = first["v"].shape
@@ -289,17 +288,29 @@ def calibrate(traces: dict, *, k_hi: int = DEFAULT_CHANNELS, tau: int = DEFAULT_
         raise ValueError(f"damp calibration: rows of {t} tokens give no sample every {every} tokens")
     tables, scores = [], {}
     for layer in layers:
-        x = {n: jnp.asarray(traces[layer][n], jnp.float32) for n in ("q", "k", "v", "g", "beta")}
-        blocks = {n: jnp.moveaxis(a[:, :t // every * every].reshape((b, t // every, every) + a.shape[2:]), 1, 0)
-                  for n, a in x.items()}
-        samples = _fp32_samples(fp32.init(b, heads, dk, dv), blocks)                     # [S, B, H, dk, dv]
-        g = np.asarray(x["g"]).reshape((b * t,) + x["g"].shape[2:])
-        sc = channel_scores(np.asarray(samples).reshape((-1, heads, dk, dv)), g, tau)
+        samples = state_samples(traces[layer], every)                                     # [S * B, H, dk, dv]
+        g = np.asarray(traces[layer]["g"], np.float32).reshape((b * t,) + traces[layer]["g"].shape[2:])
+        sc = channel_scores(samples, g, tau)
         tables.append(select_channels(sc["risk"], k_hi))
         scores[str(layer)] = {k: [[float(f"{x:.7g}") for x in row] for row in v] for k, v in sc.items()}
     cal = DampCalibration(layers=tuple(int(x) for x in layers), channels=tuple(tables), heads=heads, dk=dk, dv=dv,
                           k_hi=k_hi, tau=tau, model=model)
     return cal, scores
+
+
+def state_samples(inputs: dict, every: int) -> np.ndarray:
+    """The exact fp32 states ``[S * B, H, dk, dv]`` after every ``every`` tokens of each row of one
+    layer's inputs ``{"q", "k", "v", "g", "beta": [B, T, ...]}`` (``S = T // every``; the tokens past
+    the last multiple of ``every`` give none), sample-major: sample ``s`` of row ``b`` is ``s * B + b``."""
+    x = {n: jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")}
+    b, t, heads, dv = x["v"].shape
+    dk = x["k"].shape[-1]
+    if t < every:
+        raise ValueError(f"rows of {t} tokens give no state sample every {every} tokens")
+    blocks = {n: jnp.moveaxis(a[:, :t // every * every].reshape((b, t // every, every) + a.shape[2:]), 1, 0)
+              for n, a in x.items()}
+    samples = _fp32_samples(PerStepMethod("fp32").init(b, heads, dk, dv), blocks)        # [S, B, H, dk, dv]
+    return np.asarray(samples).reshape((-1, heads, dk, dv))
 
 
 @jax.jit
@@ -423,4 +434,4 @@ def bits_per_value(dk: int, dv: int, k_hi: int = DEFAULT_CHANNELS) -> float:
 
 __all__ = ["CALIBRATION_FORMAT", "DEFAULT_CHANNELS", "DEFAULT_TAU", "DampCalibration", "DampCalibrationError",
            "DampMethod", "DampState", "HadamardInt8Tensor", "bits_per_value", "calibrate", "channel_scores",
-           "dequantize_rows", "persistence", "quantize_rows", "select_channels"]
+           "dequantize_rows", "persistence", "quantize_rows", "select_channels", "state_samples"]

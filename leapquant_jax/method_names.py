@@ -7,8 +7,10 @@ smoothing alone). ``replay --method``, ``generate``/``score --state``, ``eval``/
 ``demo --states``, ``study errors --methods`` and ``memory --methods`` all take these labels.
 
 Options (``STATE_OPTIONS``) apply where they mean something: ``window`` and ``impl`` to every
-windowed method, ``bits``, ``rank``, ``compensators`` and ``smoothing`` to LeapQuant alone,
-``calibration`` to ``damp`` alone. An option that contradicts what a label fixes
+windowed method (``leapquant-alloc-*`` too), ``bits``, ``rank``, ``compensators`` and ``smoothing``
+to LeapQuant alone, ``calibration`` to ``damp`` alone, ``stepquant_calibration`` (the file of
+``leapquant calibrate-stepquant``, given to ``make_method`` as ``calibration``) to the
+``LIFETIME_METHODS`` alone. An option that contradicts what a label fixes
 (``leapquant-b6`` with ``bits=4``) is an error; a method's own name fixes nothing
 (``leapquant --bits 4`` is LeapQuant at 4 bits).
 
@@ -22,7 +24,8 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from .methods import METHOD_NAMES, WINDOWED_METHODS, make_method
+from .leapquant_alloc import NAMES as ALLOC_NAMES
+from .methods import LIFETIME_METHODS, METHOD_NAMES, WINDOWED_METHODS, make_method
 
 MAX_WINDOW = 256
 
@@ -51,7 +54,7 @@ METHOD_LABELS: dict[str, tuple[str, dict]] = {
 
 WINDOW_OPTIONS = ("window", "impl")
 LEAPQUANT_OPTIONS = ("bits", "rank", "compensators", "smoothing") + WINDOW_OPTIONS
-STATE_OPTIONS = LEAPQUANT_OPTIONS + ("calibration",)
+STATE_OPTIONS = LEAPQUANT_OPTIONS + ("calibration", "stepquant_calibration")
 
 
 def check_window(window: Optional[int], *, flag: str = "--window") -> None:
@@ -66,6 +69,8 @@ def applicable_options(label: str) -> tuple[str, ...]:
     name = METHOD_LABELS[label][0]
     if name == "damp":
         return ("calibration",)
+    if name in LIFETIME_METHODS:
+        return ("stepquant_calibration",) + (WINDOW_OPTIONS if name in ALLOC_NAMES else ())
     if name not in WINDOWED_METHODS:
         return ()
     return LEAPQUANT_OPTIONS if name == "leapquant" else WINDOW_OPTIONS
@@ -89,10 +94,22 @@ def method_for_label(label: str, options: Optional[Mapping] = None, *, flag: str
     if name == "damp" and "calibration" not in options:
         raise ValueError("method damp needs its calibration file: --damp-calibration FILE "
                          "(made by `leapquant calibrate-damp`)")
+    if name in LIFETIME_METHODS and "stepquant_calibration" not in options:
+        raise ValueError(f"method {name} needs its calibration file: --stepquant-calibration FILE "
+                         "(made by `leapquant calibrate-stepquant`)")
+    if not only_applicable and name not in LIFETIME_METHODS and "stepquant_calibration" in options:
+        raise ValueError(f"--stepquant-calibration is the calibration of methods {', '.join(LIFETIME_METHODS)}, "
+                         f"not of {name}")
+    if not only_applicable and name in LIFETIME_METHODS and "calibration" in options:
+        raise ValueError(f"--damp-calibration is the calibration of method damp; {name} takes "
+                         "--stepquant-calibration")
     applies = applicable_options(label)
     opts = dict(fixed)
     for key, value in options.items():
         if only_applicable and key not in applies:
+            continue
+        if key == "stepquant_calibration":   # make_method's calibration of the lifetime methods
+            opts["calibration"] = value
             continue
         # A label other than its method's own name fixes its options (leapquant-b6: bits=6); the
         # method's own name takes any (leapquant --bits 4).
@@ -123,6 +140,13 @@ def methods_for_labels(labels: Sequence[str], options: Optional[Mapping] = None,
                          "(made by `leapquant calibrate-damp`)")
     if "calibration" in options and "damp" not in labels:
         raise ValueError(f"--damp-calibration is the calibration of method damp, which {flag} does not name")
+    lifetime = [x for x in labels if METHOD_LABELS[x][0] in LIFETIME_METHODS]
+    if lifetime and "stepquant_calibration" not in options:
+        raise ValueError(f"{flag} {lifetime[0]} needs its calibration file: --stepquant-calibration FILE "
+                         "(made by `leapquant calibrate-stepquant`)")
+    if "stepquant_calibration" in options and not lifetime:
+        raise ValueError(f"--stepquant-calibration is the calibration of methods {', '.join(LIFETIME_METHODS)}, "
+                         f"which {flag} does not name")
     return {label: method_for_label(label, options, flag=flag, only_applicable=True)
             for label in ["fp32"] + [x for x in labels if x != "fp32"]}
 

@@ -13,7 +13,8 @@ A method is a frozen, hashable dataclass (a static argument to ``jit``) with
 ``bf16``, ``fp16``, ``int8``, ``fp8``, ``int6``, ``int4`` and the formats of ``formats`` (eq. 2:
 re-quantize after every token), the stateful per-step methods of ``feedback``; windowed
 ``bf16-w``, ``int8-w`` (no compensators, no smoothing), ``leapquant`` and the lossless ``fp32-w``
-(an fp32 checkpoint, ``fp32w``). The shared drivers
+(an fp32 checkpoint, ``fp32w``); the lifetime-calibrated ``stepquant-6/-4`` (``stepquant``) and
+``leapquant-alloc-6/-4`` (``leapquant_alloc``). The shared drivers
 (``decode``, ``prefill``) live in ``runner``.
 """
 
@@ -23,101 +24,26 @@ import dataclasses
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
-from . import dispatch, windowed
 from .damp import DampCalibration, DampMethod
 from .feedback import METHODS as STATEFUL_PER_STEP
 from .fp32w import fp32w_config
+from .leapquant_alloc import NAMES as ALLOC_NAMES
+from .leapquant_alloc import AllocMethod
 from .per_step import DENSE_KERNEL_FORMATS, PER_STEP_METHODS, PerStepMethod
-from .recurrence import Token
-from .runner import Runner, check_dense, check_dims, check_token
-from .state import LeapQuantConfig, LeapQuantState
+from .state import LeapQuantConfig
+from .stepquant import NAMES as STEPQUANT_NAMES
+from .stepquant import StepQuantMethod
+from .windowed_method import WindowedMethod
 
 Array = jax.Array
 
 WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant", "fp32-w")
 # The per-step formats, then the per-step methods whose state carries more than the rounded
-# values (error feedback, stochastic rounding), then DAMP (calibrated per layer), then the windowed ones.
-METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowedMethod(Runner):
-    """The windowed recurrence with a ``LeapQuantConfig`` (``bf16-w``, ``int8-w``, ``leapquant``,
-    ``fp32-w``)."""
-
-    config: LeapQuantConfig = LeapQuantConfig()
-    label: str = "leapquant"
-
-    @property
-    def name(self) -> str:
-        return self.label
-
-    @property
-    def window(self) -> int:  # type: ignore[override]
-        return self.config.window
-
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
-             key_heads: Optional[int] = None) -> LeapQuantState:
-        """An all-zero live stream ``[batch, heads]`` of ``dk x dv`` heads.
-
-        per_channel_decay: lay the window buffer out for KDA's per-channel decays
-        (``g [B, H, dk]``). A scalar-decay stream met by KDA tokens is widened on the fly
-        (exactly: a scalar decay is the same decay on every channel) by ``step``, ``decode``
-        and ``prefill``; inside a ``lax.scan`` of your own, whose carry must keep its shapes,
-        pass ``per_channel_decay=True`` for KDA.
-        key_heads: GVA's key heads ``Hk`` (dividing ``heads``): the window buffer keeps one key
-        record per key head (``k [batch, Hk, p, dk]``) and ``step``/``decode`` then take ``k``
-        at ``Hk`` heads. ``None`` keeps one per value head (``Hk = heads``), which takes keys at
-        any head count dividing ``heads``.
-        """
-        check_dims(batch, heads, dk, dv)
-        self.config.check_head_size(dk, dv)
-        return windowed.init_state(self.config, batch, heads, dk, dv, per_channel_decay, key_heads=key_heads)
-
-    def from_dense(self, state: Array, *, per_channel_decay: bool = False,
-                   key_heads: Optional[int] = None) -> LeapQuantState:
-        """Rounds ``[B, H, dk, dv]`` fp32 into a checkpoint with an empty window
-        (``per_channel_decay`` and ``key_heads`` as in ``init``)."""
-        _, _, dk, dv = check_dense(state)
-        self.config.check_head_size(dk, dv)
-        return windowed.from_dense(self.config, state, per_channel_decay=per_channel_decay, key_heads=key_heads)
-
-    def per_channel_state(self, state: LeapQuantState) -> bool:
-        return state.per_channel_decay
-
-    def state_key_heads(self, state: LeapQuantState) -> int:
-        """``Hk``, the key heads whose records the window buffer keeps."""
-        return state.key_heads
-
-    def with_decay_layout(self, state: LeapQuantState, per_channel: bool) -> LeapQuantState:
-        """Widens a scalar-decay window buffer ``g [B, H, p]`` to ``[B, H, p, dk]`` when
-        ``per_channel`` (exact); otherwise returns ``state`` unchanged."""
-        if not per_channel or state.per_channel_decay:
-            return state
-        g, dk = state.buffer.g, state.buffer.k.shape[-1]
-        return state.replace(buffer=state.buffer.replace(g=jnp.broadcast_to(g[..., None], g.shape + (dk,))))
-
-    def to_dense(self, state: LeapQuantState) -> Array:
-        """Reconstructs the represented state ``[B, H, dk, dv]`` fp32 (checkpoint plus records)."""
-        return windowed.reconstruct_reference(self.config, state)
-
-    def records_held(self, state: LeapQuantState) -> Array:
-        return state.pos
-
-    def step_token(self, state: LeapQuantState, token: Token, *, active: Optional[Array] = None):
-        """Read, append the record, output; flush the sequences whose window filled."""
-        token = windowed.match_key_heads(token, state.key_heads)
-        check_token(state.shape, token, active, key_heads=state.key_heads)
-        if token.per_channel_decay:
-            state = self.with_decay_layout(state, True)
-        elif state.per_channel_decay:
-            token = token.replace(g=jnp.broadcast_to(token.g[..., None], token.q.shape))
-        o, new = dispatch.leapquant_step(self.config, state, token)
-        if active is not None:
-            new = windowed.select_batch(active, new, state)
-        return o, dispatch.leapquant_flush(self.config, new, only_full=True)
+# values (error feedback, stochastic rounding), then DAMP (calibrated per layer), then the windowed ones,
+# then those calibrated for their lifetime-aware widths (``lifetime``: one calibration file for all four).
+LIFETIME_METHODS = tuple(STEPQUANT_NAMES) + tuple(ALLOC_NAMES)
+METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS + LIFETIME_METHODS
 
 
 def make_method(
@@ -139,8 +65,21 @@ def make_method(
     ``smoothing`` and any other ``LeapQuantConfig`` field) apply to windowed methods; ``None``
     keeps the default. Giving one to a per-step method is an error, but for ``impl`` (``impls``:
     which implementation runs the dense step) on ``fp32`` and ``bf16``. ``calibration`` (a
-    ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option.
+    ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option. The
+    ``LIFETIME_METHODS`` take a ``lifetime.LifetimeCalibration`` (or its path), and
+    ``leapquant-alloc-*`` also ``window`` and ``impl``.
     """
+    if name in LIFETIME_METHODS:
+        given = {k: v for k, v in dict(bits=bits, window=window, rank=rank, compensators=compensators,
+                                       smoothing=smoothing, **config_options).items() if v is not None}
+        allowed = {"window", "impl"} if name in ALLOC_NAMES else set()
+        if set(given) - allowed:
+            takes = "a calibration, window and impl" if allowed else "only a calibration"
+            raise ValueError(f"method {name!r} takes {takes} (its widths come from the calibration), got "
+                             f"{sorted(set(given) - allowed)}")
+        if name in ALLOC_NAMES:
+            return AllocMethod(plan=name, calibration=calibration, **given)
+        return StepQuantMethod(plan=name, calibration=calibration)
     if name == "damp":
         others = {k: v for k, v in dict(bits=bits, window=window, rank=rank, compensators=compensators,
                                          smoothing=smoothing, **config_options).items() if v is not None}
@@ -150,7 +89,8 @@ def make_method(
             calibration = DampCalibration.load(str(calibration))
         return DampMethod(calibration=calibration)
     if calibration is not None:
-        raise ValueError(f"only method 'damp' takes a calibration, not {name!r}")
+        raise ValueError(f"only method 'damp' takes a calibration (and the lifetime-calibrated "
+                         f"{', '.join(LIFETIME_METHODS)}), not {name!r}")
     opts = dict(bits=bits, window=window, rank=rank, compensators=compensators, smoothing=smoothing, **config_options)
     given = {k: v for k, v in opts.items() if v is not None}
     if name in DENSE_KERNEL_FORMATS and set(given) == {"impl"}:
@@ -181,4 +121,4 @@ def make_method(
     return WindowedMethod(LeapQuantConfig(**{**base, **given}), label=name)
 
 
-__all__ = ["DENSE_KERNEL_FORMATS", "METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod", "WINDOWED_METHODS", "WindowedMethod", "make_method"]
+__all__ = ["DENSE_KERNEL_FORMATS", "LIFETIME_METHODS", "METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod", "WINDOWED_METHODS", "WindowedMethod", "make_method"]

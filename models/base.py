@@ -261,7 +261,14 @@ def layer_plan(config: Any) -> LayerPlan:
 
 def stack_layers(per_layer: Sequence[Any], plan: LayerPlan) -> dict:
     """Per-layer trees (params or caches, one per layer) -> ``{"head": (tree, ...), "blocks":
-    (tree stacked over the repeats, one per block position), "tail": (tree, ...)}``."""
+    (tree stacked over the repeats, one per block position), "tail": (tree, ...)}``. Raises
+    ``ValueError`` when the layers of a block position hold trees of different layouts."""
+    for j in range(plan.period):
+        shapes = {str(jax.tree.map(jnp.shape, per_layer[plan.block_layer(r, j)])) for r in range(plan.repeats)}
+        if len(shapes) > 1:
+            raise ValueError(f"the layers at block position {j} hold trees of different layouts (a state method "
+                             "calibrated per layer, such as stepquant or leapquant-alloc): the scanned layout cannot "
+                             "stack them; run without --scan-layers")
     blocks = tuple(
         jax.tree.map(lambda *xs: jnp.stack(xs), *[per_layer[plan.block_layer(r, j)] for r in range(plan.repeats)])
         for j in range(plan.period))

@@ -29,14 +29,22 @@ from models.fingerprint import check_state_method, linear_state_layout, model_fi
 from models.loading import check_checkpoint, load_checkpoint, load_tokenizer
 
 
+def record_traces(arch, params, config, rows: np.ndarray) -> dict:
+    """Every linear-attention layer's fp32 inputs on ``rows [R, T]`` token ids, through the decode
+    path with the fp32 state: ``{layer: {"q", "k", "v", "g", "beta": [R, T, ...]}}``."""
+    return score(arch, params, config, rows, method=make_method("fp32"), record=True)[1]
+
+
 def calibrate_model(arch, params, config, rows: np.ndarray, *, k_hi: int, tau: int, every: int):
     """DAMP calibration of a model on ``rows [R, T]`` token ids. Returns ``(calibration, scores)``."""
-    _, traces = score(arch, params, config, rows, method=make_method("fp32"), record=True)
+    traces = record_traces(arch, params, config, rows)
     return calibrate(traces, k_hi=k_hi, tau=tau, every=every, model=model_fingerprint(config, params))
 
 
-def run_calibrate(args) -> int:
-    """The ``leapquant calibrate-damp`` handler."""
+def calibration_rows(args):
+    """The model and calibration rows of a calibration command's ``checkpoint``, ``--data``,
+    ``--rows``, ``--tokens``, ``--every`` and ``--out`` (checked first, before the model loads).
+    Returns ``(arch, config, params, rows [rows, tokens] int32)``."""
     check_checkpoint(args.checkpoint)
     check_output(args.out, "--out", folder=False)
     if args.every > args.tokens:
@@ -44,7 +52,12 @@ def run_calibrate(args) -> int:
     cfg = EvalConfig(context=args.tokens, prefill=0, batch=args.rows, greedy_tokens=1)
     rows = segment_rows(load_data(args.data, load_tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
     arch, config, params, _ = load_checkpoint(args.checkpoint)
-    rows = check_token_ids(rows, config.vocab_size, name=f"--data {args.data} ids")
+    return arch, config, params, check_token_ids(rows, config.vocab_size, name=f"--data {args.data} ids")
+
+
+def run_calibrate(args) -> int:
+    """The ``leapquant calibrate-damp`` handler."""
+    arch, config, params, rows = calibration_rows(args)
     _, _, dk, _ = linear_state_layout(arch, config)
     if not 0 < args.channels < dk:
         raise ValueError(f"--channels {args.channels}: the protected key channels per head must be in "
@@ -83,5 +96,5 @@ def add_subcommand(subparsers) -> None:
 
 # check_state_method, linear_state_layout and model_fingerprint live in models.fingerprint; they
 # are part of this module's API too, as the calibration's checks.
-__all__ = ["DampCalibrationError", "add_subcommand", "calibrate_model", "check_state_method", "linear_state_layout",
-           "model_fingerprint", "run_calibrate"]
+__all__ = ["DampCalibrationError", "add_subcommand", "calibrate_model", "calibration_rows", "check_state_method",
+           "linear_state_layout", "model_fingerprint", "record_traces", "run_calibrate"]

@@ -1,6 +1,6 @@
 """The model commands of the ``leapquant`` CLI: ``convert``, ``generate`` and ``score`` here, and the
-commands of the modules in ``COMMAND_MODULES`` (``eval``, ``recall``, ``train-data``, ``train``,
-``demo``, ``calibrate-damp``).
+commands of the modules in ``COMMAND_MODULES`` (``eval``, ``recall``, ``task``, ``train-data``,
+``train``, ``demo``, ``calibrate-damp``, ``calibrate-stepquant``).
 
 ``add_subcommands(subparsers)`` registers them all on an ``argparse`` subparsers object; each sets
 ``func`` to a handler taking the parsed namespace and returning an exit code
@@ -20,7 +20,7 @@ import numpy as np
 
 from leapquant_jax.cli_support import (add_method_options, check_output, float_in, int_at_least, int_in,
                                        method_from_args, method_label)
-from models import calibrate, demo, evaluate, recall
+from models import calibrate, calibrate_stepquant, demo, evaluate, recall, task_eval
 from models.base import with_runtime
 from models.checkpoint import convert_checkpoint, eos_token_ids
 from models.decode import (available_memory, check_token_ids, generate, generation_memory, generation_program_bytes,
@@ -33,7 +33,7 @@ from models.serving import generate_one
 from models.training import cli as training_cli
 
 # The command modules, in `leapquant --help` order; a new one is imported above and named here.
-COMMAND_MODULES = (evaluate, recall, training_cli, demo, calibrate)
+COMMAND_MODULES = (evaluate, recall, task_eval, training_cli, demo, calibrate, calibrate_stepquant)
 
 
 def _id_list(text: str) -> list[int]:

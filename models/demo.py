@@ -31,8 +31,8 @@ from leapquant_jax.cli_support import (add_plot_options, add_states_option, int_
 from leapquant_jax.method_names import methods_for_labels
 from leapquant_jax.methods import make_method
 from leapquant_jax.quantizers import tree_bytes
-from leapquant_jax.state import LeapQuantState
 from leapquant_jax.studies.errors import method_styles
+from leapquant_jax.studies.memory import boundary_state
 from models.base import layer_caches
 from models.decode import check_token_ids
 from models.evaluate import EvalConfig, evaluate, format_table, load_data, segment_rows, warn_if_training_data
@@ -146,7 +146,7 @@ def stream_memory(arch, config, methods: dict) -> dict:
     for label, method in methods.items():
         found = states(method)
         live = tree_bytes(found)
-        ckpt = tree_bytes([s.checkpoint if isinstance(s, LeapQuantState) else s for s in found])
+        ckpt = tree_bytes([boundary_state(s) for s in found])
         out[label] = {"bytes": live, "checkpoint_bytes": ckpt, "bytes_per_element": live / elements,
                       "vs_fp32": live / fp32_bytes}
     return {"layers": len(dense), "elements": elements, "methods": out}

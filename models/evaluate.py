@@ -35,6 +35,16 @@ the prefill, and a last point at the end of the row is added when ``N`` does not
 ``reference_run`` computes what every method is compared with (fp32's logits, continuation,
 traces and replayed states) once; ``score_method`` scores one method against it; ``evaluate``
 is the two together.
+
+``--generate G`` runs free-running generation instead (``generation_study``): the rows are
+prompts (exact fp32 prefill, rounded once into each method's state), and each method
+generates ``G`` greedy tokens on its own. Per method: ``first_divergence``, the index of its
+first token that differs from fp32's continuation (``G`` when none does; median, quartiles and
+range over the prompts); ``kl_to_fp32``, the mean ``KL(p_fp32 || p_method)`` of the next-token
+distributions along fp32's own continuation, both teacher-forced on it (so every method is
+measured on the same tokens); ``repetition_rate``, the share of the ``REPETITION_N``-grams of
+the method's own continuation that already occurred earlier in it (``1 - distinct / all``,
+Welleck et al.'s seq-rep-n; fp32's own rate is the baseline).
 """
 
 from __future__ import annotations
@@ -413,8 +423,146 @@ def warn_if_training_data(checkpoint, data) -> None:
              f"{listed}): the numbers are not held-out numbers")
 
 
+# ----------------------------------------------------------------------------- free-running generation
+
+REPETITION_N = 4
+
+
+def repetition_rate(tokens: np.ndarray, n: int = REPETITION_N) -> float:
+    """``1 - distinct n-grams / n-grams`` of one token sequence ``[G]`` (0 when shorter than ``n``)."""
+    tokens = np.asarray(tokens)
+    if tokens.size < n:
+        return 0.0
+    grams = np.lib.stride_tricks.sliding_window_view(tokens, n)
+    return float(1.0 - len(np.unique(grams, axis=0)) / len(grams))
+
+
+def first_divergence(tokens: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Index of the first token of each row of ``tokens [P, G]`` that differs from
+    ``reference [P, G]`` (``G`` where none does): ``[P]`` int."""
+    same = np.asarray(tokens) == np.asarray(reference)
+    return np.where(same.all(axis=1), same.shape[1], np.argmin(same, axis=1))
+
+
+def _kl(ref_logits, logits):
+    logq = jax.nn.log_softmax(ref_logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.maximum(jnp.sum(jnp.exp(logq) * (logq - logp), axis=-1), 0.0)  # >= 0 up to round-off
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "method", "reference"))
+def _kl_along(arch, params, config, ref_cache, cache, prompts, continuation, *, method, reference):
+    # Both models prefill the prompts [P, C], then step side by side on continuation[:, :-1]:
+    # KL(p_ref || p_method) of the G predictions of continuation [P, G] -> [P, G].
+    ref_logits, ref_cache, _ = arch.forward(params, config, prompts, ref_cache, method=reference, mode="prefill")
+    logits, cache, _ = arch.forward(params, config, prompts, cache, method=method, mode="prefill")
+    first = _kl(ref_logits[:, -1], logits[:, -1])
+
+    def body(carry, tok):
+        ref_cache, cache = carry
+        ref_logits, ref_cache, _ = arch.forward(params, config, tok[:, None], ref_cache, method=reference, mode="decode")
+        logits, cache, _ = arch.forward(params, config, tok[:, None], cache, method=method, mode="decode")
+        return (ref_cache, cache), _kl(ref_logits[:, 0], logits[:, 0])
+
+    _, rest = jax.lax.scan(body, (ref_cache, cache), jnp.moveaxis(continuation[:, :-1], 1, 0))
+    return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+
+
+def kl_along(arch, params, config, method, prompts: np.ndarray, continuation: np.ndarray, *, reference=None):
+    """``KL(p_reference || p_method)`` ``[P, G]`` at each prediction of ``continuation [P, G]``
+    after ``prompts [P, C]``, both methods teacher-forced on the same tokens (reference: fp32)."""
+    reference = make_method("fp32") if reference is None else reference
+    p, c = prompts.shape
+    g = continuation.shape[1]
+    # zero states built outside jit (their quantization would be constant-folded at compile time)
+    caches = [arch.init_cache(config, batch=p, max_len=c + g, method=m) for m in (reference, method)]
+    return np.asarray(_kl_along(arch, params, config, *caches, jnp.asarray(prompts, jnp.int32),
+                                jnp.asarray(continuation, jnp.int32), method=method, reference=reference))
+
+
+def _spread(x: np.ndarray) -> dict:
+    x = np.asarray(x, np.float64)
+    return {"median": float(np.median(x)), "p25": float(np.quantile(x, 0.25)), "p75": float(np.quantile(x, 0.75)),
+            "min": float(x.min()), "max": float(x.max())}
+
+
+def generation_study(arch, params, config, prompts: np.ndarray, methods: dict, generate_tokens: int, *,
+                     progress: Callable = lambda it, **kw: it) -> dict:
+    """Free-running greedy generation of ``generate_tokens`` tokens after each of ``prompts
+    [P, C]`` with every method of ``methods`` (``{label: method}``, fp32 first); see the module
+    docstring. Returns ``{"methods": {label: {"first_divergence": {median, p25, p75, min, max,
+    "per_prompt"}, "kl_to_fp32", "kl_per_prompt", "repetition_rate", "repetition_per_prompt"}},
+    "generate", "prompts", "context"}``."""
+    labels = list(methods)
+    if not labels or labels[0] != "fp32":
+        raise ValueError(f"methods must start with the fp32 reference, got {labels}")
+    for method in methods.values():
+        check_state_method(method, arch, config, params)
+    prompts = np.asarray(prompts, np.int32)
+    results, reference = {}, None
+    bar = progress(labels, desc="generate")
+    for label in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(label)
+        gen = generate(arch, params, config, list(prompts), method=methods[label], max_new_tokens=generate_tokens,
+                       stop_ids=())
+        tokens = np.asarray(gen.tokens, np.int32)                                  # [P, G]: no stop ids
+        if reference is None:
+            reference = tokens
+            kl = np.zeros(tokens.shape)
+        else:
+            kl = kl_along(arch, params, config, methods[label], prompts, reference, reference=methods["fp32"])
+        if not np.all(np.isfinite(kl)):
+            raise FloatingPointError(f"method {label}: non-finite KL to fp32 along fp32's continuation")
+        div = first_divergence(tokens, reference)
+        rep = np.array([repetition_rate(row) for row in tokens])
+        results[label] = {"first_divergence": dict(_spread(div), per_prompt=[int(x) for x in div]),
+                          "kl_to_fp32": float(kl.mean()), "kl_per_prompt": [float(x) for x in kl.mean(axis=1)],
+                          "repetition_rate": float(rep.mean()), "repetition_per_prompt": [float(x) for x in rep]}
+    return {"methods": results, "generate": int(generate_tokens), "prompts": int(prompts.shape[0]),
+            "context": int(prompts.shape[1]), "repetition_n": REPETITION_N}
+
+
+def format_generation_table(result: dict) -> str:
+    """The human-readable table of a ``generation_study`` result."""
+    lines = [f"{'method':<16}{'first divergence: median [p25, p75] (min-max)':>48}{'KL to fp32':>12}"
+             f"{'repetition':>12}"]
+    for label, m in result["methods"].items():
+        d = m["first_divergence"]
+        cell = f"{d['median']:.0f} [{d['p25']:.0f}, {d['p75']:.0f}] ({d['min']:.0f}-{d['max']:.0f})"
+        lines.append(f"{label:<16}{cell:>48}{m['kl_to_fp32']:>12.2e}{m['repetition_rate']:>12.4f}")
+    lines.append(f"({result['prompts']} prompts of {result['context']} tokens, {result['generate']} greedy tokens each; "
+                 f"divergence: first token unlike fp32's ({result['generate']} = never); KL along fp32's continuation; "
+                 f"repetition: share of repeated {result['repetition_n']}-grams of the method's own text)")
+    return "\n".join(lines)
+
+
+def run_generation(args) -> int:
+    """``leapquant eval --generate G``: ``generation_study`` on ``--batch`` prompts of ``--context`` tokens."""
+    if args.error_every is not None or args.prefill:
+        raise ValueError("--generate prefills each prompt exactly: leave out --prefill and --error-every")
+    cfg = EvalConfig(context=args.context, batch=args.batch)
+    options = state_options(args)
+    methods = methods_for_labels(args.states.split(","), options)
+    check_checkpoint(args.checkpoint)
+    rows = segment_rows(load_data(args.data, load_tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
+    arch, config, params, _ = load_checkpoint(args.checkpoint)
+    rows = check_token_ids(rows, config.vocab_size, name=f"--data {args.data} ids")
+    warn_if_training_data(args.checkpoint, args.data)
+    t0 = time.time()
+    result = generation_study(arch, params, config, rows, methods, args.generate,
+                              progress=lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
+    result.update(checkpoint=str(args.checkpoint), data=str(args.data),
+                  state_options={k: v for k, v in options.items() if v is not None},
+                  seconds=round(time.time() - t0, 3))
+    print(json.dumps(result) if args.json else format_generation_table(result))
+    return 0
+
+
 def run_eval(args) -> int:
     """The ``leapquant eval`` handler."""
+    if args.generate is not None:
+        return run_generation(args)
     cfg = EvalConfig(context=args.context, prefill=args.prefill, batch=args.batch, greedy_tokens=args.greedy_tokens,
                      error_every=args.error_every)
     options = state_options(args)
@@ -450,11 +598,16 @@ def add_subcommand(subparsers) -> None:
                    help="greedy continuation after each row compared with fp32's")
     p.add_argument("--error-every", type=int_at_least(1), default=None,
                    help="also record the state error every N decoded tokens (state_error_curve; default off)")
+    p.add_argument("--generate", type=int_at_least(1), metavar="G",
+                   help="instead: free-running greedy generation of G tokens after each row (the prompts): first "
+                        "divergence from fp32, KL to fp32 along fp32's continuation, repetition rate")
     add_states_option(p, DEFAULT_STATES)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run_eval)
 
 
-__all__ = ["DEFAULT_STATES", "EvalConfig", "Reference", "add_subcommand", "evaluate", "final_states", "format_table",
-           "greedy_match", "load_data", "next_token_metrics", "reference_run", "relative_state_errors", "replay_states",
-           "run_eval", "score_method", "segment_rows", "state_errors", "warn_if_training_data"]
+__all__ = ["DEFAULT_STATES", "REPETITION_N", "EvalConfig", "Reference", "add_subcommand", "evaluate", "final_states",
+           "first_divergence", "format_generation_table", "format_table", "generation_study", "greedy_match",
+           "kl_along", "load_data", "next_token_metrics", "reference_run", "relative_state_errors", "repetition_rate",
+           "replay_states", "run_eval", "run_generation", "score_method", "segment_rows", "state_errors",
+           "warn_if_training_data"]

@@ -1,9 +1,10 @@
 """Which model a saved thing belongs to: a model's fingerprint, the layout of its recurrent states,
-and the check that a state method made for a model (DAMP's calibration) is used with it.
+and the check that a state method made for a model (a calibration) is used with it.
 
-A DAMP calibration (``models.calibrate``) and a prefix state (``models.prefix_state``) record the
-fingerprint of the model they were made on; ``check_state_method`` and ``check_prefix`` refuse
-them on any other model before anything runs.
+A calibration (DAMP's, ``models.calibrate``; the lifetime calibration of ``stepquant-*`` and
+``leapquant-alloc-*``, ``models.calibrate_stepquant``) and a prefix state (``models.prefix_state``)
+record the fingerprint of the model they were made on; ``check_state_method`` and ``check_prefix``
+refuse them on any other model before anything runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import hashlib
 import jax
 import numpy as np
 
-from leapquant_jax.damp import DampMethod
 from leapquant_jax.methods import make_method
 from models.base import layer_caches, runtime_free_repr
 
@@ -38,18 +38,19 @@ def linear_state_layout(arch, config) -> tuple[tuple, int, int, int]:
             layers.append(i)
             shape = c["state"].shape
     if shape is None:
-        raise ValueError("the model has no linear-attention layer: DAMP has nothing to calibrate")
+        raise ValueError("the model has no linear-attention layer: no recurrent state to calibrate")
     return tuple(layers), shape[1], shape[2], shape[3]
 
 
 def check_state_method(method, arch, config, params) -> None:
-    """Raises ``DampCalibrationError`` when ``method`` is ``damp`` with a calibration made for
-    another model (fingerprint, layers or head shape); any other method passes."""
-    if not isinstance(method, DampMethod) or method.calibration is None:
+    """Raises the calibration's error (``DampCalibrationError``, ``LifetimeCalibrationError``) when
+    ``method`` carries a calibration made for another model (fingerprint, layers or head shape);
+    a method without one passes."""
+    calibration = getattr(method, "calibration", None)
+    if calibration is None:
         return
     layers, heads, dk, dv = linear_state_layout(arch, config)
-    method.calibration.check_model(fingerprint=model_fingerprint(config, params), layers=layers, heads=heads,
-                                   dk=dk, dv=dv)
+    calibration.check_model(fingerprint=model_fingerprint(config, params), layers=layers, heads=heads, dk=dk, dv=dv)
 
 
 __all__ = ["check_state_method", "linear_state_layout", "model_fingerprint"]

@@ -639,12 +639,12 @@ def init_cache(config: KimiLinearConfig, *, batch: int, max_len: int, method) ->
     ``{"c": [B, max_len, kv_lora_rank], "k_rot": [B, max_len, qk_rope_head_dim]}`` (MLA, in
     ``layers.kv_dtype(config.compute)``); the layers stacked as ``models.base.finish_cache`` says."""
     layer_caches = []
-    for kind in config.layer_types:
+    for i, kind in enumerate(config.layer_types):
         if kind == LINEAR_ATTENTION:
             tail = jnp.zeros((batch, config.kda_conv_kernel - 1, config.kda_dim), F32)
             layer_caches.append({
                 "q_conv": tail, "k_conv": tail, "v_conv": tail,
-                "state": method.init(batch, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
+                "state": method.for_layer(i).init(batch, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
                                      per_channel_decay=True),
             })
         else:

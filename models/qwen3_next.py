@@ -546,11 +546,11 @@ def init_cache(config: QwenHybridConfig, *, batch: int, max_len: int, method) ->
     records once per key head) or ``{"k", "v": [B, max_len, Hkv, hd]}`` (attention, in
     ``layers.kv_dtype(config.compute)``); the layers stacked as ``models.base.finish_cache`` says."""
     layer_caches = []
-    for kind in config.layer_types:
+    for i, kind in enumerate(config.layer_types):
         if kind == LINEAR_ATTENTION:
             layer_caches.append({
                 "conv": jnp.zeros((batch, config.linear_conv_kernel_dim - 1, config.conv_dim), F32),
-                "state": method.init(batch, config.linear_num_value_heads, config.linear_key_head_dim,
+                "state": method.for_layer(i).init(batch, config.linear_num_value_heads, config.linear_key_head_dim,
                                      config.linear_value_head_dim, key_heads=config.linear_num_key_heads),
             })
         else:

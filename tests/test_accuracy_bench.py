@@ -76,8 +76,8 @@ def _check_md_equals_json(md: str, checkpoints: dict) -> int:
 def test_jobs_come_in_priority_order_with_the_configurations_of_their_labels():
     jobs = all_jobs()
     labels = [j.label for j in jobs]
-    assert len(set(labels)) == len(labels) == 23 + 28
-    assert [j.group for j in jobs] == ["formats"] * 17 + ["sweeps"] * 6 + ["rivals"] * 28
+    assert len(set(labels)) == len(labels) == 23 + 32
+    assert [j.group for j in jobs] == ["formats"] * 17 + ["sweeps"] * 6 + ["rivals"] * 32
     # Table 6 holds every per-step method there is, each once
     from leapquant_jax.methods import METHOD_NAMES, WINDOWED_METHODS
 

@@ -22,9 +22,8 @@ from ..damp import DampMethod, calibrate
 from ..method_names import METHOD_LABELS, STUDY_METHODS
 from ..methods import WINDOWED_METHODS, make_method
 from ..quantizers import tree_bytes
-from ..state import LeapQuantState
 from ..synthetic import SyntheticSpec, synthetic_batch
-from .memory import state_shapes
+from .memory import boundary_state, state_shapes
 
 # The studies' lineup (``STUDY_METHODS``, the default of `study errors`) and every label the
 # studies and `eval` accept (``ALL_METHODS``): the one table of ``method_names``.
@@ -100,11 +99,12 @@ def state_bytes_per_element(method, heads: int, dk: int, dv: int, kda: bool,
     by the value heads of a key head); ``checkpoint``: the window-boundary checkpoint alone (for
     per-step methods the state itself).
     """
-    shapes = state_shapes(method, heads, dk, dv, kda, key_heads)
-    elems = heads * dk * dv
-    live = tree_bytes(shapes) / elems
-    checkpoint = tree_bytes(shapes.checkpoint) / elems if isinstance(shapes, LeapQuantState) else live
-    return {"live": live, "checkpoint": checkpoint}
+    # a method calibrated per layer: the mean over the layers of its calibration
+    layers = getattr(getattr(method, "calibration", None), "layers", None) or (None,)
+    shapes = [state_shapes(method if x is None else method.for_layer(x), heads, dk, dv, kda, key_heads)
+              for x in layers]
+    elems = heads * dk * dv * len(shapes)
+    return {"live": tree_bytes(shapes) / elems, "checkpoint": tree_bytes([boundary_state(s) for s in shapes]) / elems}
 
 
 def trajectory(method, inputs: dict, every: int):

@@ -33,6 +33,18 @@ class MemoryQuery:
             raise ValueError(f"layers must be a positive integer, got {self.layers!r}")
 
 
+def boundary_state(state):
+    """What a stream keeps at a window boundary (a prefix cache's share): a LeapQuant stream's
+    checkpoint, each group's checkpoint of a ``leapquant_alloc.AllocState``, any other state whole."""
+    from ..leapquant_alloc import AllocState
+
+    if isinstance(state, LeapQuantState):
+        return state.checkpoint
+    if isinstance(state, AllocState):
+        return [g.checkpoint for g in state.groups]
+    return state
+
+
 def state_shapes(method, heads: int, dk: int, dv: int, kda: bool, key_heads: int | None = None):
     """The shapes and dtypes (``ShapeDtypeStruct`` pytree) of ``method``'s state for one stream of
     ``heads`` heads (``key_heads`` key heads with GVA)."""
@@ -70,7 +82,8 @@ def measure_memory(query: MemoryQuery) -> dict:
     }
 
 
-def method_memory(labels, *, dk: int = 128, dv: int = 128, heads: int = 32, key_heads: int | None = None) -> dict:
+def method_memory(labels, *, dk: int = 128, dv: int = 128, heads: int = 32, key_heads: int | None = None,
+                  calibration=None) -> dict:
     """Per method label of ``labels`` (``method_names.METHOD_LABELS``, each with the options its
     label fixes and the defaults otherwise; ``"all"`` for every one), measured on the state
     pytrees of ``heads`` heads of ``[dk, dv]``: ``{label: {"checkpoint_bytes_per_head",
@@ -79,20 +92,36 @@ def method_memory(labels, *, dk: int = 128, dv: int = 128, heads: int = 32, key_
     window-boundary state (a per-step method's state itself); ``live_gdn`` / ``live_kda`` a
     decoding stream with scalar (GDN) or per-channel (KDA) decays, a windowed method's window
     buffer and position included (shared by the heads; key records by ``key_heads``). Raises
-    ``ValueError`` naming an unknown label."""
+    ``ValueError`` naming an unknown label.
+
+    calibration: a ``lifetime.LifetimeCalibration`` (or its path): the ``LIFETIME_METHODS`` are then
+    measured with its plans, the mean over the layers it covers, at its head shape, which must be
+    ``heads x dk x dv``; without one they have the layout of their name's width on every head.
+    """
+    from ..lifetime import as_calibration
+    from ..methods import LIFETIME_METHODS
+
     labels = list(METHOD_LABELS) if labels == "all" else list(labels)
+    calibration = as_calibration(calibration)
+    if calibration is not None:
+        calibration.check_model(fingerprint="", layers=calibration.layers, heads=heads, dk=dk, dv=dv,
+                                source="calibration of --stepquant-calibration")
     out = {}
     for label in labels:
         if label not in METHOD_LABELS:
             raise ValueError(f"unknown method {label!r}; known: {', '.join(METHOD_LABELS)}")
         name, fixed = METHOD_LABELS[label]
-        method = make_method(name, **fixed)
+        if calibration is not None and name in LIFETIME_METHODS:
+            method = make_method(name, calibration=calibration, **fixed)
+            layers = [method.for_layer(x) for x in calibration.layers]
+        else:
+            layers = [make_method(name, **fixed)]
         entry = {}
         for stream, kda in (("live_gdn", False), ("live_kda", True)):
-            shapes = state_shapes(method, heads, dk, dv, kda, key_heads)
-            entry[stream] = tree_bytes(shapes) / heads
+            shapes = [state_shapes(m, heads, dk, dv, kda, key_heads) for m in layers]
+            entry[stream] = tree_bytes(shapes) / heads / len(layers)
             if not kda:
-                entry["checkpoint"] = tree_bytes(shapes.checkpoint if isinstance(shapes, LeapQuantState) else shapes) / heads
+                entry["checkpoint"] = tree_bytes([boundary_state(s) for s in shapes]) / heads / len(layers)
         out[label] = {}
         for part in ("checkpoint", "live_gdn", "live_kda"):
             out[label][f"{part}_bytes_per_head"] = entry[part]
@@ -100,4 +129,4 @@ def method_memory(labels, *, dk: int = 128, dv: int = 128, heads: int = 32, key_
     return out
 
 
-__all__ = ["MemoryQuery", "measure_memory", "method_memory"]
+__all__ = ["MemoryQuery", "boundary_state", "measure_memory", "method_memory"]

@@ -10,30 +10,26 @@ held-out snippet for cross-checks, and ``SHA256SUMS``.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from models.checkpoint import save_hf
-from models.export import to_hf_tensors
 from models.loading import DATA_FILES
 from models.registry import architecture_for_config
 from models.training import data as D
 from models.training import loop, report
 from models.training.model import hf_config, init_params, parameter_count
+from models.training.run_record import TRAIN_LOSS_STEPS, command_line, describe_model, export_tensors
+from models.training.task_cli import run_train_task
 
 # The held-out snippet shipped with a checkpoint (its first tokens of held-out text), on which
 # tests compare our logits with transformers'.
 SNIPPET_TOKENS = 256
-TRAIN_LOSS_STEPS = 50
-# Leaves exported in fp32, as the released checkpoints store them: the decay gates.
-FP32_TENSOR_SUFFIXES = ("A_log", "dt_bias")
 
 
 def run_train_data(args) -> int:
@@ -57,57 +53,17 @@ def run_train_data(args) -> int:
     return 0
 
 
-def _describe(config, config_json: dict) -> dict:
-    """Words and numbers for TRAINING.md's model table."""
-    types = config.layer_types
-    lin = [i for i, t in enumerate(types) if t == "linear_attention"]
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    if config.model_type.startswith("qwen"):
-        return dict(
-            description="Qwen3.5-style hybrid of Gated DeltaNet and gated full attention (3:1)",
-            layout=f"{len(types)} layers; Gated DeltaNet at {lin}, gated full attention at {full}",
-            linear=(f"Gated DeltaNet, {config.linear_num_key_heads} key heads and {config.linear_num_value_heads} "
-                    f"value heads per layer (GVA), dk = {config.linear_key_head_dim}, dv = "
-                    f"{config.linear_value_head_dim}, short convolution {config.linear_conv_kernel_dim}"),
-            attention=(f"{config.num_attention_heads} query heads, {config.num_key_value_heads} KV heads, head dim "
-                       f"{config.head_dim}, output gate, RoPE on {config.partial_rotary_factor:g} of each head"),
-            mlp=f"dense SwiGLU, intermediate size {config.intermediate_size}",
-        )
-    return dict(
-        description="Kimi-Linear-style hybrid of Kimi Delta Attention and multi-head latent attention (3:1)",
-        layout=f"{len(types)} layers; KDA at {lin}, MLA at {full}",
-        linear=(f"KDA, {config.kda_num_heads} heads per layer, dk = dv = {config.kda_head_dim}, per-channel decay, "
-                f"short convolutions {config.kda_conv_kernel}"),
-        attention=(f"MLA, {config.num_attention_heads} heads, kv_lora_rank {config.kv_lora_rank}, qk "
-                   f"{config.qk_nope_head_dim} + {config.qk_rope_head_dim}, v {config.v_head_dim}, no RoPE "
-                   f"(mla_use_nope)"),
-        mlp=f"dense SwiGLU, intermediate size {config.intermediate_size}",
-    )
-
-
-def _command_line(args) -> str:
-    parts = ["leapquant", "train", "--arch", args.arch, "--data", str(args.data), "--out", str(args.out)]
-    for flag in ("name", "size", "state_dir", "minutes", "steps", "batch", "seq_len", "lr", "warmup", "recall_fraction",
-                 "recall_pairs", "recall_min_gap",
-                 "recurrence", "chunk", "seed", "eval_every", "eval_windows", "final_eval_windows",
-                 "spectrum_windows", "reserve_seconds"):
-        value = getattr(args, flag)
-        if value is not None:
-            parts += ["--" + flag.replace("_", "-"), str(value)]
-    return " ".join(shlex.quote(p) for p in parts)
-
-
-def export_tensors(config, params) -> dict:
-    """HF tensors for the shipped file: bf16, except the decay gates (fp32)."""
-    out = {}
-    for name, x in to_hf_tensors(config, params).items():
-        x = np.asarray(x, np.float32)
-        out[name] = x if name.endswith(FP32_TENSOR_SUFFIXES) else x.astype(ml_dtypes.bfloat16)
-    return out
-
-
 def run_train(args) -> int:
     t_start = time.time()
+    if args.task is not None:
+        return run_train_task(args, t_start)
+    if args.data is None:
+        raise ValueError("train needs --data (a `leapquant train-data` directory) or --task")
+    task_flags = ("task_pairs", "task_spreads", "task_vocab", "task_keys", "task_values", "task_needle_rows", "task_gap",
+                  "task_fillers", "task_lengths")
+    given = [f"--{k.replace('_', '-')}" for k in task_flags if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to --task runs")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out} exists and is not an empty directory; not overwriting it")
@@ -119,7 +75,8 @@ def run_train(args) -> int:
         arch=args.arch, size=args.size or "ship", seq_len=args.seq_len, batch=args.batch, peak_lr=args.lr,
         warmup_steps=args.warmup, recurrence=args.recurrence, chunk=args.chunk, seed=args.seed,
         eval_every=args.eval_every, eval_windows=args.eval_windows, final_eval_windows=args.final_eval_windows,
-        steps=args.steps, minutes=args.minutes, reserve_seconds=args.reserve_seconds).items() if v is not None}
+        steps=args.steps, minutes=args.minutes, reserve_seconds=args.reserve_seconds,
+        weight_decay=args.weight_decay).items() if v is not None}
     cfg = loop.TrainConfig(recall=recall, **overrides)
     corpus = D.load_corpus(args.data)
     config_json = hf_config(cfg.arch, vocab_size=corpus.vocab_size, eos_token_id=corpus.special(D.EOS), size=cfg.size)
@@ -148,10 +105,10 @@ def run_train(args) -> int:
     tokens_seen = int(run.step * cfg.batch * cfg.seq_len)
     run_json = {
         "name": name,
-        "command": _command_line(args),
+        "command": command_line(args),
         "data": {k: d[k] for k in ("source", "python_version", "selection", "held_out_rule", "files", "file_list_sha256",
                                    "contents_sha256", "excluded", "splits", "vocab_size", "tokenizer_sha256")},
-        "model": dict(_describe(config, config_json), model_type=config.model_type, parameters=parameter_count(tensors),
+        "model": dict(describe_model(config, config_json), model_type=config.model_type, parameters=parameter_count(tensors),
                       bytes=int(sum(x.nbytes for x in tensors.values())), vocab_size=config.vocab_size,
                       dtype_note="bf16; A_log and dt_bias in fp32, as the released checkpoints store them"),
         "train": cfg.trajectory(),
@@ -209,20 +166,37 @@ def add_subcommand(subparsers) -> None:
 
     p = subparsers.add_parser("train", help="train a small GDN or KDA model, export it with TRAINING.md")
     p.add_argument("--arch", required=True, choices=("gdn", "kda"))
-    p.add_argument("--data", required=True, type=Path, help="directory written by `leapquant train-data`")
+    p.add_argument("--data", type=Path, help="directory written by `leapquant train-data` (or give --task)")
     p.add_argument("--out", required=True, type=Path, help="checkpoint directory to create (HF format)")
     p.add_argument("--name", help="model name (default: the --out directory's name)")
-    p.add_argument("--size", choices=("ship", "tiny"), help="model size (default ship; tiny for smoke runs)")
+    p.add_argument("--size", choices=("ship", "tiny", "recall", "recall-tiny"),
+                   help="model size (default ship, recall with --task; the tiny ones for smoke runs)")
     p.add_argument("--state-dir", type=Path, help="resumable training state (default out/train/NAME)")
     p.add_argument("--minutes", type=float, help="wall-clock budget of the whole command")
     p.add_argument("--steps", type=int, help="schedule length in steps")
     p.add_argument("--batch", type=int, help="rows per step (default 16)")
     p.add_argument("--seq-len", type=int, help="tokens per row (default 2048)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
+    p.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0.1)")
     p.add_argument("--warmup", type=int, help="warm-up steps (default 100)")
     p.add_argument("--recall-fraction", type=float, help="share of rows carrying the recall task (default 0.25; 0 = none)")
     p.add_argument("--recall-pairs", type=int, help="key-value pairs per recall row (default 32)")
     p.add_argument("--recall-min-gap", type=int, help="fewest text tokens between pairs and queries (default 1024)")
+    p.add_argument("--task", choices=("mqar",), help="train on generated long-memory task rows instead of --data "
+                   "(models.training.task_data; the checkpoint gets a task.json for `leapquant task`)")
+    p.add_argument("--task-pairs", type=int, nargs="+", help="MQAR pair counts, equal shares of each batch (default 16 32 64)")
+    p.add_argument("--task-spreads", type=float, nargs="+",
+                   help="query regions as fractions of the row after the pairs, equal shares (default 1: to the end)")
+    p.add_argument("--task-lengths", type=int, nargs="+",
+                   help="curriculum over row lengths: equal parts of the schedule, each dividing --seq-len, tokens per "
+                        "step kept (default: every row --seq-len long)")
+    p.add_argument("--task-needle-rows", type=int, help="needle rows per batch (default 0)")
+    p.add_argument("--task-gap", type=int, help="MQAR filler tokens between pairs and queries (default 0)")
+    p.add_argument("--task-fillers", choices=("noise", "pairs"), nargs="+",
+                   help="fillers, equal shares: noise tokens, or distractor pairs on keys never queried (default noise)")
+    p.add_argument("--task-vocab", type=int, help="task vocabulary size (default 2048)")
+    p.add_argument("--task-keys", type=int, help="key ids of the task vocabulary (default 512)")
+    p.add_argument("--task-values", type=int, help="value ids of the task vocabulary (default 512)")
     p.add_argument("--recurrence", choices=("chunked", "recurrent"), help="linear-attention form (default chunked)")
     p.add_argument("--chunk", type=int, help="chunk length of the chunked form (default 64)")
     p.add_argument("--seed", type=int)
@@ -236,4 +210,4 @@ def add_subcommand(subparsers) -> None:
     p.set_defaults(func=run_train)
 
 
-__all__ = ["SNIPPET_TOKENS", "add_subcommand", "export_tensors", "run_train", "run_train_data"]
+__all__ = ["SNIPPET_TOKENS", "add_subcommand", "run_train", "run_train_data"]

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 
 from models.checkpoint import read_safetensors
 from models.training import data as D
+from models.training.task_data import HELDOUT_STREAM, TaskMix, task_batch
 from models.training.model import (TrainingRecurrence, forward_logits, masked_loss, trainable_mask,
                                    weight_decay_mask)
 
@@ -67,7 +68,9 @@ class TrainConfig:
     rows per step; peak_lr, warmup_steps, final_lr_fraction: the schedule; weight_decay,
     clip_norm, b1, b2, eps: AdamW; seed: parameters and batches; eval_every/eval_windows:
     periodic held-out loss on that many fixed windows; final_eval_windows: the final one;
-    recurrence/chunk: ``TrainingRecurrence``; recall: the synthetic recall mix.
+    recurrence/chunk: ``TrainingRecurrence``; recall: the synthetic recall mix; task: train on
+    generated long-memory task rows alone (``TaskMix``; no corpus; the held-out evaluation is
+    the loss and accuracy on ``eval_windows`` rounded up to whole batches of held-out task rows).
     """
 
     arch: str = "gdn"
@@ -89,6 +92,7 @@ class TrainConfig:
     recurrence: str = "chunked"
     chunk: int = 64
     recall: D.RecallSpec = D.RecallSpec()
+    task: Optional[TaskMix] = None
     # budget
     steps: Optional[int] = None
     minutes: Optional[float] = None
@@ -104,6 +108,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup_steps < 0 or self.peak_lr <= 0 or not 0 <= self.final_lr_fraction <= 1:
             raise ValueError("need warmup_steps >= 0, peak_lr > 0 and final_lr_fraction in [0, 1]")
+        if self.task is not None:
+            if self.recall.fraction:
+                raise ValueError("a task run trains on task rows alone: use recall fraction 0")
+            self.task.check(seq_len=self.seq_len, batch=self.batch)
         if self.recall.fraction and self.seq_len + 1 < self.recall.row_tokens(self.recall.min_gap):
             raise ValueError(f"seq_len {self.seq_len} is too short for recall rows ({self.recall.pairs} pairs, gap >= "
                              f"{self.recall.min_gap}); use recall fraction 0 or a longer seq_len")
@@ -235,6 +243,23 @@ def recall_accuracy(trainer: Trainer, params, corpus: D.Corpus) -> Optional[floa
     return float(hit) / float(n)
 
 
+def heldout_task_rows(cfg: TrainConfig) -> dict[str, np.ndarray]:
+    """A task run's fixed held-out rows: ``eval_windows`` rounded up to whole batches."""
+    n = -(-cfg.eval_windows // cfg.batch) * cfg.batch
+    return task_batch(cfg.task, seed=cfg.seed, step=HELDOUT_STREAM, batch=n, seq_len=cfg.seq_len)
+
+
+def task_metrics(trainer: Trainer, params, rows: dict[str, np.ndarray]) -> tuple[float, float]:
+    """``(loss, accuracy)`` over the scored positions of task ``rows`` (``task_batch``'s dict,
+    a whole number of ``cfg.batch`` rows): mean next-token loss and argmax accuracy there."""
+    b = trainer.cfg.batch
+    loss = count = hits = 0.0
+    for i in range(0, len(rows["ids"]), b):
+        s, n, h, _ = trainer.evaluate(params, rows["ids"][i:i + b], rows["mask"][i:i + b], rows["answer"][i:i + b])
+        loss, count, hits = loss + float(s), count + float(n), hits + float(h)
+    return loss / count, hits / count
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -331,7 +356,7 @@ class RunState:
                     train_seconds=self.train_seconds, history=self.history, trajectory=cfg.trajectory())
 
 
-def train(trainer: Trainer, corpus: D.Corpus, params, *, state_dir, start_time: float, meta_extra: dict,
+def train(trainer: Trainer, corpus: Optional[D.Corpus], params, *, state_dir, start_time: float, meta_extra: dict,
           progress: bool = True, log: Callable[[str], None] = print,
           stop_at_step: Optional[int] = None) -> tuple[Any, RunState]:
     """Runs (or resumes from ``state_dir``) the loop until the schedule ends or the deadline.
@@ -341,7 +366,7 @@ def train(trainer: Trainer, corpus: D.Corpus, params, *, state_dir, start_time: 
     meta_extra: JSON-ready facts stored with every checkpoint (the corpus hash, the model config);
     resuming requires them to be equal.
     stop_at_step: end this call at that step although the schedule goes on (a staged run,
-    resumed later). Returns the final params and the ``RunState``; the last checkpoint is saved.
+    resumed later). corpus: ``None`` for a task run (``cfg.task``), whose rows are generated. Returns the final params and the ``RunState``; the last checkpoint is saved.
     """
     cfg = trainer.cfg
     params = jax.tree.map(jnp.asarray, params)
@@ -366,13 +391,22 @@ def train(trainer: Trainer, corpus: D.Corpus, params, *, state_dir, start_time: 
             run.total_steps, run.schedule_fixed = cfg.steps, cfg.minutes is None
         log(f"resumed {resumed} at step {run.step} (schedule length {run.total_steps})")
     deadline = math.inf if cfg.minutes is None else start_time + 60.0 * cfg.minutes - cfg.reserve_seconds
-    windows = D.eval_windows(corpus.heldout, seq_len=cfg.seq_len, max_windows=cfg.eval_windows)
-    batch_args = dict(batch=cfg.batch, seq_len=cfg.seq_len, recall=cfg.recall if cfg.recall.fraction else None,
-                      vocab_size=corpus.vocab_size, recall_id=corpus.special(D.RECALL), query_id=corpus.special(D.QUERY))
+    if cfg.task is not None:
+        held = heldout_task_rows(cfg)
+    else:
+        windows = D.eval_windows(corpus.heldout, seq_len=cfg.seq_len, max_windows=cfg.eval_windows)
+        batch_args = dict(batch=cfg.batch, seq_len=cfg.seq_len, recall=cfg.recall if cfg.recall.fraction else None,
+                          vocab_size=corpus.vocab_size, recall_id=corpus.special(D.RECALL),
+                          query_id=corpus.special(D.QUERY))
 
     pending: list = []  # (step, device metrics) not yet fetched: fetching every step would stall the device
 
     def evaluate_now():
+        if cfg.task is not None:
+            loss, acc = task_metrics(trainer, params, held)
+            entry = {"step": run.step, "heldout_loss": loss, "recall_accuracy": acc}
+            run.history["eval"].append(entry)
+            return entry
         entry = {"step": run.step, "heldout_loss": heldout_loss(trainer, params, windows)}
         acc = recall_accuracy(trainer, params, corpus)
         if acc is not None:
@@ -411,7 +445,11 @@ def train(trainer: Trainer, corpus: D.Corpus, params, *, state_dir, start_time: 
         if stop_at_step is not None and run.step >= stop_at_step:
             run.stopped_by = "stop_at_step"
             break
-        batch = D.sample_batch(corpus.train, seed=cfg.seed, step=run.step, **batch_args)
+        if cfg.task is not None:
+            length, rows = cfg.task.stage(run.step, run.total_steps, seq_len=cfg.seq_len, batch=cfg.batch)
+            batch = task_batch(cfg.task, seed=cfg.seed, step=run.step, batch=rows, seq_len=length)
+        else:
+            batch = D.sample_batch(corpus.train, seed=cfg.seed, step=run.step, **batch_args)
         total = np.int32(run.total_steps) if run.total_steps is not None else budget_total
         params, opt_state, metrics = trainer.step(params, opt_state, batch["ids"], batch["mask"], np.int32(run.step), total)
         pending.append((run.step, metrics))
@@ -425,7 +463,7 @@ def train(trainer: Trainer, corpus: D.Corpus, params, *, state_dir, start_time: 
             per_step = (time.time() - t_loop) / PROBE_STEPS
             # periodic evaluation: forward-only batches (held-out windows, one recall batch), each
             # about a third of a step; counted as half a step to stay on the safe side
-            eval_batches = math.ceil(cfg.eval_windows / cfg.batch) + (1 if cfg.recall.fraction else 0)
+            eval_batches = math.ceil(cfg.eval_windows / cfg.batch) + (1 if cfg.recall.fraction or cfg.task else 0)
             per_step *= 1.0 + eval_batches / (2.0 * cfg.eval_every)
             fits = run.step + int(0.95 * max(0.0, deadline - time.time()) / per_step)  # 5% margin for jitter
             run.total_steps = max(fits if run.total_steps is None else min(fits, run.total_steps), run.step)
@@ -459,12 +497,14 @@ __all__ = [
     "Trainer",
     "eval_batch",
     "heldout_loss",
+    "heldout_task_rows",
     "latest_state",
     "learning_rate",
     "load_state",
     "make_optimizer",
     "recall_accuracy",
     "save_state",
+    "task_metrics",
     "train",
     "train_step",
 ]

@@ -5,6 +5,8 @@ described: ``gdn`` is a Qwen3.5 text model (``qwen3_5_text``: Gated DeltaNet and
 attention 3:1, GVA, dense SwiGLU MLPs), ``kda`` a Kimi-Linear model (KDA and MLA 3:1, dense
 MLPs via ``mlp_layer_types``). Linear-attention heads are 128 x 128 in the shipped size, the
 shape the GPU kernels serve. ``SIZES["tiny"]`` is the same architecture at test scale.
+``SIZES["recall"]`` (and ``"recall-tiny"``) are the same layers with no softmax attention at
+all (``leapquant train --task``): every recalled value crosses the recurrent state.
 
 Parameters are our params pytree (what ``ARCH.convert`` returns), built by drawing HF-named
 tensors from ``ARCH.param_specs`` and converting them, so the tree is the converter's by
@@ -53,12 +55,29 @@ SIZES = {
         "kda": dict(hidden=32, layers=4, intermediate=48, attn_heads=2, kv_lora=16, qk_nope=8, qk_rope=8,
                     v_head_dim=8, kda_heads=2, head_dim=16),
     },
+    # Pure linear-attention stacks for the recall tasks (``attention_every=0``: no softmax
+    # attention, so every recalled value crosses the recurrent state). The attention fields only
+    # fill the config; no layer uses them.
+    "recall": {
+        "gdn": dict(hidden=256, layers=2, intermediate=768, attn_heads=4, kv_heads=2, attn_head_dim=64,
+                    key_heads=2, value_heads=4, head_dim=128, attention_every=0),
+        "kda": dict(hidden=256, layers=2, intermediate=768, attn_heads=2, kv_lora=128, qk_nope=64, qk_rope=32,
+                    v_head_dim=64, kda_heads=4, head_dim=128, attention_every=0),
+    },
+    "recall-tiny": {
+        "gdn": dict(hidden=32, layers=1, intermediate=64, attn_heads=2, kv_heads=1, attn_head_dim=16,
+                    key_heads=1, value_heads=1, head_dim=16, attention_every=0),
+        "kda": dict(hidden=32, layers=1, intermediate=64, attn_heads=2, kv_lora=16, qk_nope=8, qk_rope=8,
+                    v_head_dim=8, kda_heads=1, head_dim=16, attention_every=0),
+    },
 }
 
 
-def _layer_types(layers: int) -> list[str]:
-    """Three linear-attention layers, then one full-attention layer, repeated."""
-    return [FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(layers)]
+def _layer_types(layers: int, attention_every: int = 4) -> list[str]:
+    """Every ``attention_every``-th layer full attention, the others linear attention (3:1 at
+    the default); ``attention_every = 0``: linear attention only."""
+    return [FULL_ATTENTION if attention_every and (i + 1) % attention_every == 0 else LINEAR_ATTENTION
+            for i in range(layers)]
 
 
 def hf_config(arch: str, *, vocab_size: int, eos_token_id: int, size: str = "ship") -> dict:
@@ -68,7 +87,7 @@ def hf_config(arch: str, *, vocab_size: int, eos_token_id: int, size: str = "shi
     if size not in SIZES:
         raise ValueError(f"size must be one of {tuple(SIZES)}, got {size!r}")
     s = SIZES[size][arch]
-    types = _layer_types(s["layers"])
+    types = _layer_types(s["layers"], s.get("attention_every", 4))
     common = dict(vocab_size=vocab_size, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                   num_hidden_layers=s["layers"], layer_types=types, hidden_act="silu", tie_word_embeddings=False,
                   attention_bias=False, initializer_range=0.02, eos_token_id=eos_token_id, pad_token_id=eos_token_id,

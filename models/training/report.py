@@ -25,6 +25,8 @@ import numpy as np
 from models.training.model import TrainingRecurrence, forward_logits
 
 LONG_MEMORY = 0.99
+# the second, stricter threshold of the summaries (a memory of more than 1,000 tokens)
+VERY_LONG_MEMORY = 0.999
 SUMS_FILE = "SHA256SUMS"
 
 
@@ -61,17 +63,19 @@ def decay_spectrum(arch, config, params, windows: np.ndarray, *, batch: int, rec
             channel_mean = np.sum(parts, axis=0) / tokens  # [H, dk]
             heads = [{"head": h, "mean_alpha": float(c.mean()), "channel_min": float(c.min()),
                       "channel_p50": float(np.median(c)), "channel_max": float(c.max()),
-                      "channels_above": int(np.sum(c > LONG_MEMORY)), "channels": int(c.size),
+                      "channels_above": int(np.sum(c > LONG_MEMORY)),
+                      "channels_above_0.999": int(np.sum(c > VERY_LONG_MEMORY)), "channels": int(c.size),
                       "channel_mean_alpha": [float(x) for x in c]}
                      for h, c in enumerate(channel_mean)]
         layers.append({"layer": int(layer), "heads": heads})
     kind = "kda" if layers and "channels" in layers[0]["heads"][0] else "gdn"
     all_heads = [h for lay in layers for h in lay["heads"]]
     summary = {"heads": len(all_heads), "heads_mean_above": sum(h["mean_alpha"] > LONG_MEMORY for h in all_heads),
-               "heads_mean_above_0.999": sum(h["mean_alpha"] > 0.999 for h in all_heads)}
+               "heads_mean_above_0.999": sum(h["mean_alpha"] > VERY_LONG_MEMORY for h in all_heads)}
     if kind == "kda":
         summary.update(channels=sum(h["channels"] for h in all_heads),
                        channels_above=sum(h["channels_above"] for h in all_heads),
+                       **{"channels_above_0.999": sum(h["channels_above_0.999"] for h in all_heads)},
                        heads_with_channel_above=sum(h["channels_above"] > 0 for h in all_heads))
     return {"kind": kind, "threshold": LONG_MEMORY, "tokens": tokens, "windows": int(n), "layers": layers,
             "summary": summary}
@@ -119,6 +123,23 @@ def plot_loss_curve(history: dict, path, *, title: str) -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_accuracy_curve(history: dict, path, *, title: str) -> Path:
+    """Held-out recall accuracy at each evaluation (a task run's ``history["eval"]``) -> PNG."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ev = [e for e in history["eval"] if e.get("recall_accuracy") is not None]
+    ax.plot([e["step"] for e in ev], [e["recall_accuracy"] for e in ev], "o-", color="tab:green", ms=3)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy on the queried values")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -176,7 +197,9 @@ def _spectrum_md(spectrum: dict) -> list[str]:
     else:
         out.append(f"Channels with mean alpha > {thr}: **{s['channels_above']} of {s['channels']}**, in "
                    f"**{s['heads_with_channel_above']} of {s['heads']} heads**; heads whose mean over channels "
-                   f"exceeds {thr}: {s['heads_mean_above']}.")
+                   f"exceeds {thr}: {s['heads_mean_above']}."
+                   + (f" Channels with mean alpha > {VERY_LONG_MEMORY}: {s['channels_above_0.999']}; heads whose mean "
+                      f"exceeds it: {s['heads_mean_above_0.999']}." if "channels_above_0.999" in s else ""))
         if s["heads_with_channel_above"] <= s["heads"] // 10:
             out.append(f"Few long-memory heads grew in this run ({s['heads_with_channel_above']} of {s['heads']} "
                        f"have a channel above {thr}).")
@@ -273,6 +296,100 @@ def render_training_md(run: dict) -> str:
         "",
     ]
     lines += _spectrum_md(run["spectrum"])
+    lines += ["", "![decay spectrum](decay_spectrum.png)", ""]
+    return "\n".join(lines)
+
+
+def _eval_table(history: dict, rows: int = 12) -> list[str]:
+    ev = history["eval"]
+    if len(ev) > rows:  # evenly spaced evaluations, the last one included
+        ev = [ev[round(i * (len(ev) - 1) / (rows - 1))] for i in range(rows)]
+    out = ["| step | held-out loss | accuracy |", "| --- | --- | --- |"]
+    out += [f"| {e['step']:,} | {e['heldout_loss']:.4f} | {e['recall_accuracy']:.4f} |" for e in ev]
+    return out
+
+
+def render_task_training_md(run: dict) -> str:
+    """``TRAINING.md`` of a task run (``leapquant train --task``) from its ``training.json`` dict."""
+    task, m, t, p, f = run["task"], run["model"], run["train"], run["progress"], run["final"]
+    mix, v = task["mix"], task["mix"]["vocab"]
+    fillers = v["size"] - 1 - v["keys"] - v["values"]
+    spreads = ", ".join(f"{x:g}" for x in mix["spreads"])
+    lines = [
+        f"# {run['name']}",
+        "",
+        f"A {m['description']}, with no softmax-attention layer, trained from scratch by `leapquant train --task "
+        f"{task['task']}` on generated multi-query associative recall rows (`models/tasks.py`): every recalled value "
+        f"crosses the recurrent state. Files: `config.json`, `model.safetensors` ({m['dtype_note']}), `task.json` "
+        f"(the vocabulary split and the training rows, read by `leapquant task`); `training.json` holds every number "
+        f"below and the full history; `SHA256SUMS` fingerprints every file.",
+        "",
+        "## Command",
+        "",
+        "```bash",
+        run["command"],
+        "```",
+        "",
+        "## Task rows",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| vocabulary | {v['size']:,} ids: id 0 reserved, {v['keys']:,} keys, {v['values']:,} values, {fillers:,} filler |",
+        f"| row | {t['seq_len']:,} tokens: N key-value pairs, then the queries (every key once, random order, random "
+        f"positions), filler everywhere else; scored: the value after each queried key |",
+        "| fillers | " + "; ".join({"pairs": "distractor key-value pairs on the key ids the row never queries "
+                                             "(every token a write)",
+                                    "noise": "uniform noise tokens from the filler ids"}[x] for x in mix["fillers"])
+        + " (equal shares) |",
+        f"| pair counts N | {', '.join(str(n) for n in mix['pairs'])} (equal shares of every batch) |",
+        f"| query spreads | {spreads} (the query region as a fraction of the row after the pairs; 0 = packed right "
+        f"after them) |",
+        f"| needle rows | {mix['needle_rows']} per batch |",
+        "| length curriculum | " + (", ".join(f"{n:,}" for n in mix["lengths"]) + " tokens, equal parts of the schedule, "
+                                    "tokens per step kept |" if mix.get("lengths") else "none |"),
+        f"| gap | {mix['gap']} filler tokens between the pairs and the query region |",
+        "",
+        "## Model",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| architecture | `{m['model_type']}`: {m['layout']} |",
+        f"| parameters | {m['parameters']:,} ({m['bytes']:,} bytes as stored) |",
+        f"| linear attention | {m['linear']} |",
+        f"| MLP | {m['mlp']} |",
+        f"| vocabulary | {m['vocab_size']:,} |",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| steps | {p['steps']:,} of a {p['total_steps']:,}-step schedule (stopped by {p['stopped_by']}) |",
+        f"| tokens seen | {p['tokens_seen']:,} ({t['batch']} rows x {t['seq_len']:,} tokens per step) |",
+        f"| time | {p['train_seconds']:.0f} s in the training loop ({p['tokens_per_second']:,.0f} tokens/s, "
+        f"compilation and evaluation included); {p['wall_seconds']:.0f} s for the whole command |",
+        f"| device | {run['environment']['device']} (JAX {run['environment']['jax']}, Python {run['environment']['python']}) |",
+        f"| optimizer | AdamW (b1 {t['b1']}, b2 {t['b2']}, eps {t['eps']}, weight decay {t['weight_decay']} on matrices), "
+        f"clip global norm {t['clip_norm']}; fp32 parameters and moments |",
+        f"| schedule | linear warm-up over {t['warmup_steps']} steps to {t['peak_lr']}, cosine decay to "
+        f"{t['final_lr_fraction']} of the peak |",
+        f"| recurrence | {t['recurrence']} (chunk {t['chunk']}), fp32 |",
+        f"| seed | {t['seed']} |",
+        "",
+        "## Results",
+        "",
+        f"Held-out rows of the training mix (another key stream), at the training length {t['seq_len']:,}, through "
+        f"the training forward (fp32, chunked): loss {_fmt(f['heldout_loss'])} nats on the queried values, "
+        f"**accuracy {_fmt(f['recall_accuracy'])}** over {f['heldout_rows']} rows. By kind of row (each alone, "
+        f"{f['heldout_rows']} rows or more):",
+        "",
+        "| rows | accuracy |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {k} | {a:.4f} |" for k, a in f["accuracy_by_pairs"].items()]
+    lines += ["", "Accuracy curve (held-out rows at each evaluation):", ""] + _eval_table(run["history"])
+    lines += ["", "![accuracy curve](accuracy_curve.png)", "", "![loss curve](loss_curve.png)", "",
+              "## Decay spectrum", ""]
+    lines += [x.replace("held-out tokens", "tokens of held-out task rows") for x in _spectrum_md(run["spectrum"])]
     lines += ["", "![decay spectrum](decay_spectrum.png)", ""]
     return "\n".join(lines)
 

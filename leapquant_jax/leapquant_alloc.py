@@ -1,0 +1,300 @@
+"""LeapQuant with lifetime-aware widths (``leapquant-alloc-6``, ``leapquant-alloc-4``).
+
+Every head of every layer stores its window-boundary checkpoint with its own residual width (4, 6
+or 8 bits) and number of Compensator Tokens (``DEFAULT_OPTIONS``: ranks 2, 4 and 6, down to a third
+of LeapQuant's 6, so that a head can trade tokens for a wider residual at equal bytes), chosen once
+by a calibration (``width_plan``) that spends a budget of checkpoint bytes over all the heads of
+the model where the errors are large and long-lived: head ``h`` at option ``o`` costs the error
+energy of its flush ``||decode(encode_o(S)) - S||^2`` on the calibration states ``S``, each key
+row's share weighted by its lifetime (``lifetime``), and weighs the bytes of its checkpoint as
+the pytree holds them (codes, fp32 smoothing and column scales, fp16 Compensator Tokens). The
+budget is in checkpoint bits per value: by default that of ``leapquant`` at the name's width
+(``default_budget``; 8.0 and 6.0 at ``dk = dv = 128``), so an allocated state never holds more
+than the uniform one. Every head keeps its Compensator Tokens and smoothing; the window and its
+high-precision records are LeapQuant's.
+
+Layout: the heads are grouped by option, one ``LeapQuantState`` per option used in the layer
+(``AllocState.groups``, in ``options`` order, each holding its heads in ascending order): a static
+head permutation, so the existing step and flush kernels run each group as it is, with its own
+``LeapQuantConfig``. A group keeps its key records per value head (its heads need not share key
+heads), which a live stream pays for in window-buffer bytes under GVA. Prefix states keep each
+group's checkpoint (``models.prefix_state`` finds the ``LeapQuantState`` leaves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import windowed
+from .bit_allocation import allocate
+from .lifetime import WIDTH_OPTIONS as WIDTHS
+from .lifetime import (LayerStatistics, LifetimeCalibration, LifetimeCalibrationError, WidthPlan, as_calibration,
+                       significant)
+from .quantizers import tree_bytes
+from .recurrence import Token
+from .runner import Runner, check_dense, check_dims
+from .state import LeapQuantConfig, resolve_key_heads
+from .windowed_method import WindowedMethod
+
+Array = jax.Array
+
+RANKS = (2, 4, 6)
+DEFAULT_OPTIONS = tuple(itertools.product(WIDTHS, RANKS))
+NAMES = {"leapquant-alloc-6": 6, "leapquant-alloc-4": 4}
+
+
+def _config(option: tuple, window: int, impl: str) -> LeapQuantConfig:
+    bits, rank = option
+    return LeapQuantConfig(bits=bits, rank=rank, window=window, impl=impl)
+
+
+@functools.lru_cache(maxsize=None)
+def option_bytes(option: tuple, dk: int, dv: int) -> int:
+    """Bytes of one head's checkpoint at ``option = (bits, rank)`` (``rank`` ``None``: LeapQuant's
+    default), measured on the pytree ``windowed.encode_checkpoint`` returns."""
+    bits, rank = option
+    config = LeapQuantConfig(bits=bits, rank=rank)
+    config.check_head_size(dk, dv)
+    return tree_bytes(jax.eval_shape(lambda: windowed.encode_checkpoint(config, jnp.zeros((1, 1, dk, dv)))))
+
+
+def default_budget(bits: int, dk: int, dv: int) -> float:
+    """Checkpoint bits per value of ``leapquant`` at ``bits`` with its default rank: the budget of
+    ``leapquant-alloc-<bits>``."""
+    return 8 * option_bytes((bits, None), dk, dv) / (dk * dv)
+
+
+def check_options(options) -> tuple:
+    """``options`` as a tuple of ``(bits, rank)`` pairs; ``ValueError`` naming an unknown width."""
+    out = []
+    for o in options:
+        bits, rank = (int(v) for v in o)
+        if bits not in WIDTHS:
+            raise ValueError(f"unknown width {bits}: leapquant-alloc residuals are {', '.join(map(str, WIDTHS))} bits")
+        if rank < 0:
+            raise ValueError(f"option {list(o)}: the rank (Compensator Tokens) must be >= 0")
+        out.append((bits, rank))
+    if not out or len(set(out)) != len(out):
+        raise ValueError(f"options must be distinct (bits, rank) pairs, at least one, got {list(options)}")
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- the state and the method
+
+
+@flax.struct.dataclass
+class AllocState:
+    """One layer's state: ``groups``, a ``LeapQuantState`` per option used (module docstring)."""
+
+    groups: tuple
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, _, dk, dv = self.groups[0].shape
+        return b, sum(g.shape[1] for g in self.groups), dk, dv
+
+    @property
+    def per_channel_decay(self) -> bool:
+        return self.groups[0].per_channel_decay
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupLayout:
+    """Static head grouping: ``options`` used (one group each) and ``heads[g]``, the ascending
+    heads of group ``g``; ``order`` concatenates them, ``inverse`` undoes it."""
+
+    options: tuple
+    heads: tuple
+
+    @property
+    def order(self) -> np.ndarray:
+        return np.concatenate([np.asarray(h, np.int64) for h in self.heads])
+
+    @property
+    def inverse(self) -> np.ndarray:
+        return np.argsort(self.order)
+
+    @property
+    def sizes(self) -> list:
+        return [len(h) for h in self.heads]
+
+
+def _take(x: Array, index: np.ndarray) -> Array:
+    return jnp.take(x, jnp.asarray(index), axis=1)
+
+
+def _split(x: Array, sizes: list) -> list:
+    return jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocMethod(Runner):
+    """``leapquant-alloc-*``: LeapQuant with the per-head widths and ranks of the plan named
+    ``plan`` in a ``LifetimeCalibration`` (module docstring), specialised to a layer with
+    ``for_layer``. window: records per window ``p``; impl: the kernels, as ``LeapQuantConfig.impl``.
+    Without a calibration the layout is ``leapquant``'s at the name's width on every head (for
+    ``leapquant memory``), and rounding is refused."""
+
+    plan: str = "leapquant-alloc-4"
+    calibration: Optional[LifetimeCalibration] = None
+    layer: Optional[int] = None
+    window: int = 16
+    impl: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "calibration", as_calibration(self.calibration))
+        if self.calibration is None and self.plan not in NAMES:
+            raise ValueError(f"unknown method {self.plan!r}; known: {', '.join(NAMES)}")
+        LeapQuantConfig(window=self.window, impl=self.impl)    # checks both
+
+    @property
+    def name(self) -> str:
+        return self.plan
+
+    def for_layer(self, layer: int) -> "AllocMethod":
+        return dataclasses.replace(self, layer=int(layer))
+
+    def layout(self, heads: int, dk: int, dv: int, *, need_plan: bool = True) -> GroupLayout:
+        """The layer's grouping: its plan's, or without a calibration (``need_plan=False`` only)
+        one group at the name's width and LeapQuant's default rank."""
+        if self.calibration is None:
+            if need_plan:
+                raise LifetimeCalibrationError(f"method {self.plan!r} needs a calibration file (`leapquant "
+                                               "calibrate-stepquant`; pass it with --stepquant-calibration, or "
+                                               f"make_method({self.plan!r}, calibration=...))")
+            return GroupLayout(options=((NAMES[self.plan], None),), heads=(tuple(range(heads)),))
+        if self.layer is None:
+            raise LifetimeCalibrationError(f"method {self.plan!r} keeps a different layout per layer: specialise it "
+                                           "with method.for_layer(layer) first")
+        cal = self.calibration
+        cal.check_shape(self.layer, heads, dk, dv)
+        plan = cal.plan(self.plan)
+        if not isinstance(plan, WidthPlan):
+            raise LifetimeCalibrationError(f"plan {self.plan!r} of the calibration is not a leapquant-alloc plan")
+        choice = plan.choice[cal.layer_index(self.layer)]
+        used = sorted(set(choice))
+        return GroupLayout(options=tuple(plan.options[j] for j in used),
+                           heads=tuple(tuple(h for h, c in enumerate(choice) if c == j) for j in used))
+
+    def configs(self, layout: GroupLayout) -> list:
+        return [_config(o, self.window, self.impl) for o in layout.options]
+
+    def _methods(self, layout: GroupLayout) -> list:
+        return [WindowedMethod(c, label=self.plan) for c in self.configs(layout)]
+
+    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
+             key_heads: Optional[int] = None) -> AllocState:
+        """An all-zero live stream ``[batch, heads]`` of ``dk x dv`` heads (``key_heads`` is checked;
+        each group keeps its key records per value head)."""
+        check_dims(batch, heads, dk, dv)
+        resolve_key_heads(heads, key_heads)
+        layout = self.layout(heads, dk, dv, need_plan=False)
+        return AllocState(groups=tuple(m.init(batch, n, dk, dv, per_channel_decay)
+                                       for m, n in zip(self._methods(layout), layout.sizes)))
+
+    def from_dense(self, state: Array, *, per_channel_decay: bool = False,
+                   key_heads: Optional[int] = None) -> AllocState:
+        """Rounds ``[B, H, dk, dv]`` fp32 into each group's checkpoint, with empty windows."""
+        _, h, dk, dv = check_dense(state)
+        layout = self.layout(h, dk, dv)
+        parts = _split(_take(state, layout.order), layout.sizes)
+        return AllocState(groups=tuple(m.from_dense(x, per_channel_decay=per_channel_decay)
+                                       for m, x in zip(self._methods(layout), parts)))
+
+    def to_dense(self, state: AllocState) -> Array:
+        """The represented state ``[B, H, dk, dv]`` fp32 (checkpoints plus records), heads in model order."""
+        _, h, dk, dv = state.shape
+        layout = self.layout(h, dk, dv, need_plan=self.calibration is not None)
+        dense = jnp.concatenate([m.to_dense(g) for m, g in zip(self._methods(layout), state.groups)], axis=1)
+        return _take(dense, layout.inverse)
+
+    def records_held(self, state: AllocState) -> Array:
+        return state.groups[0].pos
+
+    def per_channel_state(self, state: AllocState) -> bool:
+        return state.per_channel_decay
+
+    def with_decay_layout(self, state: AllocState, per_channel: bool) -> AllocState:
+        _, h, dk, dv = state.shape
+        methods = self._methods(self.layout(h, dk, dv, need_plan=self.calibration is not None))
+        return AllocState(groups=tuple(m.with_decay_layout(g, per_channel) for m, g in zip(methods, state.groups)))
+
+    def step_token(self, state: AllocState, token: Token, *, active: Optional[Array] = None):
+        """Each group's LeapQuant step on its heads (read, append, flush when full).
+        Returns ``(o [B, H, dv], state)``."""
+        b, h, dk, dv = state.shape
+        if token.w.shape[1] != h or token.q.shape != (b, h, dk) or token.v.shape != (b, h, dv):
+            raise ValueError(f"the state holds [B, H, dk, dv] = {(b, h, dk, dv)} but the token gives q "
+                             f"{tuple(token.q.shape)}, k {tuple(token.w.shape)}, v {tuple(token.v.shape)} (keys "
+                             "repeated to the value heads)")
+        layout = self.layout(h, dk, dv)
+        fields = {f: _split(_take(getattr(token, f), layout.order), layout.sizes)
+                  for f in ("q", "w", "b", "v", "g", "beta")}
+        outs, groups = [], []
+        for i, (m, g) in enumerate(zip(self._methods(layout), state.groups)):
+            o, g = m.step_token(g, Token(**{f: parts[i] for f, parts in fields.items()}), active=active)
+            outs.append(o)
+            groups.append(g)
+        return _take(jnp.concatenate(outs, axis=1), layout.inverse), AllocState(groups=tuple(groups))
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def flush_energy(stats: LayerStatistics, option: tuple) -> np.ndarray:
+    """``[H, dk]``: the mean over calibration states of each key row's squared flush error,
+    ``sum_j (decode(encode(S)) - S)_ij^2``, at ``option = (bits, rank)``."""
+    return np.asarray(_flush_energy(jnp.asarray(stats.samples), LeapQuantConfig(bits=option[0], rank=option[1])),
+                      np.float64)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _flush_energy(s: Array, config: LeapQuantConfig) -> Array:
+    err = windowed.decode_checkpoint(config, windowed.encode_checkpoint(config, s)) - s
+    return jnp.mean(jnp.sum(jnp.square(err), axis=-1), axis=0)
+
+
+def width_plan(stats: dict, bits: Optional[int] = None, *, budget: Optional[float] = None, name: Optional[str] = None,
+               options=DEFAULT_OPTIONS) -> tuple[WidthPlan, dict]:
+    """The plan of ``leapquant-alloc-<bits>`` over the layers of ``stats`` (``{layer: LayerStatistics}``).
+
+    budget: checkpoint bits per value (default ``default_budget(bits)``); options: the ``(bits,
+    rank)`` choices of a head. Returns ``(plan, scores)``, scores per layer (``cost [H, options]``)
+    for the file. Raises ``ValueError`` naming an unknown width or a budget
+    below the cheapest option.
+    """
+    options = check_options(options)
+    layers = sorted(stats)
+    h, dk, dv = stats[layers[0]].samples.shape[1:]
+    if budget is None:
+        if bits not in WIDTHS:
+            raise ValueError(f"unknown width {bits}: leapquant-alloc budgets are named by 4, 6 or 8 bits, or given")
+        budget = default_budget(bits, dk, dv)
+    nbytes = np.asarray([option_bytes(o, dk, dv) for o in options], np.int64)
+    per_value = 8 * nbytes / (dk * dv)
+    if not np.isfinite(budget) or budget < per_value.min() - 1e-9:
+        cheap = options[int(np.argmin(per_value))]
+        raise ValueError(f"budget {budget:g} bits per value is below the smallest width's: a {cheap[0]}-bit residual "
+                         f"with {cheap[1]} Compensator Tokens takes {per_value.min():.4g} bits per value (codes, "
+                         "scales and tokens of the checkpoint)")
+    cost = np.concatenate([np.stack([np.sum(stats[x].row_lifetime * flush_energy(stats[x], o), axis=-1)
+                                     for o in options], axis=-1) for x in layers])          # [L H, options]
+    total = int(np.floor(budget * cost.shape[0] * dk * dv / 8 + 1e-6))
+    choice = allocate(cost, nbytes, total)
+    per_layer = np.split(choice, len(layers))
+    plan = WidthPlan(name=name or f"leapquant-alloc-{bits}", budget=float(budget), options=options,
+                     choice=tuple(tuple(int(j) for j in c) for c in per_layer))
+    scores = {str(x): {"cost": significant(c)} for x, c in zip(layers, np.split(cost, len(layers)))}
+    return plan, scores
+
+
+__all__ = ["AllocMethod", "AllocState", "DEFAULT_OPTIONS", "GroupLayout", "NAMES", "RANKS", "WIDTHS", "check_options",
+           "default_budget", "flush_energy", "option_bytes", "width_plan"]

@@ -1,0 +1,105 @@
+"""``leapquant calibrate-stepquant``: the lifetime calibration of ``stepquant-6/-4`` and
+``leapquant-alloc-6/-4`` on a checkpoint, in one file.
+
+    leapquant calibrate-stepquant CKPT --data FILE --out CAL.json [--rows 32] [--tokens 256]
+                                  [--every 8] [--samples 64] [--horizon 2048] [--pivots N] [--json]
+
+The calibration rows go through the decode path with the fp32 state, recording every
+linear-attention layer's inputs (``models.calibrate.record_traces``, as ``calibrate-damp``);
+``leapquant_jax.lifetime.layer_statistics`` turns each layer's into calibration states, read-out
+impacts and lifetimes; ``stepquant.stepquant_plan`` and ``leapquant_alloc.width_plan`` solve the
+four plans. The file records the model's fingerprint (``models.calibrate.model_fingerprint``) and
+each plan's scores. ``eval``, ``recall``, ``demo`` (``--states``), ``generate``, ``score`` and
+``replay`` (``--state``/``--method``) take it with ``--stepquant-calibration CAL.json`` and refuse
+one made on another model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from leapquant_jax.cli_support import int_at_least
+from leapquant_jax.leapquant_alloc import NAMES as ALLOC_NAMES
+from leapquant_jax.leapquant_alloc import width_plan
+from leapquant_jax.lifetime import (DEFAULT_EVERY, DEFAULT_HORIZON, DEFAULT_SAMPLES, LifetimeCalibration,
+                                    layer_statistics, significant)
+from leapquant_jax.stepquant import NAMES as STEPQUANT_NAMES
+from leapquant_jax.stepquant import stepquant_plan
+from models.calibrate import calibration_rows, linear_state_layout, model_fingerprint, record_traces
+
+
+def calibrate_traces(traces: dict, *, every: int = DEFAULT_EVERY, samples: int = DEFAULT_SAMPLES,
+                     horizon: int = DEFAULT_HORIZON, pivots: Optional[int] = None, model: str = "",
+                     stepquant_budgets: Optional[dict] = None,
+                     alloc_budgets: Optional[dict] = None) -> tuple[LifetimeCalibration, dict]:
+    """The lifetime calibration of recorded fp32 inputs ``{layer: {"q", "k", "v", "g", "beta":
+    [B, T, ...]}}``: one statistics pass per layer, then a plan per method name.
+
+    stepquant_budgets: ``{name: nominal bits}`` (default ``stepquant.NAMES``); alloc_budgets:
+    ``{name: checkpoint bits per value or None}`` (default ``leapquant_alloc.NAMES``' names with
+    ``None``: the budget of ``leapquant`` at the name's width). Returns ``(calibration, scores)``.
+    """
+    if not traces:
+        raise ValueError("a lifetime calibration needs the traces of at least one linear-attention layer")
+    stats = {int(layer): layer_statistics(x, every=every, max_samples=samples, horizon=horizon)
+             for layer, x in sorted(traces.items())}
+    first = next(iter(stats.values()))
+    _, heads, dk, dv = first.samples.shape
+    plans, scores = [], {}
+    for name, budget in (stepquant_budgets or STEPQUANT_NAMES).items():
+        plan, scores[name] = stepquant_plan(stats, budget, name=name, pivots=pivots)
+        plans.append(plan)
+    for name, budget in (alloc_budgets or {n: None for n in ALLOC_NAMES}).items():
+        plan, scores[name] = width_plan(stats, ALLOC_NAMES.get(name), budget=budget, name=name)
+        plans.append(plan)
+    scores["statistics"] = {str(layer): {"lifetime": significant(s.lifetime), "impact": significant(s.impact)}
+                            for layer, s in stats.items()}
+    cal = LifetimeCalibration(architecture=first.architecture, layers=tuple(stats), heads=heads, dk=dk, dv=dv,
+                              horizon=horizon, plans=tuple(plans), model=model)
+    return cal, scores
+
+
+def run_calibrate_stepquant(args) -> int:
+    """The ``leapquant calibrate-stepquant`` handler."""
+    arch, config, params, rows = calibration_rows(args)
+    linear_state_layout(arch, config)
+    t0 = time.time()
+    traces = record_traces(arch, params, config, rows)
+    cal, scores = calibrate_traces(traces, every=args.every, samples=args.samples, horizon=args.horizon,
+                                   pivots=args.pivots, model=model_fingerprint(config, params))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(str(out), extra={"checkpoint": str(args.checkpoint), "data": str(args.data), "rows": args.rows,
+                              "tokens": args.tokens, "every": args.every, "samples": args.samples, "scores": scores})
+    result = {"command": "calibrate-stepquant", "checkpoint": str(args.checkpoint), "out": str(out),
+              "layers": list(cal.layers), "architecture": cal.architecture, "horizon": cal.horizon,
+              "plans": {p.name: {"budget": p.budget} for p in cal.plans}, "seconds": round(time.time() - t0, 3)}
+    print(json.dumps(result) if args.json else
+          f"wrote {out}: plans {', '.join(cal.names)} over layers {list(cal.layers)} ({cal.architecture})")
+    return 0
+
+
+def add_subcommand(subparsers) -> None:
+    """Registers ``calibrate-stepquant`` on an argparse subparsers object."""
+    p = subparsers.add_parser("calibrate-stepquant",
+                              help="lifetime calibration of stepquant-6/-4 and leapquant-alloc-6/-4 (one file)")
+    p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
+    p.add_argument("--data", required=True, type=Path,
+                   help="calibration text (tokenized with the checkpoint's tokenizer.json) or .npy ids [N] / [rows, N]")
+    p.add_argument("--out", required=True, type=Path, help="calibration file to write (JSON)")
+    p.add_argument("--rows", type=int_at_least(1), default=32, help="calibration segments")
+    p.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens per segment")
+    p.add_argument("--every", type=int_at_least(1), default=DEFAULT_EVERY, help="tokens between state samples")
+    p.add_argument("--samples", type=int_at_least(1), default=DEFAULT_SAMPLES,
+                   help="calibration states kept per layer (evenly spaced)")
+    p.add_argument("--horizon", type=int_at_least(1), default=DEFAULT_HORIZON, help="lifetime horizon in tokens")
+    p.add_argument("--pivots", type=int_at_least(0), default=None,
+                   help="stepquant's fp16 units (GDN heads, KDA key rows) over the model (default: a share of them)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=run_calibrate_stepquant)
+
+
+__all__ = ["add_subcommand", "calibrate_traces", "run_calibrate_stepquant"]
