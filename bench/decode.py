@@ -6,8 +6,9 @@
                            [--mesh DATA MODEL]
                            [--commit HASH] [--out bench/results]
 
-Models are random bf16 weights in the shape of a released checkpoint (``MODELS``; ``tiny`` runs
-anywhere in seconds), built on the device from the converter's own params tree. ``--layout``:
+Models are random bf16 weights in the shape of a released checkpoint (``MODELS``; ``tiny``,
+``tiny-tp`` and ``tiny-kimi`` run anywhere in seconds), built on the device from the converter's
+own params tree. ``--layout``:
 the layers one by one (default) or under one ``lax.scan`` (``config.scan_layers``); scanned, the
 caches go through the scan as stacked inputs and outputs and XLA copies them every step
 (docs/end-to-end.md has the measured cost). For each model, context, batch and state format: a cache
@@ -96,6 +97,23 @@ MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         rms_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=48, tie_word_embeddings=False),
+    # qwen3.5-9b's and kimi-linear-48b-a3b's architectures at test scale, every count a mesh splits
+    # (heads, KV heads, experts) divisible by 8
+    "tiny-tp": dict(
+        model_type="qwen3_5_text", vocab_size=64, hidden_size=64, num_hidden_layers=4, full_attention_interval=4,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=64, tie_word_embeddings=False),
+    "tiny-kimi": dict(
+        model_type="kimi_linear", vocab_size=64, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, mla_use_nope=True, intermediate_size=64, moe_intermediate_size=16,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.446, moe_renormalize=True, use_grouped_topk=False, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        linear_attn_config={"num_heads": 8, "head_dim": 16, "short_conv_kernel_size": 4, "full_attn_layers": [4],
+                            "kda_layers": [1, 2, 3]}),
 }
 
 STATES = {"fp32": ("fp32", {}), "bf16": ("bf16", {}), "lq8": ("leapquant", dict(bits=8)),
@@ -121,25 +139,38 @@ def model_config(name: str, layers: int | None, compute: str, scan_layers: bool 
     return arch, config, cj
 
 
-def random_params(arch, config, seed: int = 0, mesh=None):
-    """Random bf16 weights (normal, ``WEIGHT_STD``) in the config's layout, made on the device leaf
-    by leaf (never the whole model on the host); on ``mesh`` placed by ``models.sharding``."""
+def placed_shapes(arch, config, mesh=None):
+    """The bf16 weights of ``config`` as ``jax.ShapeDtypeStruct`` leaves, in the tree
+    ``random_params`` makes (layers stacked under ``config.scan_layers``); on ``mesh`` in the
+    architecture's tensor-parallel layout, each leaf with its ``models.sharding`` placement
+    (what ``jit(...).lower`` needs to compile a program for the placed weights)."""
     shapes = param_shapes(arch, config, dtype=jnp.bfloat16)
     if config.scan_layers:
         stacked = jax.eval_shape(lambda t: stack_layers(t, layer_plan(config)), shapes["layers"])
         shapes = dict({k: v for k, v in shapes.items() if k != "layers"}, **stacked)
+    if mesh is None:
+        return shapes
+    from jax.sharding import NamedSharding
+
+    from models.sharding import param_specs, tensor_parallel_layout
+
+    shapes = tensor_parallel_layout(shapes, mesh, arch=arch, config=config)
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    shardings = [None] * len(leaves)
-    if mesh is not None:
-        from jax.sharding import NamedSharding
+    specs = jax.tree_util.tree_leaves(param_specs(shapes, mesh))
+    placed = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)) for x, s in zip(leaves, specs)]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
-        from models.sharding import param_specs
 
-        shardings = [NamedSharding(mesh, s) for s in jax.tree_util.tree_leaves(param_specs(shapes, mesh))]
+def random_params(arch, config, seed: int = 0, mesh=None):
+    """Random bf16 weights (normal, ``WEIGHT_STD``) in the config's layout, made on the device leaf
+    by leaf (never the whole model on the host); on ``mesh`` in the architecture's tensor-parallel
+    layout and placed by ``models.sharding`` (``placed_shapes``)."""
+    leaves, treedef = jax.tree_util.tree_flatten(placed_shapes(arch, config, mesh))
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     makers = {}  # one compiled maker per distinct leaf shape
     out = []
-    for key, leaf, sharding in zip(keys, leaves, shardings):
+    for key, leaf in zip(keys, leaves):
+        sharding = leaf.sharding if mesh is not None else None
         sig = (leaf.shape, leaf.dtype, sharding)
         if sig not in makers:
             makers[sig] = jax.jit(lambda k, s=leaf: (jax.random.normal(k, s.shape, jnp.float32) * WEIGHT_STD
@@ -323,7 +354,7 @@ def run(args, result: dict, save) -> dict:
     if args.mesh:
         from models.sharding import make_mesh
 
-        mesh = make_mesh(*args.mesh)
+        mesh = make_mesh(*args.mesh)  # checked in parse_args
     result["memory"] = memory_table(args)
     bandwidth = copy_bandwidth(args.copy_bytes)
     result.update(copy_bandwidth_GBps=bandwidth / 1e9, rows=[])
@@ -417,7 +448,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-gb", type=float, default=64.0)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes of the bandwidth probe's array")
-    ap.add_argument("--mesh", nargs=2, type=int, metavar=("DATA", "MODEL"), default=None)
+    ap.add_argument("--mesh", nargs=2, type=int, metavar=("DATA", "MODEL"), default=None,
+                    help="a DATA x MODEL device mesh: sequences over DATA, heads, channels and experts over MODEL")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -428,7 +460,30 @@ def parse_args(argv=None):
         ap.error("--steps and --repeats must be >= 1")
     if "fp32" in args.states and args.states[0] != "fp32":
         ap.error("give fp32 first in --states: the other states are compared with it")
+    if args.mesh:
+        try:
+            check_mesh_args(args.mesh, args.models, args.layers, args.batches)
+        except ValueError as err:
+            ap.error(str(err))
     return args
+
+
+def check_mesh_args(mesh, models, layers, batches, *, devices: bool = True) -> None:
+    """Raises ``ValueError`` (one line naming ``--mesh`` and what does not fit) unless the
+    ``DATA MODEL`` mesh splits every model's heads and experts (``models.sharding.check_mesh``)
+    and every batch, and (``devices``) fits the visible devices."""
+    from models.sharding import check_mesh, make_mesh
+
+    data, model = mesh
+    try:
+        for name in models:
+            _, config, _ = model_config(name, layers, FAST)
+            for batch in batches or [None]:
+                check_mesh(config, data, model, batch=batch)
+        if devices:
+            make_mesh(data, model)
+    except ValueError as err:
+        raise ValueError(f"--mesh {data} {model}: {err}") from None
 
 
 def main(argv=None) -> int:

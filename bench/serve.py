@@ -5,6 +5,7 @@ a fixed memory budget and continuous batching.
                           [--states fp32 bf16 fp32-w lq8 lq6 lq4] [--prompt 128] [--generate 1024]
                           [--steps N] [--fit [plain|prefix|both]] [--budget GB] [--prefix-every 1024]
                           [--pool] [--pool-states fp32 fp32-w lq8] [--pool-slots 256] [--pool-requests 512]
+                          [--mesh DATA MODEL [--coordinator HOST:PORT --num-processes N --process-id I]]
                           [--json] [--out bench/results]
 
 Models are ``bench.decode``'s (random bf16 weights in a released checkpoint's shape, our decoder,
@@ -39,6 +40,11 @@ largest slot count under the budget (per slot: state + KV at the longest prompt 
 Reported: generated tokens/s over the wall time, and per-request latency (queued at the start) and
 time to first token, p50 and p99.
 
+Over several devices (``--mesh DATA MODEL``, static batches only): the weights in
+``bench.decode``'s tensor-parallel layout and the caches placed by ``models.sharding``, the
+recurrence per shard; the roofline counts every device's bandwidth. With ``--coordinator``, one
+process per host joins a global mesh (``models.distributed``); process 0 prints and writes.
+
 ``--json`` prints the result as one JSON object; ``--out DIR`` writes ``serve-<date>.json`` and
 ``.md`` there.
 """
@@ -60,10 +66,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.decode import (MODELS, STATES, build_method, copy_bandwidth, model_config, random_params, step_bytes,
-                          stream_bytes, weight_bytes_read)
+from bench.decode import (MODELS, STATES, build_method, check_mesh_args, copy_bandwidth, model_config, random_params,
+                          step_bytes, stream_bytes, weight_bytes_read)
 from leapquant_jax.quantizers import tree_bytes
 from models.base import put_rows
+from models.distributed import add_mesh_options, check_distributed_args, is_primary, start
+from models.sharding import constrain_cache, make_mesh, place, to_host
 from models.layers import COMPUTE_MODES, FAST
 from models.prefix_state import empty_cache
 
@@ -89,7 +97,7 @@ def sequence_bytes(per_stream: dict, prefix_every: int | None, context: int) -> 
 def device_budget(weights: int, headroom_gb: float) -> float | None:
     """Bytes left for sequences on the first device: its memory less ``weights`` and the headroom;
     ``None`` when the device reports no memory size."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return None if limit is None else float(limit) - weights - headroom_gb * 1e9
 
@@ -98,25 +106,27 @@ def device_budget(weights: int, headroom_gb: float) -> float | None:
 
 
 @functools.lru_cache(maxsize=None)
-def prefill_program(arch, config, method, rows: int, max_len: int):
+def prefill_program(arch, config, method, rows: int, max_len: int, mesh=None):
     """``(params, cache, ids [rows, T], start []) -> (cache, first tokens [rows])``: prefills ``rows``
     sequences through the chunked form and writes them into rows ``start ..`` of the cache
-    (donated); the first token is the argmax after each prompt."""
+    (donated); the first token is the argmax after each prompt. On ``mesh`` the cache keeps
+    ``models.sharding.cache_specs``'s layout."""
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def run(params, cache, ids, start):
         sub = arch.init_cache(config, batch=rows, max_len=max_len, method=method)
         logits, sub, _ = arch.forward(params, config, ids, sub, method=method, mode="prefill")
         first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-        return put_rows(cache, start + jnp.arange(rows), sub), first
+        return constrain_cache(put_rows(cache, start + jnp.arange(rows), sub), mesh), first
 
     return run
 
 
 @functools.lru_cache(maxsize=None)
-def generate_program(arch, config, method, steps: int):
+def generate_program(arch, config, method, steps: int, mesh=None):
     """``(params, cache, tokens [B]) -> (cache, tokens [B], finite [])``: ``steps`` greedy decode
-    steps in one ``lax.scan`` (cache donated); ``finite`` says every step's logits were finite."""
+    steps in one ``lax.scan`` (cache donated); ``finite`` says every step's logits were finite. On
+    ``mesh`` the cache keeps ``models.sharding.cache_specs``'s layout after every step."""
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def run(params, cache, tokens):
@@ -124,7 +134,7 @@ def generate_program(arch, config, method, steps: int):
             cache, tok, ok = carry
             logits, cache, _ = arch.forward(params, config, tok[:, None], cache, method=method, mode="decode")
             nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-            return (cache, nxt, ok & jnp.all(jnp.isfinite(logits))), None
+            return (constrain_cache(cache, mesh), nxt, ok & jnp.all(jnp.isfinite(logits))), None
 
         (cache, tokens, ok), _ = jax.lax.scan(body, (cache, tokens, jnp.bool_(True)), None, length=steps)
         return cache, tokens, ok
@@ -140,36 +150,50 @@ def _timed(fn, *args):
 
 
 def measure_batch(arch, config, params, method, *, batch: int, prompt: int, generate: int, chunk: int,
-                  prefill_rows: int, steps: int | None = None, hold_bytes: int = 0, seed: int = 0) -> dict:
+                  prefill_rows: int, steps: int | None = None, hold_bytes: int = 0, seed: int = 0,
+                  mesh=None) -> dict:
     """One static batch (module docstring): prefill and generation times, compile seconds, and
     whether every logit was finite. ``steps`` of the ``generate`` decode steps run (default all);
-    ``hold_bytes`` are held on the device throughout (prefix states)."""
+    ``hold_bytes`` are held on the device throughout (prefix states); on ``mesh`` (``params``
+    placed there, ``method`` per shard) the batch is split over its data axis."""
     steps = generate if steps is None else steps
     max_len = prompt + generate
     rows = min(prefill_rows, batch)
     held = jnp.zeros((hold_bytes // 4,), jnp.float32) if hold_bytes else None
-    ids = jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt), 0, config.vocab_size, jnp.int32)
-    cache = empty_cache(arch, config, method=method, batch=batch, max_len=max_len)
+    host_ids = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (batch, prompt), 0, config.vocab_size,
+                                             jnp.int32))
+    if mesh is None:
+        ids, cache = jnp.asarray(host_ids), empty_cache(arch, config, method=method, batch=batch, max_len=max_len)
+        put = jnp.asarray
+    else:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        put = lambda x, *spec: place(x, NamedSharding(mesh, PartitionSpec(*spec)))  # noqa: E731
+        ids = put(host_ids, "data")
+        cache = jax.jit(lambda: constrain_cache(arch.init_cache(config, batch=batch, max_len=max_len, method=method),
+                                                mesh))()
     t0 = time.perf_counter()
-    prefill = prefill_program(arch, config, method, rows, max_len).lower(
-        params, cache, ids[:rows], jnp.int32(0)).compile()
-    gen = generate_program(arch, config, method, chunk).lower(params, cache, ids[:, 0]).compile()
+    prefill = prefill_program(arch, config, method, rows, max_len, mesh).lower(
+        params, cache, put(host_ids[:rows]), put(np.int32(0))).compile()
+    gen = generate_program(arch, config, method, chunk, mesh).lower(params, cache, ids[:, 0]).compile()
     compile_s = time.perf_counter() - t0
     starts = sorted({min(s, batch - rows) for s in range(0, batch, rows)})
     firsts, prefill_s = [], 0.0
     for s in starts:
-        (cache, first), dt = _timed(prefill, params, cache, jax.lax.dynamic_slice_in_dim(ids, s, rows), jnp.int32(s))
-        firsts.append((s, first))
+        (cache, first), dt = _timed(prefill, params, cache, put(host_ids[s:s + rows]), put(np.int32(s)))
+        firsts.append((s, to_host(first)))
         prefill_s += dt
-    tokens = jnp.zeros((batch,), jnp.int32)
+    first_tokens = np.zeros((batch,), np.int32)
     for s, first in firsts:
-        tokens = tokens.at[s:s + rows].set(first)
+        first_tokens[s:s + rows] = first
+    tokens = put(first_tokens) if mesh is None else put(first_tokens, "data")
     chunks, finite = [], True
     for _ in range(steps // chunk):
         (cache, tokens, ok), dt = _timed(gen, params, cache, tokens)
         chunks.append(dt)
-        finite = finite and bool(ok)
-    tokens_ok = bool(np.all((np.asarray(tokens) >= 0) & (np.asarray(tokens) < config.vocab_size)))
+        finite = finite and bool(to_host(ok))
+    tokens = to_host(tokens)
+    tokens_ok = bool(np.all((tokens >= 0) & (tokens < config.vocab_size)))
     del cache, held
     gen_s = sum(chunks)
     return {"prefill_s": prefill_s, "prefill_groups": len(starts), "generate_s": gen_s, "steps": steps,
@@ -226,12 +250,19 @@ def measure_pool(arch, config, params, method, *, slots: int, prompts: list, bud
 
 def run(args, result: dict, save) -> dict:
     """Fills ``result`` (module docstring), calling ``save(result)`` after every row."""
+    mesh = None
+    if args.mesh:
+        try:
+            mesh = make_mesh(*args.mesh)
+        except ValueError as err:
+            raise SystemExit(f"bench.serve: error: --mesh {args.mesh[0]} {args.mesh[1]}: {err}") from None
     bandwidth = copy_bandwidth(args.copy_bytes)
     result.update(copy_bandwidth_GBps=bandwidth / 1e9)
+    total_bw = bandwidth * (1 if mesh is None else mesh.size)  # on a mesh every device moves its share
     context = args.prompt + args.generate
     for name in args.models:
         arch, config, _ = model_config(name, args.layers, args.compute, scan_layers=False)
-        params = random_params(arch, config)
+        params = random_params(arch, config, mesh=mesh)
         weights = tree_bytes(params)
         budget = args.budget * 1e9 if args.budget is not None else device_budget(weights, args.headroom)
         if (args.fit or args.pool) and budget is None:
@@ -240,8 +271,8 @@ def run(args, result: dict, save) -> dict:
         print(f"# {name}: {config.num_layers} layers, {weights / 1e9:.2f} GB of weights"
               + (f", {budget / 1e9:.1f} GB for sequences" if budget is not None else ""), flush=True)
         states = list(dict.fromkeys(args.states + (args.pool_states if args.pool else [])))
-        methods = {s: build_method(s) for s in states}
-        per_stream = {s: stream_bytes(arch, config, methods[s], context) for s in states}
+        methods = {s: build_method(s, mesh) for s in states}
+        per_stream = {s: stream_bytes(arch, config, build_method(s), context) for s in states}
 
         def row(kind, state, batch, hold=0, **extra):
             r = dict(model=name, kind=kind, state=state, batch=batch, method=repr(methods[state]),
@@ -250,10 +281,10 @@ def run(args, result: dict, save) -> dict:
             try:
                 r.update(measure_batch(arch, config, params, methods[state], batch=batch, prompt=args.prompt,
                                        generate=args.generate, chunk=args.chunk, prefill_rows=args.prefill_rows,
-                                       steps=args.steps, hold_bytes=hold))
+                                       steps=args.steps, hold_bytes=hold, mesh=mesh))
                 need = step_bytes(weight_bytes_read(params, config, batch), per_stream[state], batch, state)
-                r.update(step_bytes=need, roofline_ms=1e3 * need / bandwidth,
-                         x_roof=r["ms_per_step"] * 1e-3 * bandwidth / need)
+                r.update(step_bytes=need, roofline_ms=1e3 * need / total_bw,
+                         x_roof=r["ms_per_step"] * 1e-3 * total_bw / need)
                 print(f"{name} {kind} batch {batch} {state}: {r['tokens_per_s']:,.0f} tokens/s, "
                       f"{r['ms_per_step']:.2f} ms/step ({r['x_roof']:.2f}x roof), prefill {r['prefill_s']:.2f} s, "
                       f"compile {r['compile_s']:.0f} s" + ("" if r["finite"] else ", NON-FINITE"), flush=True)
@@ -343,6 +374,8 @@ def markdown(result: dict) -> str:
              f"Compute: {result['compute']}; prompt {result['prompt']}, generate {result['generate']} "
              f"({result['steps']} steps timed); copy bandwidth "
              f"{result['copy_bandwidth_GBps']:.0f} GB/s (read + written)  "]
+    if result.get("mesh"):
+        lines.append(f"Mesh (data x model): {result['mesh']}, {result.get('processes', 1)} process(es)  ")
     for name, m in result["models"].items():
         budget = "" if m["budget_bytes"] is None else f", {_size(m['budget_bytes'])} for sequences (the budget)"
         lines.append(f"{name}: {m['layers']} layers, {_size(m['weight_bytes'])} of weights{budget}  ")
@@ -405,6 +438,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed of the pool's requests")
     ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes of the bandwidth probe's array")
     ap.add_argument("--commit", default=None)
+    add_mesh_options(ap)
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ap.add_argument("--out", default=None, help="folder for serve-<date>.json and .md (default: none written)")
     args = ap.parse_args(argv)
@@ -436,20 +470,35 @@ def parse_args(argv=None):
             ap.error(f"{flag} names a state more than once: {' '.join(states)}")
     if not args.batches and not args.fit and not args.pool:
         ap.error("nothing to measure: give --batches, --fit or --pool")
+    try:
+        check_distributed_args(args)
+        if args.mesh:
+            if args.pool or args.fit:
+                raise ValueError("--mesh runs static batches (--batches) only: drop --pool and --fit")
+            # the devices are counted after the processes join (main)
+            check_mesh_args(args.mesh, args.models, args.layers, args.batches, devices=args.coordinator is None)
+    except ValueError as err:
+        ap.error(str(err))
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        start(args, prog="python -m bench.serve")
+    except ValueError as err:
+        print(f"python -m bench.serve: error: {err}", file=sys.stderr)
+        return 2
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     result = dict(date=date, command="python -m bench.serve " + " ".join(sys.argv[1:] if argv is None else argv),
                   commit=commit, device=f"{jax.devices()[0].device_kind} x{len(jax.devices())}", jax=jax.__version__,
                   python=platform.python_version(), compute=args.compute, prompt=args.prompt, generate=args.generate,
-                  steps=args.steps, copy_bandwidth_GBps=0.0, models={}, rows=[], pool=[])
+                  steps=args.steps, copy_bandwidth_GBps=0.0, models={}, rows=[], pool=[], mesh=args.mesh,
+                  processes=jax.process_count())
     path = None
-    if args.out:
+    if args.out and is_primary():
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"serve-{date}")
 
@@ -464,10 +513,16 @@ def main(argv=None) -> int:
     out = sys.stdout
     if args.json:  # progress lines go to stderr, the JSON object alone to stdout
         sys.stdout = sys.stderr
+    if not is_primary():  # every process runs the same program; process 0 reports it
+        sys.stdout = open(os.devnull, "w")
     try:
         run(args, result, save)
     finally:
+        if sys.stdout not in (out, sys.stderr):
+            sys.stdout.close()
         sys.stdout = out
+    if not is_primary():
+        return 0
     if args.json:
         print(json.dumps(result))
     else:

@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from leapquant_jax.cli_support import (add_method_options, check_output, float_in, int_at_least, int_in,
@@ -24,6 +25,7 @@ from models.base import with_runtime
 from models.checkpoint import convert_checkpoint, eos_token_ids
 from models.decode import (available_memory, check_token_ids, generate, generation_memory, generation_program_bytes,
                            score, write_traces)
+from models.distributed import add_mesh_options, is_primary, mesh_from_args, start
 from models.layers import COMPUTE_MODES, Sampling
 from models.loading import check_checkpoint, load_checkpoint, load_token_ids, load_tokenizer
 from models.prefix_state import PrefixStateError, load_prefix, save_prefix
@@ -89,11 +91,12 @@ def _gib(n: int) -> str:
 
 
 def check_generation_fits(arch, params, config, prompts, *, method, max_new_tokens: int, sampling, stop_ids,
-                          seed: int, record: bool, prefix_tokens: int = 0) -> None:
+                          seed: int, record: bool, prefix_tokens: int = 0, devices: int = 1) -> None:
     """Refuses (``ValueError`` naming ``--max-new-tokens``) a generation that would not fit in the
     device's memory (``models.decode.available_memory``), before anything is allocated, with about
     how many new tokens would. ``prompts``: the batch (one sequence when ``prefix_tokens``, the
-    tokens of a loaded state, come first: what ``generate_one`` runs).
+    tokens of a loaded state, come first: what ``generate_one`` runs). ``devices``: a mesh's
+    devices, whose memory counts together (the caches split over them).
 
     A run whose caches and buffers, measured on their shapes (``generation_memory``), take at
     most ``SHAPE_SHARE`` of the memory goes ahead. Above that, XLA's count for the compiled
@@ -101,7 +104,9 @@ def check_generation_fits(arch, params, config, prompts, *, method, max_new_toke
     cache among them, take a few times the caches' own bytes."""
     fed = max((len(p) for p in prompts), default=0) + prefix_tokens
     batch = 1 if prefix_tokens else len(prompts)
-    free, where = available_memory()
+    free, where = available_memory(jax.local_devices()[0])
+    if devices > 1:
+        free, where = free * devices, f"{where}, times the mesh's {devices} devices"
     memory = generation_memory(arch, params, config, batch=batch, prompt_len=fed, method=method, record=record)
     if memory.bytes(max_new_tokens) <= free * SHAPE_SHARE:
         return
@@ -127,6 +132,7 @@ def run_convert(args) -> int:
 
 
 def run_generate(args) -> int:
+    start(args)
     method = method_from_args(args)
     check_output(args.record_traces, "--record-traces", folder=True)
     check_checkpoint(args.checkpoint)
@@ -141,6 +147,8 @@ def run_generate(args) -> int:
             raise ValueError(f"{flags} {verb} one prompt (one sequence), got {len(given)}")
         if args.record_traces:
             raise ValueError(f"--record-traces cannot be combined with {flags}")
+        if args.mesh:
+            raise ValueError(f"{flags} run on one device: drop --mesh")
     if args.save_state is not None:
         check_output(args.save_state, "--save-state", folder=False)
         if Path(args.save_state).exists():
@@ -163,6 +171,7 @@ def run_generate(args) -> int:
     arch, config, params, config_json = _load_runtime(args)
     for b, p in enumerate(prompts):
         check_token_ids(p, config.vocab_size, name=flag if len(prompts) == 1 else f"{flag} (prompt {b + 1})")
+    mesh = mesh_from_args(args, config, batch=len(prompts))
     if args.stop_ids is not None:
         stop = check_token_ids(args.stop_ids, config.vocab_size, name="--stop-ids").tolist()
     else:
@@ -170,7 +179,8 @@ def run_generate(args) -> int:
                                name="the checkpoint's eos ids (pass --stop-ids to override)").tolist()
     check_generation_fits(arch, params, config, prompts, method=method, max_new_tokens=args.max_new_tokens,
                           sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces),
-                          prefix_tokens=0 if prefix is None else prefix.length + prefix.pending.shape[0])
+                          prefix_tokens=0 if prefix is None else prefix.length + prefix.pending.shape[0],
+                          devices=1 if mesh is None else mesh.size)
     t0 = time.time()
     if stateful:
         try:
@@ -188,9 +198,11 @@ def run_generate(args) -> int:
         prompts = [(prefix.all_ids.tolist() if prefix is not None else []) + [int(t) for t in (prompts or [[]])[0]]]
     else:
         gen = generate(arch, params, config, prompts, method=method, max_new_tokens=args.max_new_tokens,
-                       sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces))
+                       sampling=sampling, stop_ids=stop, seed=args.seed, record=bool(args.record_traces), mesh=mesh)
         generated = gen.tokens
     seconds = time.time() - t0
+    if not is_primary():  # every process computed the same tokens; process 0 reports them
+        return 0
     traces = [str(p) for p in write_traces(args.record_traces, gen.traces)] if args.record_traces else []
     texts = [tokenizer.decode(t) for t in generated] if tokenizer is not None else None
     if args.json:
@@ -204,6 +216,8 @@ def run_generate(args) -> int:
             result["saved_state"] = str(args.save_state)
         if texts is not None:
             result["text"] = texts
+        if mesh is not None:
+            result.update(mesh=list(args.mesh), processes=jax.process_count())
         print(json.dumps(result))
     else:
         for b, toks in enumerate(generated):
@@ -212,6 +226,7 @@ def run_generate(args) -> int:
 
 
 def run_score(args) -> int:
+    start(args)
     method = method_from_args(args)
     check_checkpoint(args.checkpoint)
     check_output(args.out, "--out", folder=False)
@@ -219,9 +234,12 @@ def run_score(args) -> int:
     ids = load_token_ids(args.ids_file)
     arch, config, params, _ = _load_runtime(args)
     ids = check_token_ids(ids, config.vocab_size, name="--ids-file ids")
+    mesh = mesh_from_args(args, config, batch=ids.shape[0] if ids.ndim == 2 else None)
     t0 = time.time()
-    logits, traces = score(arch, params, config, ids, method=method, record=bool(args.record_traces))
+    logits, traces = score(arch, params, config, ids, method=method, record=bool(args.record_traces), mesh=mesh)
     seconds = time.time() - t0
+    if not is_primary():  # every process computed the same logits; process 0 writes them
+        return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, logits.astype(np.float32))
@@ -268,6 +286,7 @@ def add_subcommands(subparsers) -> None:
                    help="start from a --save-state file of the same checkpoint, --state options and --compute")
     _add_runtime_options(p, compute="fast", why="fast is what serving engines run")
     _add_state_options(p)
+    add_mesh_options(p)
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("score", help="teacher-forced logits through the decode path")
@@ -277,6 +296,7 @@ def add_subcommands(subparsers) -> None:
     _add_runtime_options(p, compute="exact", why="exact leaves the state format as the only difference between "
                                                  "runs")
     _add_state_options(p)
+    add_mesh_options(p)
     p.set_defaults(func=run_score)
 
     for module in COMMAND_MODULES:

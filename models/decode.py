@@ -33,7 +33,8 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.traces import Trace, save_trace
 from models.fingerprint import check_state_method
 from models.layers import Sampling, sample_next
-from models.sharding import constrain_cache, shard_batch, shard_method, shard_params
+from models.sharding import (check_mesh, constrain_cache, place, replicated, shard_batch, shard_method, shard_params,
+                             to_host)
 
 Array = jax.Array
 # Prompt lengths are rounded up to a multiple of this, so prompts of nearby lengths share one
@@ -180,14 +181,16 @@ def generate(arch, params, config, prompts: Sequence[Sequence[int]], *, method, 
     prompts, ids, lengths, stop, key = _generate_inputs(config, prompts, stop_ids, seed)
     check_state_method(method, arch, config, params)
     if mesh is not None:
+        check_mesh(config, mesh.shape["data"], mesh.shape["model"])
         method = shard_method(method, mesh)
-        params = shard_params(params, mesh)
+        params = shard_params(params, mesh, arch=arch, config=config)
         ids, lengths = shard_batch(ids, mesh, name="prompts"), shard_batch(lengths, mesh, name="prompts")
+        stop, key = place(stop, replicated(mesh)), place(key, replicated(mesh))
     tokens, count, pre, dec = _generate(
         arch, params, config, ids, lengths, stop, key,
         method=method, sampling=sampling, max_new_tokens=max_new_tokens, record=record, mesh=mesh,
     )
-    tokens, count = np.asarray(tokens), np.asarray(count)
+    tokens, count, pre, dec, lengths = to_host((tokens, count, pre, dec, lengths))
     out = [tokens[b, : count[b]].tolist() for b in range(len(prompts))]
     traces = None
     if record:
@@ -308,11 +311,12 @@ def score(arch, params, config, ids, *, method, prefill_len: int = 0, record: bo
     check_state_method(method, arch, config, params)
     ids = jnp.asarray(ids, jnp.int32)
     if mesh is not None:
+        check_mesh(config, mesh.shape["data"], mesh.shape["model"])
         method = shard_method(method, mesh)
-        params, ids = shard_params(params, mesh), shard_batch(ids, mesh)
+        params, ids = shard_params(params, mesh, arch=arch, config=config), shard_batch(ids, mesh)
     logits, traces = _score(arch, params, config, ids, method=method, prefill_len=prefill_len, record=record,
                             mesh=mesh)
-    return np.asarray(logits), jax.tree.map(np.asarray, traces)
+    return to_host((logits, traces))
 
 
 def write_traces(out_dir, traces: dict) -> list[Path]:

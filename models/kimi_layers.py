@@ -13,6 +13,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from models import layers as L
+
 Array = jax.Array
 F32 = jnp.float32
 
@@ -73,11 +75,11 @@ def route_sigmoid_grouped(
     choice = scores + correction_bias.astype(F32)[None, :]
     if num_groups > 1 and top_k_groups < num_groups:
         grouped = choice.reshape(n, num_groups, e // num_groups)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, e // num_groups))[0], axis=-1)  # [N, G]
-        _, best = jax.lax.top_k(group_scores, top_k_groups)
-        keep = jnp.zeros((n, num_groups), bool).at[jnp.arange(n)[:, None], best].set(True)
+        group_scores = jnp.sum(L.top_k(grouped, min(2, e // num_groups))[0], axis=-1)  # [N, G]
+        _, best = L.top_k(group_scores, top_k_groups)
+        keep = L.set_rows(jnp.zeros((n, num_groups), bool), best, jnp.ones(best.shape, bool))
         choice = jnp.where(jnp.repeat(keep, e // num_groups, axis=1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, top_k)
+    _, idx = L.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if normalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)

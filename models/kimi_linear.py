@@ -52,7 +52,7 @@ from models import layers as L
 from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, LayerParts, check_shapes,
                          finish_cache, run_decoder_stack)
 from models.kimi_layers import kda_log_decay, kda_lower_bound_log_decay, route_sigmoid_grouped
-from models.moe import routed_experts
+from models.moe import group_experts, routed_experts
 
 Array = jax.Array
 F32 = jnp.float32
@@ -590,9 +590,8 @@ def mla_layer(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, *, position
 
         out = L.query_blocks(attend, (q_nope, q_rot))
     else:
-        rows, pos = jnp.arange(bsz), positions[:, 0]
-        cc = cache["c"].at[rows, pos].set(c[:, 0].astype(cache["c"].dtype))
-        kr = cache["k_rot"].at[rows, pos].set(k_rot[:, 0].astype(cache["k_rot"].dtype))
+        pos = positions[:, 0]
+        cc, kr = L.set_rows(cache["c"], pos, c[:, 0]), L.set_rows(cache["k_rot"], pos, k_rot[:, 0])
         if active is not None:
             cc = jnp.where(active[:, None, None], cc, cache["c"])
             kr = jnp.where(active[:, None, None], kr, cache["k_rot"])
@@ -622,6 +621,13 @@ def moe_mlp(p: dict, x: Array, cfg: KimiLinearConfig) -> Array:
     if "shared" in p:
         out = out + L.swiglu_mlp(xf, **p["shared"], compute=cfg.compute)
     return out.reshape(shape)
+
+
+def tensor_parallel_layout(params: Mapping[str, Any], config: KimiLinearConfig, model: int) -> dict:
+    """``params`` in the layout a model axis of ``model`` devices splits without re-layout: the
+    routed experts in ``model`` groups (``models.moe.group_experts``; KDA's q, k and v projections
+    are separate and split by head as they are). The identity for ``model`` 1."""
+    return group_experts(dict(params), model)
 
 
 # ============================================================================= model
@@ -675,6 +681,7 @@ class _KimiLinear:
     convert = staticmethod(convert)
     init_cache = staticmethod(init_cache)
     forward = staticmethod(forward)
+    tensor_parallel_layout = staticmethod(tensor_parallel_layout)
 
 
 ARCH = _KimiLinear()
@@ -695,4 +702,5 @@ __all__ = [
     "mla_layer",
     "moe_mlp",
     "param_specs",
+    "tensor_parallel_layout",
 ]

@@ -271,11 +271,28 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def set_rows(x: Array, index: Array, values: Array) -> Array:
+    """``x [B, ...]`` with ``x[b, index[b]] = values[b]`` for every row ``b`` (``index [B]`` or
+    ``[B, k]``; out-of-range entries dropped, as ``.at[].set`` does). One scatter batched over the
+    rows: on a mesh that splits the batch each device writes its own rows, where an indexed
+    ``x.at[arange(B), index]`` first gathers every device's indices and values."""
+    return jax.vmap(lambda row, i, v: row.at[i].set(v.astype(row.dtype)))(x, index, values)
+
+
+def top_k(x: Array, k: int) -> tuple[Array, Array]:
+    """``jax.lax.top_k`` over the last axis, ``(values, int32 indices)``, ties to the lower index,
+    as a stable sort: split over a mesh's batch like any sort, where XLA's TopK gathers the whole
+    batch on every device first."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    neg, idx = jax.lax.sort((-x, iota), dimension=x.ndim - 1, num_keys=1, is_stable=True)
+    return -neg[..., :k], idx[..., :k]
+
+
 def filter_top_k(logits: Array, k: int) -> Array:
     """Keeps the ``k`` largest logits of each row ``[B, V]`` (ties at the threshold survive)."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    kth = jax.lax.top_k(logits, k)[0][..., -1:]
+    kth = top_k(logits, k)[0][..., -1:]
     return jnp.where(logits >= kth, logits, -jnp.inf)
 
 
@@ -292,7 +309,7 @@ def filter_top_p(logits: Array, p: float) -> Array:
     # a token is kept when the mass strictly before it is still below p
     before = jnp.cumsum(probs, axis=-1) - probs
     keep_sorted = before < p
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    keep = set_rows(jnp.zeros_like(keep_sorted), order, keep_sorted)
     return jnp.where(keep, logits, -jnp.inf)
 
 
@@ -332,6 +349,8 @@ __all__ = [
     "rms_norm_zero_centred",
     "rope_inv_freq",
     "sample_next",
+    "set_rows",
     "swiglu_mlp",
+    "top_k",
     "write_strength",
 ]

@@ -26,9 +26,9 @@ import numpy as np
 
 from leapquant_jax.recurrence import expand_heads
 from models import layers as L
-from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, LayerParts, check_shapes,
-                         finish_cache, run_decoder_stack)
-from models.moe import routed_experts
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, STACKED_SECTIONS, ConversionError, LayerParts,
+                         check_shapes, finish_cache, run_decoder_stack)
+from models.moe import group_experts, routed_experts
 
 Array = jax.Array
 F32 = jnp.float32
@@ -393,13 +393,20 @@ def gdn_projections(p: dict, x: Array, cfg: QwenHybridConfig, *, tail: Array, le
 
     x ``[B, T, D]``. Returns ``(q, k [B, T, Hk, dk], v [B, T, Hv, dv], z [B, T, Hv, dv],
     g, beta [B, T, Hv], new_tail)`` with ``q`` L2-normalised and scaled by ``dk**-0.5``, ``k``
-    L2-normalised: the inputs the state method takes.
+    L2-normalised: the inputs the state method takes. ``p["qkv"]`` ``[C, D]`` and ``p["conv"]``
+    ``[C, Kc]`` are flat (rows ``[q | k | v]``) or grouped ``[G, C/G, ...]``
+    (``tensor_parallel_layout``); ``tail`` ``[B, Kc-1, C]`` follows the same channel order.
     """
     bsz, t, _ = x.shape
     hk, dk, hv, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    mixed, new_tail = L.causal_conv1d(L.linear(x, p["qkv"], compute=cfg.compute), p["conv"], tail=tail, lengths=lengths)
-    mixed = jax.nn.silu(mixed)
-    q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    w, conv, groups = p["qkv"], p["conv"], 1
+    if w.ndim == 3:  # grouped (tensor_parallel_layout): [G, C/G, D], the merge is free on a split G
+        groups = w.shape[0]
+        w, conv = w.reshape(-1, w.shape[-1]), conv.reshape(-1, conv.shape[-1])
+    mixed, new_tail = L.causal_conv1d(L.linear(x, w, compute=cfg.compute), conv, tail=tail, lengths=lengths)
+    mixed = jax.nn.silu(mixed).reshape(bsz, t, groups, cfg.conv_dim // groups)
+    q, k, v = jnp.split(mixed, [cfg.key_dim // groups, 2 * cfg.key_dim // groups], axis=-1)
+    q, k, v = (y.reshape(bsz, t, -1) for y in (q, k, v))
     q = L.l2norm(q.reshape(bsz, t, hk, dk)) * dk**-0.5
     k = L.l2norm(k.reshape(bsz, t, hk, dk))
     v = v.reshape(bsz, t, hv, dv)
@@ -461,9 +468,8 @@ def attention_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, po
         # right padding: a valid query only sees earlier tokens of its own row, all valid
         out = L.causal_attention(q, k, v, scale=hd**-0.5, compute=cfg.compute)
     else:
-        rows, pos = jnp.arange(bsz), positions[:, 0]
-        kc = cache["k"].at[rows, pos].set(k[:, 0].astype(cache["k"].dtype))
-        vc = cache["v"].at[rows, pos].set(v[:, 0].astype(cache["v"].dtype))
+        pos = positions[:, 0]
+        kc, vc = L.set_rows(cache["k"], pos, k[:, 0]), L.set_rows(cache["v"], pos, v[:, 0])
         if active is not None:
             keep = active[:, None, None, None]
             kc, vc = jnp.where(keep, kc, cache["k"]), jnp.where(keep, vc, cache["v"])
@@ -477,7 +483,7 @@ def route_top_k(router_logits: Array, *, top_k: int, normalize: bool) -> tuple[A
     """Softmax router (HF ``Qwen3NextTopKRouter``): fp32 softmax over experts, top-k, optional
     renormalisation. ``[N, E] -> (weights [N, k], indices [N, k])``."""
     probs = jax.nn.softmax(router_logits.astype(F32), axis=-1)
-    weights, idx = jax.lax.top_k(probs, top_k)
+    weights, idx = L.top_k(probs, top_k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, idx
@@ -494,6 +500,41 @@ def moe_mlp(p: dict, x: Array, cfg: QwenHybridConfig) -> Array:
         shared = L.swiglu_mlp(xf, **p["shared"], compute=cfg.compute)
         out = out + jax.nn.sigmoid(L.linear(xf, p["shared_gate"], compute=cfg.compute)) * shared
     return out.reshape(shape)
+
+
+def _group_rows(x: Array, sections: tuple[int, ...], groups: int, axis: int) -> Array:
+    # rows [s_0 | s_1 | ...] along ``axis`` -> [G, sum(s) / G] there, group g holding the g-th
+    # share of every section in order
+    parts = jnp.split(x, np.cumsum(sections)[:-1].tolist(), axis=axis)
+    parts = [y.reshape(y.shape[:axis] + (groups, y.shape[axis] // groups) + y.shape[axis + 1:]) for y in parts]
+    return jnp.concatenate(parts, axis=axis + 1)
+
+
+def tensor_parallel_layout(params: Mapping[str, Any], config: QwenHybridConfig, model: int) -> dict:
+    """``params`` in the layout a model axis of ``model`` devices splits without re-layout: each GDN
+    layer's fused ``qkv [C, D]`` (rows ``[q | k | v]``) and short convolution ``conv [C, Kc]``
+    grouped as ``[model, C/model, ...]``, group ``g`` holding rows ``[q_g | k_g | v_g]``, the
+    ``g``-th share of the key and value heads (``gdn_projections`` reads either layout). Split
+    over ``model`` by that leading axis, each device computes exactly its own heads' q, k and v.
+    Routed experts in ``model`` groups (``models.moe.group_experts``). Per-layer or scanned params
+    (``models.base.scan_params``); the identity for ``model`` 1."""
+    if model == 1:
+        return dict(params)
+    for name, n in (("linear_num_key_heads", config.linear_num_key_heads),
+                    ("linear_num_value_heads", config.linear_num_value_heads)):
+        if n % model:
+            raise ValueError(f"a model axis of {model} does not divide the {n} GDN heads ({name})")
+    sections = (config.key_dim, config.key_dim, config.value_dim)
+
+    def regroup(path, x):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if len(keys) < 2 or keys[-2] != PARTS.linear_key or keys[-1] not in ("qkv", "conv"):
+            return x
+        if np.ndim(x) == 3 + (keys[0] in STACKED_SECTIONS):
+            raise ValueError(f"{'.'.join(keys)} is already grouped ({np.shape(x)})")
+        return _group_rows(x, sections, model, axis=1 if keys[0] in STACKED_SECTIONS else 0)
+
+    return group_experts(jax.tree_util.tree_map_with_path(regroup, dict(params)), model)
 
 
 # ============================================================================= model
@@ -543,6 +584,7 @@ class _QwenHybrid:
     convert = staticmethod(convert)
     init_cache = staticmethod(init_cache)
     forward = staticmethod(forward)
+    tensor_parallel_layout = staticmethod(tensor_parallel_layout)
 
 
 ARCH = _QwenHybrid()
@@ -564,4 +606,5 @@ __all__ = [
     "param_specs",
     "route_top_k",
     "split_interleaved_qkvz",
+    "tensor_parallel_layout",
 ]

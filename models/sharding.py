@@ -3,6 +3,12 @@ placed on it, and the cache held to its layout inside the compiled decode loop.
 
 * ``make_mesh(data, model)``: the first ``data * model`` devices as a ``Mesh`` with axes
   ``("data", "model")``: sequences split over ``data``, heads and channels over ``model``.
+  ``check_mesh(config, data, model, batch=)`` refuses, naming the count, a model axis that does
+  not divide the heads or experts it splits (``MODEL_AXIS_COUNTS``) or a data axis that does not
+  divide the batch.
+* ``shard_params(params, mesh, arch=, config=)``: the architecture's tensor-parallel layout
+  (``arch.tensor_parallel_layout``: Qwen3.5's fused GDN ``qkv`` grouped so that each device's
+  rows are its own q, k and v heads), then every leaf placed by ``param_specs``.
 * ``param_specs(params, mesh)``: tensor parallel by leaf name, the usual Megatron split: the
   projections into heads or channels (``q``, ``k``, ``v``, ``qkv``, ``z``, ``a``, ``b``, ``gate``,
   ``up``, the KDA gates' up-projections, the short convolutions, the per-head decay parameters,
@@ -49,7 +55,8 @@ ROW_PARALLEL = frozenset({"o", "out", "down"})
 
 
 def make_mesh(data: int, model: int, devices: Optional[list] = None) -> Mesh:
-    """A ``data x model`` mesh over the first ``data * model`` of ``devices`` (default ``jax.devices()``)."""
+    """A ``data x model`` mesh over the first ``data * model`` of ``devices`` (default ``jax.devices()``;
+    over several processes, all of them, in process order)."""
     for name, n in (("data", data), ("model", model)):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"mesh axis {name} must be a positive integer, got {n!r}")
@@ -57,7 +64,39 @@ def make_mesh(data: int, model: int, devices: Optional[list] = None) -> Mesh:
     if data * model > len(devices):
         raise ValueError(f"a {data} x {model} mesh needs {data * model} devices, but {len(devices)} are available "
                          "(on the CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)")
+    if jax.process_count() > 1 and data * model != len(devices):
+        raise ValueError(f"a mesh over {jax.process_count()} processes takes all their {len(devices)} devices, "
+                         f"not {data} x {model}")
     return Mesh(np.asarray(devices[: data * model]).reshape(data, model), AXES)
+
+
+# Config fields counting what the model axis splits, which it must divide. KV heads
+# (``num_key_value_heads``) may also be fewer: each is then kept whole on every device of a group
+# of the axis (the KV projection and cache replicated), so one of the two must divide the other.
+MODEL_AXIS_COUNTS = {"linear_num_value_heads": "GDN value heads", "linear_num_key_heads": "GDN key heads",
+                     "kda_num_heads": "KDA heads", "num_attention_heads": "attention heads",
+                     "num_experts": "routed experts"}
+
+
+def check_mesh(config: Any, data: int, model: int, *, batch: Optional[int] = None) -> None:
+    """Raises ``ValueError`` (one line naming the count and the config field) unless a ``data x
+    model`` mesh splits ``config``'s model (``MODEL_AXIS_COUNTS``; experts only where a layer is
+    a mixture of experts) and, given, a ``batch`` of sequences."""
+    for name, n in (("data", data), ("model", model)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"mesh axis {name} must be a positive integer, got {n!r}")
+    for field, what in MODEL_AXIS_COUNTS.items():
+        n = getattr(config, field, None)
+        if n is None or (field == "num_experts" and "moe" not in getattr(config, "mlp_types", ())):
+            continue
+        if n % model:
+            raise ValueError(f"a model axis of {model} does not divide the {n} {what} ({field})")
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv is not None and kv % model and model % kv:
+        raise ValueError(f"a model axis of {model} and the {kv} KV heads (num_key_value_heads): neither divides "
+                         "the other")
+    if batch is not None and batch % data:
+        raise ValueError(f"a data axis of {data} does not divide the batch of {batch} sequences")
 
 
 def _split(shape: tuple, axis: int, size: int) -> bool:
@@ -66,7 +105,7 @@ def _split(shape: tuple, axis: int, size: int) -> bool:
 
 def _param_spec(keys: list, shape: tuple, model: int) -> P:
     name = keys[-1]
-    if "moe" in keys and len(shape) == 3:                     # routed experts [E, ...]: experts over model
+    if "moe" in keys and len(shape) in (3, 4):                # routed experts [E, ...] or [G, E/G, ...] over model
         return P("model") if _split(shape, 0, model) else P()
     if name in COLUMN_PARALLEL and _split(shape, 0, model):
         return P("model")
@@ -97,10 +136,41 @@ def param_specs(params: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def shard_params(params: Any, mesh: Mesh) -> Any:
-    """``params`` placed on ``mesh`` by ``param_specs``."""
+def tensor_parallel_layout(params: Any, mesh: Mesh, *, arch: Any = None, config: Any = None) -> Any:
+    """``params`` (arrays or ``jax.ShapeDtypeStruct`` leaves) in ``arch``'s layout for the mesh's
+    model axis (``arch.tensor_parallel_layout(params, config, model)``), or as they are for an
+    architecture without one (their fused projections then re-laid out by XLA every step)."""
+    layout = getattr(arch, "tensor_parallel_layout", None)
+    if layout is None or mesh.shape["model"] == 1:
+        return params
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        return jax.eval_shape(lambda p: layout(p, config, mesh.shape["model"]), params)
+    return layout(params, config, mesh.shape["model"])
+
+
+def shard_params(params: Any, mesh: Mesh, *, arch: Any = None, config: Any = None) -> Any:
+    """``params`` placed on ``mesh`` by ``param_specs``, first in ``arch``'s tensor-parallel
+    layout (``tensor_parallel_layout``) when ``arch`` and ``config`` are given. Every process of a
+    multi-process mesh passes the same values (``place``)."""
+    if arch is not None:
+        params = tensor_parallel_layout(params, mesh, arch=arch, config=config)
     specs = param_specs(params, mesh)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), params, specs)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of an array every device of ``mesh`` holds whole."""
+    return NamedSharding(mesh, P())
+
+
+def place(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``x`` (the same value in every process) as a global array of ``sharding``: each process
+    puts its own devices' shards (``jax.make_array_from_callback``), so a mesh spanning several
+    processes (``jax.distributed``) needs no transfer between them."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _cache_spec(keys: list, shape: tuple, data: int, model: int) -> P:
@@ -123,6 +193,19 @@ def cache_specs(cache: Any, mesh: Mesh) -> Any:
         return _stacked(_keys(path), tuple(np.shape(x)), lambda k, s: _cache_spec(k, s, data, model))
 
     return jax.tree_util.tree_map_with_path(spec, cache)
+
+
+def to_host(x: Any) -> Any:
+    """The whole value of every array in ``x`` as NumPy, in every process (a mesh over several
+    processes: gathered from all of them)."""
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(a)
+
+    return jax.tree.map(one, x)
 
 
 def constrain_cache(cache: Any, mesh: Optional[Mesh]) -> Any:
@@ -218,8 +301,8 @@ def shard_batch(ids: Any, mesh: Mesh, *, name: str = "ids") -> jax.Array:
     if np.shape(ids)[0] % data:
         raise ValueError(f"{name}: a batch of {np.shape(ids)[0]} sequences does not split over the mesh's "
                          f"data axis of {data}")
-    return jax.device_put(ids, NamedSharding(mesh, P("data")))
+    return place(ids, NamedSharding(mesh, P("data")))
 
 
-__all__ = ["AXES", "ShardedMethod", "cache_specs", "constrain_cache", "make_mesh", "param_specs", "shard_batch",
-           "shard_method", "shard_params"]
+__all__ = ["AXES", "MODEL_AXIS_COUNTS", "ShardedMethod", "cache_specs", "check_mesh", "constrain_cache", "make_mesh",
+           "param_specs", "place", "replicated", "shard_batch", "shard_method", "shard_params", "tensor_parallel_layout", "to_host"]

@@ -6,8 +6,15 @@ as close to fp32's as the unsharded ones), greedy tokens are the same, and every
 split by head. The Pallas kernels (interpret mode) run per shard with the layers scanned, on the
 2x4 mesh (the dense fp32 step on GDN, the LeapQuant step and flush on KDA). A GDN model with GVA (8
 value heads over 4 key heads) checks that LeapQuant's key records, kept per key head, split over
-the model axis with the value heads that read them (reference and kernels on the 2x4 mesh). The
-checks run in a child process: the device count is fixed when JAX starts."""
+the model axis with the value heads that read them (reference and kernels on the 2x4 mesh).
+
+The collectives of one compiled decode step (``bench.sharded_check.step_collectives``) of
+``bench.decode``'s ``tiny-tp`` (Qwen3.5's layers, the fused GDN projection grouped per shard) and
+``tiny-kimi`` (Kimi-Linear's, experts over the model axis): none under data parallelism, and under
+tensor parallelism (1x2, 1x4, 1x8, 2x4) one all-reduce per mixer and per MLP and the greedy
+token's gather over the vocabulary, nothing else (no re-layout); their logits on those meshes
+equal the unsharded ones. The checks run in child processes: the device count is fixed when JAX
+starts."""
 
 from __future__ import annotations
 
@@ -100,15 +107,77 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def runs():
+COLLECTIVES_CHILD = r'''
+import json
+import jax
+import numpy as np
+from leapquant_jax import make_method
+from bench.decode import WEIGHT_STD, model_config, placed_shapes
+from bench.inputs import rel
+from bench.sharded_check import step_collectives
+from models.decode import score
+from models.sharding import make_mesh
+
+out = {"steps": [], "logits": []}
+for name, meshes in (("tiny-tp", ((2, 1), (1, 2), (1, 4), (1, 8), (2, 4))), ("tiny-kimi", ((2, 1), (1, 8), (2, 4)))):
+    for shape in meshes:
+        out["steps"].append({"model": name, "mesh": shape, "state": "fp32", "layers": 4,
+                             "collectives": step_collectives(name, shape)})
+out["steps"].append({"model": "tiny-tp", "mesh": (2, 4), "state": "lq8", "layers": 4,
+                     "collectives": step_collectives("tiny-tp", (2, 4), "lq8")})
+ids = np.random.default_rng(0).integers(1, 64, (8, 6))
+for name, meshes in (("tiny-tp", ((1, 2), (1, 4))), ("tiny-kimi", ((1, 8), (2, 4)))):
+    arch, config, _ = model_config(name, None, "exact", scan_layers=False)
+    rng = np.random.default_rng(1)   # host weights: no program compiled per leaf shape
+    params = jax.tree.map(lambda x: (WEIGHT_STD * rng.standard_normal(x.shape)).astype(x.dtype),
+                          placed_shapes(arch, config))
+    ref = score(arch, params, config, ids, method=make_method("fp32"))[0]
+    for shape in meshes:
+        got = score(arch, params, config, ids, method=make_method("fp32"), mesh=make_mesh(*shape))[0]
+        out["logits"].append({"model": name, "mesh": shape, "to_unsharded": rel(got, ref)})
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _child(script: str) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1200)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _child(CHILD)
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return _child(COLLECTIVES_CHILD)
+
+
+def test_decode_step_collectives_are_tensor_parallelism_minimum(steps):
+    assert len(steps["steps"]) == 9
+    for r in steps["steps"]:
+        counts = {kind: c["count"] for kind, c in r["collectives"].items()}
+        data, model = r["mesh"]
+        if model == 1:
+            assert counts == {}, r                   # data parallel: each device on its own sequences
+            continue
+        # one all-reduce after each mixer and each MLP (row-parallel output projections); the
+        # greedy token's argmax over the vocabulary split over the model axis gathers its
+        # [B, model] maxima and indices; no re-layout of a projection or of the experts
+        assert counts == {"all-reduce": 2 * r["layers"], "all-gather": 2}, r
+
+
+def test_tensor_parallel_logits_match_unsharded(steps):
+    assert {(r["model"], tuple(r["mesh"])) for r in steps["logits"]} == {
+        ("tiny-tp", (1, 2)), ("tiny-tp", (1, 4)), ("tiny-kimi", (1, 8)), ("tiny-kimi", (2, 4))}
+    for r in steps["logits"]:
+        assert r["to_unsharded"] < 1e-5, r
 
 
 def test_sharded_decoding_matches_unsharded(runs):
@@ -153,6 +222,63 @@ def test_bad_meshes_are_refused_by_name():
         make_mesh(1, 0)
     mesh = make_mesh(1, 1)
     assert shard_batch(np.zeros((3, 2), np.int32), mesh).shape == (3, 2)
+
+
+def test_meshes_that_do_not_split_the_model_are_refused_by_name():
+    import dataclasses
+
+    from bench.decode import model_config
+    from models.sharding import check_mesh
+
+    _, tp, _ = model_config("tiny-tp", None, "fast")          # GDN 8 key / 16 value heads, 8 + 8 attention
+    _, kimi, _ = model_config("tiny-kimi", None, "fast")      # 8 KDA heads, 8 MLA heads, 8 experts
+    cases = [
+        (tp, 1, 3, None, "a model axis of 3 does not divide the 16 GDN value heads (linear_num_value_heads)"),
+        (dataclasses.replace(tp, linear_num_key_heads=4), 1, 8, None,
+         "a model axis of 8 does not divide the 4 GDN key heads (linear_num_key_heads)"),
+        (dataclasses.replace(tp, num_attention_heads=12, num_key_value_heads=4), 1, 8, None,
+         "a model axis of 8 does not divide the 12 attention heads (num_attention_heads)"),
+        (dataclasses.replace(tp, num_key_value_heads=3), 1, 2, None,
+         "a model axis of 2 and the 3 KV heads (num_key_value_heads): neither divides the other"),
+        (kimi, 1, 3, None, "a model axis of 3 does not divide the 8 KDA heads (kda_num_heads)"),
+        (dataclasses.replace(kimi, num_experts=6), 1, 4, None,
+         "a model axis of 4 does not divide the 6 routed experts (num_experts)"),
+        (tp, 2, 1, 3, "a data axis of 2 does not divide the batch of 3 sequences"),
+        (tp, 0, 1, None, "mesh axis data must be a positive integer, got 0"),
+        (tp, 1, -2, None, "mesh axis model must be a positive integer, got -2"),
+    ]
+    for config, data, model, batch, message in cases:
+        with pytest.raises(ValueError) as err:
+            check_mesh(config, data, model, batch=batch)
+        assert str(err.value) == message
+    check_mesh(tp, 2, 8, batch=4)
+    check_mesh(dataclasses.replace(tp, num_key_value_heads=2), 1, 8)     # KV heads kept whole per group
+    check_mesh(dataclasses.replace(kimi, num_experts=6, mlp_types=("dense",) * 4), 1, 4)   # no routed layer
+
+
+def test_bench_mesh_arguments_are_refused_by_name(capsys):
+    from bench import decode, serve
+
+    cases = [
+        (decode, ["--models", "tiny-tp", "--mesh", "1", "3"],
+         "--mesh 1 3: a model axis of 3 does not divide the 16 GDN value heads (linear_num_value_heads)"),
+        (decode, ["--models", "tiny-tp", "--batches", "3", "--mesh", "2", "1"],
+         "--mesh 2 1: a data axis of 2 does not divide the batch of 3 sequences"),
+        (decode, ["--models", "tiny-tp", "--mesh", "0", "1"], "--mesh 0 1: mesh axis data must be a positive integer"),
+        (decode, ["--models", "tiny-tp", "--batches", "64", "--mesh", "64", "1"],
+         "--mesh 64 1: a 64 x 1 mesh needs 64 devices"),
+        (serve, ["--models", "tiny-kimi", "--batches", "8", "--mesh", "1", "3"],
+         "--mesh 1 3: a model axis of 3 does not divide the 8 KDA heads (kda_num_heads)"),
+        (serve, ["--models", "tiny-tp", "--batches", "8", "--mesh", "1", "1", "--pool"],
+         "--mesh runs static batches (--batches) only: drop --pool and --fit"),
+        (serve, ["--models", "tiny-tp", "--batches", "8", "--mesh", "1", "-1"], "argument --mesh: must be >= 1"),
+    ]
+    for module, argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            module.parse_args(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in err, (argv, err)
 
 
 def test_parameter_placement_by_name():
