@@ -36,15 +36,8 @@ the prefill, and a last point at the end of the row is added when ``N`` does not
 traces and replayed states) once; ``score_method`` scores one method against it; ``evaluate``
 is the two together.
 
-``--generate G`` runs free-running generation instead (``generation_study``): the rows are
-prompts (exact fp32 prefill, rounded once into each method's state), and each method
-generates ``G`` greedy tokens on its own. Per method: ``first_divergence``, the index of its
-first token that differs from fp32's continuation (``G`` when none does; median, quartiles and
-range over the prompts); ``kl_to_fp32``, the mean ``KL(p_fp32 || p_method)`` of the next-token
-distributions along fp32's own continuation, both teacher-forced on it (so every method is
-measured on the same tokens); ``repetition_rate``, the share of the ``REPETITION_N``-grams of
-the method's own continuation that already occurred earlier in it (``1 - distinct / all``,
-Welleck et al.'s seq-rep-n; fp32's own rate is the baseline).
+``--generate G`` runs free-running generation instead (``generation_study``, whose docstring
+gives its measures): first divergence from fp32's continuation, KL along it, repetition rate.
 """
 
 from __future__ import annotations
@@ -489,8 +482,13 @@ def _spread(x: np.ndarray) -> dict:
 def generation_study(arch, params, config, prompts: np.ndarray, methods: dict, generate_tokens: int, *,
                      progress: Callable = lambda it, **kw: it) -> dict:
     """Free-running greedy generation of ``generate_tokens`` tokens after each of ``prompts
-    [P, C]`` with every method of ``methods`` (``{label: method}``, fp32 first); see the module
-    docstring. Returns ``{"methods": {label: {"first_divergence": {median, p25, p75, min, max,
+    [P, C]`` with every method of ``methods`` (``{label: method}``, fp32 first). Each prompt is
+    prefilled exactly in fp32 and rounded once into the method's state; the method then generates
+    on its own. ``first_divergence``: the index of its first token unlike fp32's continuation
+    (``G`` when none; median, quartiles and range over the prompts); ``kl_to_fp32``: the mean
+    ``KL(p_fp32 || p_method)`` along fp32's own continuation, both teacher-forced on it (every
+    method measured on the same tokens); ``repetition_rate``: ``1 - distinct / all`` of the
+    ``REPETITION_N``-grams of the method's own continuation (seq-rep-n; fp32's is the baseline). Returns ``{"methods": {label: {"first_divergence": {median, p25, p75, min, max,
     "per_prompt"}, "kl_to_fp32", "kl_per_prompt", "repetition_rate", "repetition_per_prompt"}},
     "generate", "prompts", "context"}``."""
     labels = list(methods)
