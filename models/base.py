@@ -93,6 +93,14 @@ class ConversionError(ValueError):
         super().__init__("\n".join(lines))
 
 
+class DecoderConfig:
+    """A base for the architectures' frozen config dataclasses: what they derive alike."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+
 @runtime_checkable
 class ModelConfig(Protocol):
     """What the shared machinery reads from an architecture's frozen config dataclass."""
@@ -408,6 +416,22 @@ def decoder_layer(parts: LayerParts, p: dict, x: Array, cache: dict, cfg: Any, i
 
 
 
+def run_recurrence(method: Any, state: Any, tails: Any, old_tails: Any, *, q: Array, k: Array, v: Array, g: Array,
+                   beta: Array, mode: str, lengths: Optional[Array], active: Optional[Array]) -> tuple[Array, Any, Any]:
+    """A linear-attention mixer's recurrence over its inputs ``[B, T, H, ...]``: ``method.prefill``
+    from an empty state, or in decode (``T = 1``) one ``method.step`` from ``state``, where the
+    sequences not ``active`` keep ``old_tails`` (the short-convolution tails ``[B, Kc-1, C]``
+    before the step, a pytree like ``tails``; the method keeps their state). Returns
+    ``(o [B, T, H, dv], new state, tails)``."""
+    if mode == "prefill":
+        o, state = method.prefill(q=q, k=k, v=v, g=g, beta=beta, lengths=lengths)
+        return o, state, tails
+    o, state = method.step(state, q=q[:, 0], k=k[:, 0], v=v[:, 0], g=g[:, 0], beta=beta[:, 0], active=active)
+    if active is not None:
+        tails = jax.tree.map(lambda new, old: jnp.where(active[:, None, None], new, old), tails, old_tails)
+    return o[:, None], state, tails
+
+
 def _uniform_method(method: Any, layers: Sequence[int]) -> bool:
     return len({method.for_layer(i) for i in layers}) <= 1
 
@@ -497,8 +521,32 @@ def run_decoder_stack(params: dict, config: Any, ids: Array, cache: dict, *, par
     return logits, new_cache, dict(sorted(traces.items()))
 
 
+@dataclasses.dataclass(frozen=True)
+class DecoderArchitecture:
+    """An ``Architecture`` made of a decoder stack: the architecture module's functions and its
+    ``LayerParts``; ``forward`` is ``run_decoder_stack`` with those parts."""
+
+    model_types: tuple[str, ...]
+    parts: LayerParts
+    config_from_hf: Callable
+    param_specs: Callable
+    convert: Callable
+    init_cache: Callable
+    tensor_parallel_layout: Callable
+
+    def forward(self, params: dict, config: Any, ids: Array, cache: dict, *, method: Any, mode: str,
+                lengths: Optional[Array] = None, active: Optional[Array] = None,
+                record: bool = False) -> tuple[Array, dict, dict]:
+        """The whole model (contract in ``Architecture.forward``). ids ``[B, T]`` int32 ->
+        ``(logits [B, T, vocab] f32, cache, traces)``."""
+        return run_decoder_stack(params, config, ids, cache, parts=self.parts, method=method, mode=mode,
+                                 lengths=lengths, active=active, record=record)
+
+
 __all__ = [
     "Architecture",
+    "DecoderArchitecture",
+    "DecoderConfig",
     "LayerParts",
     "LayerPlan",
     "RUNTIME_FIELDS",
@@ -510,6 +558,7 @@ __all__ = [
     "layer_plan",
     "put_rows",
     "run_decoder_stack",
+    "run_recurrence",
     "runtime_free_repr",
     "scan_params",
     "stack_layers",

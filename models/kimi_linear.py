@@ -49,10 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers as L
-from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, LayerParts, check_shapes,
-                         finish_cache, run_decoder_stack)
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, DecoderArchitecture, DecoderConfig,
+                         LayerParts, check_shapes, finish_cache, run_recurrence)
 from models.kimi_layers import kda_log_decay, kda_lower_bound_log_decay, route_sigmoid_grouped
-from models.moe import group_experts, routed_experts
+from models.moe import expert_specs, group_experts, routed_experts, swiglu_specs
 
 Array = jax.Array
 F32 = jnp.float32
@@ -69,7 +69,7 @@ KV_A_NORM_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
-class KimiLinearConfig:
+class KimiLinearConfig(DecoderConfig):
     """Kimi-Linear text-decoder config (frozen: a static argument under ``jit``)."""
 
     model_type: str
@@ -110,10 +110,6 @@ class KimiLinearConfig:
     # how the model runs, not what it is (models.base.RUNTIME_FIELDS)
     compute: str = L.EXACT
     scan_layers: bool = False
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
 
     @property
     def kda_dim(self) -> int:
@@ -342,21 +338,12 @@ def _mlp_specs(cfg: KimiLinearConfig, p: str, kind: str, mlp_lay: dict) -> dict:
     d = cfg.hidden_size
     m = mlp_lay["prefix"]
     if kind == DENSE:
-        i = cfg.intermediate_size
-        return {m + "gate_proj.weight": (i, d), m + "up_proj.weight": (i, d), m + "down_proj.weight": (d, i)}
+        return swiglu_specs(m, cfg.intermediate_size, d)
     e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.num_shared_experts
     specs = {m + "gate.weight": (e, d), m + "gate.e_score_correction_bias": (e,)}
-    if mlp_lay["fused"]:
-        specs[m + "experts.gate_up_proj"] = (e, 2 * i, d)
-        specs[m + "experts.down_proj"] = (e, d, i)
-    else:
-        for j in range(e):
-            specs[f"{m}experts.{j}.w1.weight"] = (i, d)
-            specs[f"{m}experts.{j}.w3.weight"] = (i, d)
-            specs[f"{m}experts.{j}.w2.weight"] = (d, i)
+    specs.update(expert_specs(m, e, i, d, fused=mlp_lay["fused"], names=("w1", "w3", "w2")))
     if s:
-        for n, shape in (("gate", (s, d)), ("up", (s, d)), ("down", (d, s))):
-            specs[f"{m}shared_experts.{n}_proj.weight"] = shape
+        specs.update(swiglu_specs(m + "shared_experts.", s, d))
     return specs
 
 
@@ -510,14 +497,8 @@ def kda_layer(p: dict, x: Array, cache: dict, cfg: KimiLinearConfig, *, method, 
     """Kimi Delta Attention. x ``[B, T, D]``; cache ``{"q_conv", "k_conv", "v_conv": [B, Kc-1, P],
     "state": method state}``. Returns ``(out [B, T, D], new_cache, trace)``."""
     q, k, v, g, beta, tails = kda_inputs(p, x, cache, cfg, lengths=lengths)
-    if mode == "prefill":
-        o, state = method.prefill(q=q, k=k, v=v, g=g, beta=beta, lengths=lengths)
-    else:
-        o, state = method.step(cache["state"], q=q[:, 0], k=k[:, 0], v=v[:, 0], g=g[:, 0], beta=beta[:, 0],
-                               active=active)
-        o = o[:, None]
-        if active is not None:
-            tails = {n: jnp.where(active[:, None, None], tails[n], cache[n]) for n in tails}
+    o, state, tails = run_recurrence(method, cache["state"], tails, {n: cache[n] for n in tails}, q=q, k=k, v=v,
+                                     g=g, beta=beta, mode=mode, lengths=lengths, active=active)
     trace = dict(q=q, k=k, v=v, g=g, beta=beta)
     return kda_output(p, o, x, cfg), dict(tails, state=state), trace
 
@@ -661,30 +642,12 @@ PARTS = LayerParts(norm=L.rms_norm, linear_key="kda", linear_mixer=kda_layer, at
                    attention_mixer=mla_layer, moe_mlp=moe_mlp)
 
 
-def forward(params: dict, config, ids: Array, cache: dict, *, method, mode: str,
-            lengths: Optional[Array] = None, active: Optional[Array] = None,
-            record: bool = False) -> tuple[Array, dict, dict]:
-    """The whole model (contract in ``models/base.py``). ids ``[B, T]`` int32 ->
-    ``(logits [B, T, vocab] f32, cache, traces)``."""
-    return run_decoder_stack(params, config, ids, cache, parts=PARTS, method=method, mode=mode, lengths=lengths,
-                             active=active, record=record)
-
-
-@dataclasses.dataclass(frozen=True)
-class _KimiLinear:
-    """``models.base.Architecture`` for Kimi-Linear (KDA + MLA, MoE)."""
-
-    model_types: tuple[str, ...] = (KIMI_LINEAR,)
-
-    config_from_hf = staticmethod(config_from_hf)
-    param_specs = staticmethod(param_specs)
-    convert = staticmethod(convert)
-    init_cache = staticmethod(init_cache)
-    forward = staticmethod(forward)
-    tensor_parallel_layout = staticmethod(tensor_parallel_layout)
-
-
-ARCH = _KimiLinear()
+# ``models.base.Architecture`` for Kimi-Linear (KDA + MLA, MoE).
+ARCH = DecoderArchitecture(model_types=(KIMI_LINEAR,), parts=PARTS,
+                           config_from_hf=config_from_hf, param_specs=param_specs, convert=convert,
+                           init_cache=init_cache, tensor_parallel_layout=tensor_parallel_layout)
+# The whole model (contract in ``models/base.py``): ``run_decoder_stack`` with ``PARTS``.
+forward = ARCH.forward
 
 __all__ = [
     "ARCH",

@@ -143,4 +143,31 @@ def group_experts(params, model: int):
     return jax.tree_util.tree_map_with_path(regroup, params)
 
 
-__all__ = ["ALGORITHMS", "EXPERT_WEIGHTS", "group_experts", "pick_algorithm", "routed_experts"]
+# HF's names for a SwiGLU's three projections: (gate, up, down).
+HF_SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def swiglu_specs(prefix: str, inner: int, hidden: int, names: tuple[str, str, str] = HF_SWIGLU_NAMES) -> dict:
+    """HF tensor name -> shape of one SwiGLU under ``prefix``: ``{gate}.weight``, ``{up}.weight``
+    ``[inner, hidden]`` and ``{down}.weight`` ``[hidden, inner]`` for ``names = (gate, up, down)``."""
+    gate, up, down = names
+    return {prefix + gate + ".weight": (inner, hidden), prefix + up + ".weight": (inner, hidden),
+            prefix + down + ".weight": (hidden, inner)}
+
+
+def expert_specs(prefix: str, experts: int, inner: int, hidden: int, *, fused: bool,
+                 names: tuple[str, str, str] = HF_SWIGLU_NAMES) -> dict:
+    """HF tensor name -> shape of ``experts`` routed SwiGLU experts under ``prefix``: transformers'
+    fused ``experts.gate_up_proj [E, 2 inner, hidden]`` and ``experts.down_proj [E, hidden, inner]``,
+    or per expert ``j`` the ``swiglu_specs`` of ``experts.{j}.`` with ``names``."""
+    if fused:
+        return {prefix + "experts.gate_up_proj": (experts, 2 * inner, hidden),
+                prefix + "experts.down_proj": (experts, hidden, inner)}
+    specs = {}
+    for j in range(experts):
+        specs.update(swiglu_specs(f"{prefix}experts.{j}.", inner, hidden, names))
+    return specs
+
+
+__all__ = ["ALGORITHMS", "EXPERT_WEIGHTS", "HF_SWIGLU_NAMES", "expert_specs", "group_experts", "pick_algorithm",
+           "routed_experts", "swiglu_specs"]

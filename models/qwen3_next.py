@@ -26,9 +26,9 @@ import numpy as np
 
 from leapquant_jax.recurrence import expand_heads
 from models import layers as L
-from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, STACKED_SECTIONS, ConversionError, LayerParts,
-                         check_shapes, finish_cache, run_decoder_stack)
-from models.moe import group_experts, routed_experts
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, STACKED_SECTIONS, ConversionError, DecoderArchitecture,
+                         DecoderConfig, LayerParts, check_shapes, finish_cache, run_recurrence)
+from models.moe import expert_specs, group_experts, routed_experts, swiglu_specs
 
 Array = jax.Array
 F32 = jnp.float32
@@ -43,7 +43,7 @@ IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenHybridConfig:
+class QwenHybridConfig(DecoderConfig):
     """Qwen3-Next / Qwen3.5 text-decoder config (frozen: a static argument under ``jit``)."""
 
     model_type: str
@@ -76,10 +76,6 @@ class QwenHybridConfig:
     # how the model runs, not what it is (models.base.RUNTIME_FIELDS)
     compute: str = L.EXACT
     scan_layers: bool = False
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
 
     @property
     def key_dim(self) -> int:
@@ -233,23 +229,13 @@ def _attention_specs(cfg: QwenHybridConfig, p: str) -> tuple[dict, dict]:
 def _mlp_specs(cfg: QwenHybridConfig, p: str, kind: str, fused_experts: bool) -> dict[str, tuple[int, ...]]:
     d = cfg.hidden_size
     if kind == "dense":
-        i = cfg.intermediate_size
-        return {p + "gate_proj.weight": (i, d), p + "up_proj.weight": (i, d), p + "down_proj.weight": (d, i)}
+        return swiglu_specs(p, cfg.intermediate_size, d)
     e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     specs = {p + "gate.weight": (e, d)}
-    if fused_experts:
-        # the transformers v5 in-memory layout, accepted when a file was saved that way
-        specs[p + "experts.gate_up_proj"] = (e, 2 * i, d)
-        specs[p + "experts.down_proj"] = (e, d, i)
-    else:
-        for j in range(e):
-            specs[f"{p}experts.{j}.gate_proj.weight"] = (i, d)
-            specs[f"{p}experts.{j}.up_proj.weight"] = (i, d)
-            specs[f"{p}experts.{j}.down_proj.weight"] = (d, i)
+    # fused: the transformers v5 in-memory layout, accepted when a file was saved that way
+    specs.update(expert_specs(p, e, i, d, fused=fused_experts))
     if s:
-        specs[p + "shared_expert.gate_proj.weight"] = (s, d)
-        specs[p + "shared_expert.up_proj.weight"] = (s, d)
-        specs[p + "shared_expert.down_proj.weight"] = (d, s)
+        specs.update(swiglu_specs(p + "shared_expert.", s, d))
         specs[p + "shared_expert_gate.weight"] = (1, d)
     return specs
 
@@ -430,14 +416,8 @@ def gdn_layer(p: dict, x: Array, cache: dict, cfg: QwenHybridConfig, *, method, 
     heads expanded to the value heads (``[B, T, Hv, ...]``).
     """
     q, k, v, z, g, beta, tail = gdn_projections(p, x, cfg, tail=cache["conv"], lengths=lengths)
-    if mode == "prefill":
-        o, state = method.prefill(q=q, k=k, v=v, g=g, beta=beta, lengths=lengths)
-    else:
-        o, state = method.step(cache["state"], q=q[:, 0], k=k[:, 0], v=v[:, 0], g=g[:, 0], beta=beta[:, 0],
-                               active=active)
-        o = o[:, None]
-        if active is not None:
-            tail = jnp.where(active[:, None, None], tail, cache["conv"])
+    o, state, tail = run_recurrence(method, cache["state"], tail, cache["conv"], q=q, k=k, v=v, g=g, beta=beta,
+                                    mode=mode, lengths=lengths, active=active)
     hv = cfg.linear_num_value_heads
     trace = dict(q=expand_heads(q, hv, axis=2), k=expand_heads(k, hv, axis=2), v=v, g=g, beta=beta)
     return gdn_output(p, o, z, cfg), {"conv": tail, "state": state}, trace
@@ -564,30 +544,12 @@ PARTS = LayerParts(norm=L.rms_norm_zero_centred, linear_key="gdn", linear_mixer=
                    attention_mixer=attention_layer, moe_mlp=moe_mlp)
 
 
-def forward(params: dict, config, ids: Array, cache: dict, *, method, mode: str,
-            lengths: Optional[Array] = None, active: Optional[Array] = None,
-            record: bool = False) -> tuple[Array, dict, dict]:
-    """The whole model (contract in ``models/base.py``). ids ``[B, T]`` int32 ->
-    ``(logits [B, T, vocab] f32, cache, traces)``."""
-    return run_decoder_stack(params, config, ids, cache, parts=PARTS, method=method, mode=mode, lengths=lengths,
-                             active=active, record=record)
-
-
-@dataclasses.dataclass(frozen=True)
-class _QwenHybrid:
-    """``models.base.Architecture`` for Qwen3-Next and Qwen3.5 (dense and MoE)."""
-
-    model_types: tuple[str, ...] = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-    config_from_hf = staticmethod(config_from_hf)
-    param_specs = staticmethod(param_specs)
-    convert = staticmethod(convert)
-    init_cache = staticmethod(init_cache)
-    forward = staticmethod(forward)
-    tensor_parallel_layout = staticmethod(tensor_parallel_layout)
-
-
-ARCH = _QwenHybrid()
+# ``models.base.Architecture`` for Qwen3-Next and Qwen3.5 (dense and MoE).
+ARCH = DecoderArchitecture(model_types=("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), parts=PARTS,
+                           config_from_hf=config_from_hf, param_specs=param_specs, convert=convert,
+                           init_cache=init_cache, tensor_parallel_layout=tensor_parallel_layout)
+# The whole model (contract in ``models/base.py``): ``run_decoder_stack`` with ``PARTS``.
+forward = ARCH.forward
 
 __all__ = [
     "ARCH",
