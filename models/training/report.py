@@ -212,9 +212,53 @@ def _spectrum_md(spectrum: dict) -> list[str]:
     return out
 
 
+def _command_md(run: dict) -> list[str]:
+    """TRAINING.md's ``## Command`` section."""
+    return ["## Command", "", "```bash", run["command"], "```", ""]
+
+
+def _model_md(m: dict, *, attention: bool) -> list[str]:
+    """TRAINING.md's ``## Model`` table of ``run["model"]``; ``attention``: with the attention row."""
+    return [
+        "## Model",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| architecture | `{m['model_type']}`: {m['layout']} |",
+        f"| parameters | {m['parameters']:,} ({m['bytes']:,} bytes as stored) |",
+        f"| linear attention | {m['linear']} |",
+        *([f"| attention | {m['attention']} |"] if attention else []),
+        f"| MLP | {m['mlp']} |",
+        f"| vocabulary | {m['vocab_size']:,} |",
+        "",
+    ]
+
+
+def _training_rows(run: dict) -> list[str]:
+    """TRAINING.md's ``## Training`` heading and the rows every run has, steps to recurrence (the
+    caller adds its own rows and the seed)."""
+    t, p = run["train"], run["progress"]
+    return [
+        "## Training",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| steps | {p['steps']:,} of a {p['total_steps']:,}-step schedule (stopped by {p['stopped_by']}) |",
+        f"| tokens seen | {p['tokens_seen']:,} ({t['batch']} rows x {t['seq_len']:,} tokens per step) |",
+        f"| time | {p['train_seconds']:.0f} s in the training loop ({p['tokens_per_second']:,.0f} tokens/s, "
+        f"compilation and evaluation included); {p['wall_seconds']:.0f} s for the whole command |",
+        f"| device | {run['environment']['device']} (JAX {run['environment']['jax']}, Python {run['environment']['python']}) |",
+        f"| optimizer | AdamW (b1 {t['b1']}, b2 {t['b2']}, eps {t['eps']}, weight decay {t['weight_decay']} on matrices), "
+        f"clip global norm {t['clip_norm']}; fp32 parameters and moments |",
+        f"| schedule | linear warm-up over {t['warmup_steps']} steps to {t['peak_lr']}, cosine decay to "
+        f"{t['final_lr_fraction']} of the peak |",
+        f"| recurrence | {t['recurrence']} (chunk {t['chunk']}), fp32 |",
+    ]
+
+
 def render_training_md(run: dict) -> str:
     """``TRAINING.md`` from a run dict (the ``training.json`` the train command writes)."""
-    d, m, t, p, f = run["data"], run["model"], run["train"], run["progress"], run["final"]
+    d, m, t, f = run["data"], run["model"], run["train"], run["final"]
     recall = t["recall"]
     lines = [
         f"# {run['name']}",
@@ -224,12 +268,7 @@ def render_training_md(run: dict) -> str:
         f"`tokenizer.json`, `tokenizer_config.json`; `training.json` holds every number below and the full "
         f"loss history; `SHA256SUMS` fingerprints every file.",
         "",
-        "## Command",
-        "",
-        "```bash",
-        run["command"],
-        "```",
-        "",
+        *_command_md(run),
         "## Data",
         "",
         "| | |",
@@ -248,31 +287,8 @@ def render_training_md(run: dict) -> str:
     if d["excluded"]:
         lines += ["Excluded: " + "; ".join(f"`{e['path']}` ({e['reason']})" for e in d["excluded"]) + ".", ""]
     lines += [
-        "## Model",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| architecture | `{m['model_type']}`: {m['layout']} |",
-        f"| parameters | {m['parameters']:,} ({m['bytes']:,} bytes as stored) |",
-        f"| linear attention | {m['linear']} |",
-        f"| attention | {m['attention']} |",
-        f"| MLP | {m['mlp']} |",
-        f"| vocabulary | {m['vocab_size']:,} |",
-        "",
-        "## Training",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| steps | {p['steps']:,} of a {p['total_steps']:,}-step schedule (stopped by {p['stopped_by']}) |",
-        f"| tokens seen | {p['tokens_seen']:,} ({t['batch']} rows x {t['seq_len']:,} tokens per step) |",
-        f"| time | {p['train_seconds']:.0f} s in the training loop ({p['tokens_per_second']:,.0f} tokens/s, "
-        f"compilation and evaluation included); {p['wall_seconds']:.0f} s for the whole command |",
-        f"| device | {run['environment']['device']} (JAX {run['environment']['jax']}, Python {run['environment']['python']}) |",
-        f"| optimizer | AdamW (b1 {t['b1']}, b2 {t['b2']}, eps {t['eps']}, weight decay {t['weight_decay']} on matrices), "
-        f"clip global norm {t['clip_norm']}; fp32 parameters and moments |",
-        f"| schedule | linear warm-up over {t['warmup_steps']} steps to {t['peak_lr']}, cosine decay to "
-        f"{t['final_lr_fraction']} of the peak |",
-        f"| recurrence | {t['recurrence']} (chunk {t['chunk']}), fp32 |",
+        *_model_md(m, attention=True),
+        *_training_rows(run),
         "| recall task | "
         + (f"{recall['fraction']:.0%} of rows: {recall['pairs']} key-value pairs, then at least {recall['min_gap']:,} "
            f"tokens of text, then every key queried in random order |" if recall["fraction"] else "none |"),
@@ -311,7 +327,7 @@ def _eval_table(history: dict, rows: int = 12) -> list[str]:
 
 def render_task_training_md(run: dict) -> str:
     """``TRAINING.md`` of a task run (``leapquant train --task``) from its ``training.json`` dict."""
-    task, m, t, p, f = run["task"], run["model"], run["train"], run["progress"], run["final"]
+    task, m, t, f = run["task"], run["model"], run["train"], run["final"]
     mix, v = task["mix"], task["mix"]["vocab"]
     fillers = v["size"] - 1 - v["keys"] - v["values"]
     spreads = ", ".join(f"{x:g}" for x in mix["spreads"])
@@ -324,12 +340,7 @@ def render_task_training_md(run: dict) -> str:
         f"(the vocabulary split and the training rows, read by `leapquant task`); `training.json` holds every number "
         f"below and the full history; `SHA256SUMS` fingerprints every file.",
         "",
-        "## Command",
-        "",
-        "```bash",
-        run["command"],
-        "```",
-        "",
+        *_command_md(run),
         "## Task rows",
         "",
         "| | |",
@@ -349,30 +360,8 @@ def render_task_training_md(run: dict) -> str:
                                     "tokens per step kept |" if mix.get("lengths") else "none |"),
         f"| gap | {mix['gap']} filler tokens between the pairs and the query region |",
         "",
-        "## Model",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| architecture | `{m['model_type']}`: {m['layout']} |",
-        f"| parameters | {m['parameters']:,} ({m['bytes']:,} bytes as stored) |",
-        f"| linear attention | {m['linear']} |",
-        f"| MLP | {m['mlp']} |",
-        f"| vocabulary | {m['vocab_size']:,} |",
-        "",
-        "## Training",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| steps | {p['steps']:,} of a {p['total_steps']:,}-step schedule (stopped by {p['stopped_by']}) |",
-        f"| tokens seen | {p['tokens_seen']:,} ({t['batch']} rows x {t['seq_len']:,} tokens per step) |",
-        f"| time | {p['train_seconds']:.0f} s in the training loop ({p['tokens_per_second']:,.0f} tokens/s, "
-        f"compilation and evaluation included); {p['wall_seconds']:.0f} s for the whole command |",
-        f"| device | {run['environment']['device']} (JAX {run['environment']['jax']}, Python {run['environment']['python']}) |",
-        f"| optimizer | AdamW (b1 {t['b1']}, b2 {t['b2']}, eps {t['eps']}, weight decay {t['weight_decay']} on matrices), "
-        f"clip global norm {t['clip_norm']}; fp32 parameters and moments |",
-        f"| schedule | linear warm-up over {t['warmup_steps']} steps to {t['peak_lr']}, cosine decay to "
-        f"{t['final_lr_fraction']} of the peak |",
-        f"| recurrence | {t['recurrence']} (chunk {t['chunk']}), fp32 |",
+        *_model_md(m, attention=False),
+        *_training_rows(run),
         f"| seed | {t['seed']} |",
         "",
         "## Results",
