@@ -10,21 +10,18 @@ held-out snippet for cross-checks, and ``SHA256SUMS``.
 from __future__ import annotations
 
 import json
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from models.checkpoint import save_hf
 from models.loading import DATA_FILES
-from models.registry import architecture_for_config
 from models.training import data as D
 from models.training import loop, report
-from models.training.model import hf_config, init_params, parameter_count
-from models.training.run_record import TRAIN_LOSS_STEPS, command_line, describe_model, export_tensors
+from models.training.model import hf_config
+from models.training.run_record import (describe_model, export_tensors, output_paths, print_summary,
+                                        train_from_scratch, train_overrides, training_record, write_checkpoint)
 from models.training.task_cli import run_train_task
 
 # The held-out snippet shipped with a checkpoint (its first tokens of held-out text), on which
@@ -64,32 +61,16 @@ def run_train(args) -> int:
     given = [f"--{k.replace('_', '-')}" for k in task_flags if getattr(args, k) is not None]
     if given:
         raise ValueError(f"{', '.join(given)} apply to --task runs")
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out} exists and is not an empty directory; not overwriting it")
-    name = args.name or out.name
-    state_dir = Path(args.state_dir) if args.state_dir else Path("out") / "train" / name
+    out, name, state_dir = output_paths(args)
     recall = D.RecallSpec(**{k: v for k, v in dict(fraction=args.recall_fraction, pairs=args.recall_pairs,
                                                    min_gap=args.recall_min_gap).items() if v is not None})
-    overrides = {k: v for k, v in dict(
-        arch=args.arch, size=args.size or "ship", seq_len=args.seq_len, batch=args.batch, peak_lr=args.lr,
-        warmup_steps=args.warmup, recurrence=args.recurrence, chunk=args.chunk, seed=args.seed,
-        eval_every=args.eval_every, eval_windows=args.eval_windows, final_eval_windows=args.final_eval_windows,
-        steps=args.steps, minutes=args.minutes, reserve_seconds=args.reserve_seconds,
-        weight_decay=args.weight_decay).items() if v is not None}
-    cfg = loop.TrainConfig(recall=recall, **overrides)
+    cfg = loop.TrainConfig(recall=recall, **train_overrides(args, size="ship"))
     corpus = D.load_corpus(args.data)
     config_json = hf_config(cfg.arch, vocab_size=corpus.vocab_size, eos_token_id=corpus.special(D.EOS), size=cfg.size)
-    arch = architecture_for_config(config_json)
-    config = arch.config_from_hf(config_json)
-    params = init_params(config_json, seed=cfg.seed)
-    trainer = loop.Trainer(arch, config, cfg)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else (lambda msg: None)
-    log(f"{name}: {parameter_count(params):,} parameters, {cfg.batch} x {cfg.seq_len} tokens per step, "
-        f"state in {state_dir}, device {jax.devices()[0].device_kind}")
     meta_extra = {"name": name, "config_json": config_json, "data_contents_sha256": corpus.manifest["contents_sha256"]}
-    params, run = loop.train(trainer, corpus, params, state_dir=state_dir, start_time=t_start, meta_extra=meta_extra,
-                             progress=not args.json and not args.no_progress, log=log)
+    arch, config, trainer, params, run = train_from_scratch(args, cfg, config_json, corpus, name=name,
+                                                            state_dir=state_dir, what="", meta_extra=meta_extra,
+                                                            t_start=t_start)
 
     # final evaluation and spectrum on held-out windows
     final_windows = D.eval_windows(corpus.heldout, seq_len=cfg.seq_len, max_windows=cfg.final_eval_windows)
@@ -99,57 +80,29 @@ def run_train(args) -> int:
                                      batch=cfg.batch, recurrence=trainer.recurrence)
     params_np = jax.tree.map(np.asarray, jax.device_get(params))
     tensors = export_tensors(config, params_np)
-    tail = run.history["train"][-TRAIN_LOSS_STEPS:]
     d = corpus.manifest
     heldout_tokens = int(final_windows.shape[0] * cfg.seq_len)
-    tokens_seen = int(run.step * cfg.batch * cfg.seq_len)
-    run_json = {
-        "name": name,
-        "command": command_line(args),
-        "data": {k: d[k] for k in ("source", "python_version", "selection", "held_out_rule", "files", "file_list_sha256",
-                                   "contents_sha256", "excluded", "splits", "vocab_size", "tokenizer_sha256")},
-        "model": dict(describe_model(config, config_json), model_type=config.model_type, parameters=parameter_count(tensors),
-                      bytes=int(sum(x.nbytes for x in tensors.values())), vocab_size=config.vocab_size,
-                      dtype_note="bf16; A_log and dt_bias in fp32, as the released checkpoints store them"),
-        "train": cfg.trajectory(),
-        "progress": {"steps": run.step, "total_steps": run.total_steps, "stopped_by": run.stopped_by or "steps",
-                     "tokens_seen": tokens_seen, "train_seconds": run.train_seconds,
-                     "tokens_per_second": tokens_seen / max(run.train_seconds, 1e-9),
-                     "wall_seconds": time.time() - t_start},
-        "final": {"train_loss": float(np.mean([e["loss"] for e in tail])) if tail else None,
-                  "train_loss_steps": len(tail), "heldout_loss": heldout, "heldout_tokens": heldout_tokens,
-                  "heldout_bits_per_byte": heldout * d["splits"]["heldout"]["tokens"] / d["splits"]["heldout"]["bytes"]
-                  / np.log(2.0), "recall_accuracy": recall_acc},
-        "spectrum": spectrum,
-        "environment": {"device": f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})",
-                        "jax": jax.__version__, "python": sys.version.split()[0]},
-        "history": run.history,
-    }
-    with tempfile.TemporaryDirectory(prefix=f".{name}-report.", dir=state_dir) as tmp:
-        tmp = Path(tmp)
-        report.plot_loss_curve(run.history, tmp / "loss_curve.png", title=f"{name}: loss")
-        report.plot_spectrum(spectrum, tmp / "decay_spectrum.png", title=f"{name}: decay spectrum (held-out text)")
-        run_json["progress"]["wall_seconds"] = time.time() - t_start
-        (tmp / "training.json").write_text(json.dumps(run_json, indent=1) + "\n")
-        (tmp / "TRAINING.md").write_text(report.render_training_md(run_json))
-        snippet = corpus.heldout[:SNIPPET_TOKENS].astype(int).tolist()
-        (tmp / "heldout_snippet.json").write_text(json.dumps({"source": "first tokens of the held-out stream",
-                                                              "ids": snippet}) + "\n")
-        files = {n: tmp / n for n in ("loss_curve.png", "decay_spectrum.png", "training.json", "TRAINING.md",
-                                      "heldout_snippet.json")}
-        files.update({DATA_FILES: corpus.path / D.FILES_LIST, D.TOKENIZER: corpus.path / D.TOKENIZER,
-                      D.TOKENIZER_CONFIG: corpus.path / D.TOKENIZER_CONFIG})
-        save_hf(out, config_json=config_json, tensors=tensors, files=files)
-    report.write_sha256sums(out)
-    summary = {"command": "train", "out": str(out), "name": name, "steps": run.step, "total_steps": run.total_steps,
-               "stopped_by": run_json["progress"]["stopped_by"], "tokens_seen": tokens_seen,
-               "train_loss": run_json["final"]["train_loss"], "heldout_loss": heldout, "recall_accuracy": recall_acc,
-               "long_memory": spectrum["summary"], "seconds": round(time.time() - t_start, 1)}
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"wrote {out}: {run.step} steps, held-out loss {heldout:.4f}, "
-              f"long-memory summary {spectrum['summary']}, {summary['seconds']} s")
+    data = {k: d[k] for k in ("source", "python_version", "selection", "held_out_rule", "files", "file_list_sha256",
+                              "contents_sha256", "excluded", "splits", "vocab_size", "tokenizer_sha256")}
+    final = {"heldout_loss": heldout, "heldout_tokens": heldout_tokens,
+             "heldout_bits_per_byte": heldout * d["splits"]["heldout"]["tokens"] / d["splits"]["heldout"]["bytes"]
+             / np.log(2.0), "recall_accuracy": recall_acc}
+    run_json = training_record(args, name=name, inputs=("data", data), config=config, config_json=config_json,
+                               words=describe_model(config, config_json), tensors=tensors, cfg=cfg, run=run,
+                               final=final, spectrum=spectrum, t_start=t_start)
+    snippet = corpus.heldout[:SNIPPET_TOKENS].astype(int).tolist()
+    write_checkpoint(
+        out, run_json, state_dir=state_dir, config_json=config_json, tensors=tensors,
+        plots={"loss_curve.png": lambda path: report.plot_loss_curve(run.history, path, title=f"{name}: loss"),
+               "decay_spectrum.png": lambda path: report.plot_spectrum(
+                   spectrum, path, title=f"{name}: decay spectrum (held-out text)")},
+        render=report.render_training_md,
+        texts={"heldout_snippet.json": json.dumps({"source": "first tokens of the held-out stream",
+                                                   "ids": snippet}) + "\n"},
+        copies={DATA_FILES: corpus.path / D.FILES_LIST, D.TOKENIZER: corpus.path / D.TOKENIZER,
+                D.TOKENIZER_CONFIG: corpus.path / D.TOKENIZER_CONFIG},
+        t_start=t_start)
+    print_summary(args, out, run_json, words=f"held-out loss {heldout:.4f}", t_start=t_start)
     return 0
 
 

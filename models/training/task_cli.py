@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from models.checkpoint import save_hf
-from models.registry import architecture_for_config
 from models.tasks import TaskVocab, generate
 from models.training import data as D
 from models.training import loop, report
-from models.training.model import hf_config, init_params, parameter_count
-from models.training.run_record import TRAIN_LOSS_STEPS, command_line, describe_model, export_tensors
+from models.training.model import hf_config
+from models.training.run_record import (describe_model, export_tensors, output_paths, print_summary,
+                                        train_from_scratch, train_overrides, training_record, write_checkpoint)
 from models.training.task_data import HELDOUT_STREAM, TaskMix
 
 TASK_FILE = "task.json"
@@ -97,36 +93,21 @@ def _pure_linear(config) -> dict:
 
 def run_train_task(args, t_start: float) -> int:
     """The ``leapquant train --task`` handler (``models.training.cli.run_train`` calls it)."""
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out} exists and is not an empty directory; not overwriting it")
+    out, name, state_dir = output_paths(args)
     if args.data is not None:
         raise ValueError("--task trains on generated rows: leave out --data")
     given = [f for f, v in (("--recall-fraction", args.recall_fraction), ("--recall-pairs", args.recall_pairs),
                             ("--recall-min-gap", args.recall_min_gap)) if v is not None]
     if given:
         raise ValueError(f"--task trains on task rows alone: leave out {', '.join(given)}")
-    name = args.name or out.name
-    state_dir = Path(args.state_dir) if args.state_dir else Path("out") / "train" / name
     mix = task_mix_from_args(args)
-    overrides = {k: v for k, v in dict(
-        arch=args.arch, size=args.size or "recall", seq_len=args.seq_len, batch=args.batch, peak_lr=args.lr,
-        warmup_steps=args.warmup, recurrence=args.recurrence, chunk=args.chunk, seed=args.seed,
-        eval_every=args.eval_every, eval_windows=args.eval_windows, final_eval_windows=args.final_eval_windows,
-        steps=args.steps, minutes=args.minutes, reserve_seconds=args.reserve_seconds,
-        weight_decay=args.weight_decay).items() if v is not None}
-    cfg = loop.TrainConfig(recall=D.RecallSpec(fraction=0.0), task=mix, **overrides)
+    cfg = loop.TrainConfig(recall=D.RecallSpec(fraction=0.0), task=mix, **train_overrides(args, size="recall"))
     config_json = hf_config(cfg.arch, vocab_size=mix.vocab.size, eos_token_id=0, size=cfg.size)
-    arch = architecture_for_config(config_json)
-    config = arch.config_from_hf(config_json)
-    params = init_params(config_json, seed=cfg.seed)
-    trainer = loop.Trainer(arch, config, cfg)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else (lambda msg: None)
-    log(f"{name}: {parameter_count(params):,} parameters, {cfg.batch} x {cfg.seq_len} tokens per step, task "
-        f"{args.task} {mix.to_json()}, state in {state_dir}, device {jax.devices()[0].device_kind}")
     meta_extra = {"name": name, "config_json": config_json, "task": args.task}
-    params, run = loop.train(trainer, None, params, state_dir=state_dir, start_time=t_start, meta_extra=meta_extra,
-                             progress=not args.json and not args.no_progress, log=log)
+    arch, config, trainer, params, run = train_from_scratch(args, cfg, config_json, None, name=name,
+                                                            state_dir=state_dir,
+                                                            what=f"task {args.task} {mix.to_json()}, ",
+                                                            meta_extra=meta_extra, t_start=t_start)
 
     # final evaluation and spectrum on held-out rows
     final_cfg = dataclasses.replace(cfg, eval_windows=cfg.final_eval_windows)
@@ -137,52 +118,24 @@ def run_train_task(args, t_start: float) -> int:
                                      batch=cfg.batch, recurrence=trainer.recurrence)
     params_np = jax.tree.map(np.asarray, jax.device_get(params))
     tensors = export_tensors(config, params_np)
-    tail = run.history["train"][-TRAIN_LOSS_STEPS:]
-    tokens_seen = int(run.step * cfg.batch * cfg.seq_len)
-    run_json = {
-        "name": name,
-        "command": command_line(args),
-        "task": task_file(mix, cfg.seq_len, args.task),
-        "model": dict(describe_model(config, config_json), **_pure_linear(config), model_type=config.model_type,
-                      parameters=parameter_count(tensors),
-                      bytes=int(sum(x.nbytes for x in tensors.values())), vocab_size=config.vocab_size,
-                      dtype_note="bf16; A_log and dt_bias in fp32, as the released checkpoints store them"),
-        "train": cfg.trajectory(),
-        "progress": {"steps": run.step, "total_steps": run.total_steps, "stopped_by": run.stopped_by or "steps",
-                     "tokens_seen": tokens_seen, "train_seconds": run.train_seconds,
-                     "tokens_per_second": tokens_seen / max(run.train_seconds, 1e-9),
-                     "wall_seconds": time.time() - t_start},
-        "final": {"train_loss": float(np.mean([e["loss"] for e in tail])) if tail else None,
-                  "train_loss_steps": len(tail), "heldout_loss": heldout, "heldout_rows": int(len(held["ids"])),
-                  "recall_accuracy": accuracy, "accuracy_by_pairs": by_pairs},
-        "spectrum": spectrum,
-        "environment": {"device": f"{len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})",
-                        "jax": jax.__version__, "python": sys.version.split()[0]},
-        "history": run.history,
-    }
-    with tempfile.TemporaryDirectory(prefix=f".{name}-report.", dir=state_dir) as tmp:
-        tmp = Path(tmp)
-        report.plot_loss_curve(run.history, tmp / "loss_curve.png", title=f"{name}: loss on the queried values")
-        report.plot_accuracy_curve(run.history, tmp / "accuracy_curve.png", title=f"{name}: held-out recall accuracy")
-        report.plot_spectrum(spectrum, tmp / "decay_spectrum.png", title=f"{name}: decay spectrum (held-out task rows)")
-        run_json["progress"]["wall_seconds"] = time.time() - t_start
-        (tmp / "training.json").write_text(json.dumps(run_json, indent=1) + "\n")
-        (tmp / "TRAINING.md").write_text(report.render_task_training_md(run_json))
-        (tmp / TASK_FILE).write_text(json.dumps(run_json["task"], indent=1) + "\n")
-        files = {n: tmp / n for n in ("loss_curve.png", "accuracy_curve.png", "decay_spectrum.png", "training.json",
-                                      "TRAINING.md", TASK_FILE)}
-        save_hf(out, config_json=config_json, tensors=tensors, files=files)
-    report.write_sha256sums(out)
-    summary = {"command": "train", "out": str(out), "name": name, "task": args.task, "steps": run.step,
-               "total_steps": run.total_steps, "stopped_by": run_json["progress"]["stopped_by"],
-               "tokens_seen": tokens_seen, "train_loss": run_json["final"]["train_loss"], "heldout_loss": heldout,
-               "recall_accuracy": accuracy, "accuracy_by_pairs": by_pairs, "long_memory": spectrum["summary"],
-               "seconds": round(time.time() - t_start, 1)}
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"wrote {out}: {run.step} steps, held-out recall accuracy {accuracy:.4f} {by_pairs}, "
-              f"long-memory summary {spectrum['summary']}, {summary['seconds']} s")
+    final = {"heldout_loss": heldout, "heldout_rows": int(len(held["ids"])), "recall_accuracy": accuracy,
+             "accuracy_by_pairs": by_pairs}
+    run_json = training_record(args, name=name, inputs=("task", task_file(mix, cfg.seq_len, args.task)),
+                               config=config, config_json=config_json,
+                               words=dict(describe_model(config, config_json), **_pure_linear(config)),
+                               tensors=tensors, cfg=cfg, run=run, final=final, spectrum=spectrum, t_start=t_start)
+    write_checkpoint(
+        out, run_json, state_dir=state_dir, config_json=config_json, tensors=tensors,
+        plots={"loss_curve.png": lambda path: report.plot_loss_curve(
+                   run.history, path, title=f"{name}: loss on the queried values"),
+               "accuracy_curve.png": lambda path: report.plot_accuracy_curve(
+                   run.history, path, title=f"{name}: held-out recall accuracy"),
+               "decay_spectrum.png": lambda path: report.plot_spectrum(
+                   spectrum, path, title=f"{name}: decay spectrum (held-out task rows)")},
+        render=report.render_task_training_md,
+        texts={TASK_FILE: json.dumps(run_json["task"], indent=1) + "\n"},
+        t_start=t_start)
+    print_summary(args, out, run_json, words=f"held-out recall accuracy {accuracy:.4f} {by_pairs}", t_start=t_start)
     return 0
 
 
