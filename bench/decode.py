@@ -67,51 +67,41 @@ from models.flax_modules import param_shapes
 from models.layers import COMPUTE_MODES, FAST
 
 # Released configurations (text decoder), as their config.json files give them.
+QWEN35_9B = dict(
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, num_hidden_layers=32,
+    full_attention_interval=4, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    rms_norm_eps=1e-6, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=12288, tie_word_embeddings=False)
+KIMI_LINEAR_48B = dict(
+    model_type="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
+    num_attention_heads=32, num_key_value_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, intermediate_size=9216, moe_intermediate_size=1024,
+    num_experts=256, num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1,
+    routed_scaling_factor=2.446, moe_renormalize=True, use_grouped_topk=False, rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    linear_attn_config={"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
+                        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                        "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]})
+# The same architecture as qwen3.5-9b at test scale.
+TINY = dict(
+    QWEN35_9B, vocab_size=64, hidden_size=32, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    intermediate_size=48)
 MODELS = {
-    "qwen3.5-9b": dict(
-        model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, num_hidden_layers=32,
-        full_attention_interval=4, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=12288, tie_word_embeddings=False),
-    "qwen3.5-4b": dict(
-        model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560, num_hidden_layers=32,
-        full_attention_interval=4, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=9216, tie_word_embeddings=True),
-    "kimi-linear-48b-a3b": dict(
-        model_type="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
-        num_attention_heads=32, num_key_value_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, intermediate_size=9216, moe_intermediate_size=1024,
-        num_experts=256, num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1,
-        routed_scaling_factor=2.446, moe_renormalize=True, use_grouped_topk=False, rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        linear_attn_config={"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
-                            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
-                            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]}),
-    # the same architecture as qwen3.5-9b at test scale
-    "tiny": dict(
-        model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=8, full_attention_interval=4,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=48, tie_word_embeddings=False),
+    "qwen3.5-9b": QWEN35_9B,
+    "qwen3.5-4b": dict(QWEN35_9B, hidden_size=2560, intermediate_size=9216, tie_word_embeddings=True),
+    "kimi-linear-48b-a3b": KIMI_LINEAR_48B,
+    "tiny": TINY,
     # qwen3.5-9b's and kimi-linear-48b-a3b's architectures at test scale, every count a mesh splits
     # (heads, KV heads, experts) divisible by 8
-    "tiny-tp": dict(
-        model_type="qwen3_5_text", vocab_size=64, hidden_size=64, num_hidden_layers=4, full_attention_interval=4,
-        num_attention_heads=8, num_key_value_heads=8, head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=64, tie_word_embeddings=False),
+    "tiny-tp": dict(TINY, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                    linear_num_key_heads=8, linear_num_value_heads=16, intermediate_size=64),
     "tiny-kimi": dict(
-        model_type="kimi_linear", vocab_size=64, hidden_size=64, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, mla_use_nope=True, intermediate_size=64, moe_intermediate_size=16,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
-        routed_scaling_factor=2.446, moe_renormalize=True, use_grouped_topk=False, rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        KIMI_LINEAR_48B, vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=8, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_token=2,
         linear_attn_config={"num_heads": 8, "head_dim": 16, "short_conv_kernel_size": 4, "full_attn_layers": [4],
                             "kda_layers": [1, 2, 3]}),
 }
