@@ -32,6 +32,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from .checks import check_integer
 from .damp import persistence, state_samples
 
 FORMAT = "leapquant-lifetime-calibration"
@@ -89,8 +90,7 @@ def layer_statistics(inputs: dict, *, every: int = DEFAULT_EVERY, max_samples: i
                      horizon: int = DEFAULT_HORIZON) -> LayerStatistics:
     """The statistics of one layer's inputs ``{"q", "k", "v", "g", "beta": [B, T, ...]}``."""
     for name, value, low in (("every", every, 1), ("max_samples", max_samples, 1), ("horizon", horizon, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_integer(name, value, low)
     samples = state_samples(inputs, every)
     if samples.shape[0] > max_samples:
         samples = samples[np.linspace(0, samples.shape[0] - 1, max_samples).round().astype(int)]

@@ -7,9 +7,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import windowed
+from .checks import check_positive
 from .chunked import chunk_delta_rule
 from .recurrence import Token, check_lengths, check_sequence, delta_rule_token, time_major
 
@@ -19,8 +19,7 @@ Array = jax.Array
 def check_dims(batch: int, heads: int, dk: int, dv: int) -> None:
     """Raises ``ValueError`` naming the first of ``batch, heads, dk, dv`` that is not a positive integer."""
     for name, n in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        check_positive(name, n)
 
 
 def check_dense(state: Array) -> tuple[int, int, int, int]:

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leapquant_jax.checks import check_integer
 from leapquant_jax.cli_support import add_states_option, int_at_least, progress, state_options, warn
 from leapquant_jax.method_names import methods_for_labels
 from leapquant_jax.methods import make_method
@@ -79,9 +80,7 @@ class EvalConfig:
     def __post_init__(self):
         checks = [("context", 2), ("prefill", 0), ("batch", 1), ("greedy_tokens", 1)]
         for name, low in checks + ([("error_every", 1)] if self.error_every is not None else []):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            check_integer(name, getattr(self, name), low)
         if self.prefill > self.context - 2:
             raise ValueError(f"prefill ({self.prefill}) must leave at least one scored decode step in the "
                              f"context ({self.context}): prefill <= context - 2")

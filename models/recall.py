@@ -29,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from leapquant_jax.checks import check_integer
 from leapquant_jax.cli_support import add_states_option, int_at_least, progress, state_options
 from leapquant_jax.method_names import methods_for_labels
 from models.decode import check_token_ids, score
@@ -55,9 +56,7 @@ class RecallConfig:
 
     def __post_init__(self):
         for name, low in (("span", 1), ("gap", 0), ("batch", 1), ("skip", 0), ("prefill", 0), ("seed", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            check_integer(name, getattr(self, name), low)
         if self.skip >= self.span:
             raise ValueError(f"skip ({self.skip}) must leave at least one scored token of the span ({self.span}): "
                              f"skip <= span - 1")

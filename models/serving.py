@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leapquant_jax.checks import check_integer
 from models.base import put_rows, take_rows
 from models.fingerprint import check_state_method
 from models.decode import PROMPT_BUCKET, check_token_ids
@@ -72,12 +73,6 @@ class SlotFault:
         return f"slot {self.slot} ended after {self.tokens} tokens: {self.reason}"
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
     """The shape of a pool: ``slots`` sequences of at most ``max_len`` tokens each (prompt and
@@ -89,9 +84,9 @@ class PoolConfig:
     bucket: int = PROMPT_BUCKET
 
     def __post_init__(self):
-        _positive_int(self.slots, "slots")
-        _positive_int(self.max_len, "max_len")
-        _positive_int(self.bucket, "bucket")
+        check_integer("slots", self.slots)
+        check_integer("max_len", self.max_len)
+        check_integer("bucket", self.bucket)
         if not isinstance(self.sampling, Sampling):
             raise ValueError(f"sampling must be a models.layers.Sampling, got {self.sampling!r}")
 
@@ -219,7 +214,7 @@ class DecodePool:
     def check_fits(self, length: int, budget: int, *, name: str = "the prompt") -> None:
         """Raises ``ValueError`` unless ``length`` consumed tokens and ``budget`` new ones fit in
         ``max_len`` (the last new token is never fed back: ``length + budget - 1 <= max_len``)."""
-        budget = _positive_int(budget, "budget")
+        budget = check_integer("budget", budget)
         if length + budget - 1 > self.max_len:
             raise ValueError(f"{name} ({length} tokens) and {budget} new tokens need {length + budget - 1} "
                              f"positions, more than the pool's max_len = {self.max_len}")
@@ -419,18 +414,18 @@ class DecodePool:
 
 def _budgets(max_new_tokens, n: int) -> list[int]:
     if isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool):
-        return [_positive_int(max_new_tokens, "max_new_tokens")] * n
+        return [check_integer("max_new_tokens", max_new_tokens)] * n
     budgets = list(max_new_tokens)
     if len(budgets) != n:
         raise ValueError(f"max_new_tokens gives {len(budgets)} budgets for {n} requests")
-    return [_positive_int(b, f"max_new_tokens[{i}]") for i, b in enumerate(budgets)]
+    return [check_integer(f"max_new_tokens[{i}]", b) for i, b in enumerate(budgets)]
 
 
 def decode_slot(pool: DecodePool, slot: int, *, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
     """Steps the pool until slot ``slot`` has generated ``max_new_tokens`` tokens (its pending
     token first) or a stop token (kept); returns them and evicts the slot. Raises ``PoolFault``
     when the slot's logits turn non-finite (the pool has then ended it)."""
-    budget = _positive_int(max_new_tokens, "max_new_tokens")
+    budget = check_integer("max_new_tokens", max_new_tokens)
     stop = set(check_token_ids(stop_ids, pool.config.vocab_size, name="stop_ids").tolist())
     pool.check_fits(len(pool.ids(slot)), budget, name=f"slot {slot}")
     tokens = [int(pool.pending[slot])]
@@ -587,7 +582,7 @@ def generate_one(arch, params, config, *, method, prompt: Sequence[int] = (), pr
     ``generate`` allocates for it as one prompt, so it decodes with the same attention extent
     whichever way it came in.
     """
-    budget = _positive_int(max_new_tokens, "max_new_tokens")
+    budget = check_integer("max_new_tokens", max_new_tokens)
     extra = check_token_ids(prompt, config.vocab_size, name="prompt").reshape(-1)
     if prefix is None and extra.shape[0] < 1:
         raise ValueError("generate_one needs a prompt or a prefix state")

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from leapquant_jax.checks import check_positive
 from models.base import STACKED_SECTIONS
 
 AXES = ("data", "model")
@@ -58,8 +59,7 @@ def make_mesh(data: int, model: int, devices: Optional[list] = None) -> Mesh:
     """A ``data x model`` mesh over the first ``data * model`` of ``devices`` (default ``jax.devices()``;
     over several processes, all of them, in process order)."""
     for name, n in (("data", data), ("model", model)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"mesh axis {name} must be a positive integer, got {n!r}")
+        check_positive(f"mesh axis {name}", n)
     devices = list(jax.devices() if devices is None else devices)
     if data * model > len(devices):
         raise ValueError(f"a {data} x {model} mesh needs {data * model} devices, but {len(devices)} are available "
@@ -83,8 +83,7 @@ def check_mesh(config: Any, data: int, model: int, *, batch: Optional[int] = Non
     model`` mesh splits ``config``'s model (``MODEL_AXIS_COUNTS``; experts only where a layer is
     a mixture of experts) and, given, a ``batch`` of sequences."""
     for name, n in (("data", data), ("model", model)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"mesh axis {name} must be a positive integer, got {n!r}")
+        check_positive(f"mesh axis {name}", n)
     for field, what in MODEL_AXIS_COUNTS.items():
         n = getattr(config, field, None)
         if n is None or (field == "num_experts" and "moe" not in getattr(config, "mlp_types", ())):

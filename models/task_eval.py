@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leapquant_jax.checks import check_integer, is_integer
 from leapquant_jax.cli_support import add_states_option, int_at_least, state_options
 from leapquant_jax.damp import DEFAULT_CHANNELS, DEFAULT_TAU
 from leapquant_jax.method_names import methods_for_labels
@@ -75,10 +76,9 @@ class TaskEvalConfig:
         if not self.lengths:
             raise ValueError("--lengths: give at least one length")
         for name, value, low in (("samples", self.samples, 1), ("seed", self.seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"--{name} must be an integer >= {low}, got {value!r}")
+            check_integer(f"--{name}", value, low)
         for length in self.lengths:
-            if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
+            if not is_integer(length, 1):
                 raise ValueError(f"--lengths must be positive integers, got {length!r}")
             if length < self.spec.min_length:
                 what = (f"{self.spec.pairs} pairs need" if self.spec.task == "mqar" else "a needle needs")

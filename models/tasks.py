@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leapquant_jax.checks import check_integer, check_positive
+
 Array = jax.Array
 TASKS = ("mqar", "needle")
 FILLERS = ("noise", "pairs")
@@ -55,9 +57,7 @@ class TaskVocab:
 
     def __post_init__(self):
         for name in ("size", "keys", "values"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"vocabulary {name} must be a positive integer, got {value!r}")
+            check_positive(f"vocabulary {name}", getattr(self, name))
         if self.fillers < 1:
             raise ValueError(f"a vocabulary of {self.size} ids is too small for the split: 1 reserved + "
                              f"{self.keys} keys + {self.values} values leaves no filler id")
@@ -107,9 +107,7 @@ class TaskSpec:
         if self.filler not in FILLERS:
             raise ValueError(f"unknown filler {self.filler!r}; known: {', '.join(FILLERS)}")
         for name, low in (("length", 1), ("pairs", 1), ("gap", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            check_integer(name, getattr(self, name), low)
         if self.filler == "pairs":
             if self.pairs >= self.vocab.keys:
                 raise ValueError(f"distractor pairs need key ids that the row never queries: {self.pairs} pair(s) "

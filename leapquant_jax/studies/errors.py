@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..checks import check_positive
 from ..damp import DampMethod, calibrate
 from ..method_names import METHOD_LABELS, STUDY_METHODS
 from ..methods import WINDOWED_METHODS, make_method
@@ -46,9 +47,7 @@ class ErrorStudyConfig:
 
     def __post_init__(self):
         for name in ("tokens", "heads", "seeds", "dk", "dv", "every", "window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive(name, getattr(self, name))
         if self.tokens % self.every:
             raise ValueError(f"tokens ({self.tokens}) must be a multiple of every ({self.every})")
         if self.every % self.window:

@@ -23,6 +23,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from leapquant_jax.checks import check_integer, is_integer
 from models.tasks import FILLERS, TASKS, TaskSpec, TaskVocab, generate
 
 # fold_in value of the held-out rows' key stream (the training steps use 0, 1, 2, ...)
@@ -48,16 +49,13 @@ class TaskMix:
     vocab: TaskVocab = TaskVocab()
 
     def __post_init__(self):
-        if not self.pairs or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
-                                 for n in self.pairs):
+        if not self.pairs or any(not is_integer(n, 1) for n in self.pairs):
             raise ValueError(f"task pairs must be positive integers, got {self.pairs!r}")
         if not self.fillers or len(set(self.fillers)) != len(self.fillers) or set(self.fillers) - set(FILLERS):
             raise ValueError(f"task fillers must be distinct names of {FILLERS}, got {self.fillers!r}")
         if not self.spreads or any(not 0.0 <= float(x) <= 1.0 for x in self.spreads):
             raise ValueError(f"task spreads must be fractions in [0, 1], got {self.spreads!r}")
-        if isinstance(self.needle_rows, bool) or not isinstance(self.needle_rows, (int, np.integer)) or \
-                self.needle_rows < 0:
-            raise ValueError(f"needle_rows must be an integer >= 0, got {self.needle_rows!r}")
+        check_integer("needle_rows", self.needle_rows, 0)
 
     def stage(self, step: int, total: Optional[int], *, seq_len: int, batch: int) -> tuple[int, int]:
         """``(row length, rows)`` of training step ``step`` of a ``total``-step schedule (``None``
