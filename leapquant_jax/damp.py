@@ -33,8 +33,6 @@ every head has one layout).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Optional
 
 import flax.struct
@@ -42,12 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import windowed
 from .adapted_formats import hadamard_transform
+from .calibration_files import model_mismatches, read_json, write_json
 from .per_step import PerStepMethod
 from .quantizers import check_state
-from .recurrence import Token, recurrent_step_general
-from .runner import Runner, check_dense, check_dims, check_token
+from .runner import PerStepRunner, check_dense, check_dims
 from .state import resolve_key_heads
 
 Array = jax.Array
@@ -178,13 +175,7 @@ class DampCalibration:
     def check_model(self, *, fingerprint: str, layers, heads: int, dk: int, dv: int, source: str = "calibration") -> None:
         """Raises ``DampCalibrationError`` naming ``source`` and what differs when this calibration
         was not made for the model described (its fingerprint, linear layers and head shape)."""
-        problems = []
-        if self.model and fingerprint and self.model != fingerprint:
-            problems.append("it was made on another model (its configuration or weights differ)")
-        if tuple(layers) != tuple(self.layers):
-            problems.append(f"linear-attention layers {list(self.layers)} vs the model's {list(layers)}")
-        if (self.heads, self.dk, self.dv) != (heads, dk, dv):
-            problems.append(f"heads x dk x dv {self.heads} x {self.dk} x {self.dv} vs the model's {heads} x {dk} x {dv}")
+        problems = model_mismatches(self, fingerprint=fingerprint, layers=layers, heads=heads, dk=dk, dv=dv)
         if problems:
             raise DampCalibrationError(f"DAMP {source} does not match this model: " + "; ".join(problems))
 
@@ -200,27 +191,13 @@ class DampCalibration:
 
     def save(self, path: str, extra: Optional[dict] = None) -> None:
         """Writes the JSON file at ``path`` atomically (a temporary file renamed over it)."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(extra), f, indent=1)
-        os.replace(tmp, path)
+        write_json(path, self.to_json(extra))
 
     @classmethod
     def load(cls, path: str) -> "DampCalibration":
         """Reads a file written by ``save``; ``DampCalibrationError`` naming ``path`` if it is not one."""
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise DampCalibrationError(f"DAMP calibration {path}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise DampCalibrationError(f"DAMP calibration {path}: not a readable JSON file ({err})") from None
-        if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
-            raise DampCalibrationError(f"DAMP calibration {path}: not a DAMP calibration file "
-                                       f"(no \"format\": \"{CALIBRATION_FORMAT}\")")
-        if d.get("version") != CALIBRATION_VERSION:
-            raise DampCalibrationError(f"DAMP calibration {path}: version {d.get('version')!r}, this library reads "
-                                       f"version {CALIBRATION_VERSION}")
+        d = read_json(path, what="DAMP calibration", fmt=CALIBRATION_FORMAT, version=CALIBRATION_VERSION,
+                      error=DampCalibrationError)
         try:
             layers = sorted(d["layers"], key=int)
             return cls(layers=tuple(int(x) for x in layers),
@@ -342,7 +319,7 @@ def _take_rows(x: Array, index: np.ndarray) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class DampMethod(Runner):
+class DampMethod(PerStepRunner):
     """``damp``: per-step DAMP state (module docstring) with a ``DampCalibration``.
 
     The protected channels differ between layers, so the method is specialised to a layer with
@@ -413,17 +390,6 @@ class DampMethod(Runner):
         x = jnp.concatenate([state.hi.astype(jnp.float32), dequantize_rows(state.lo)], axis=-2)
         return _take_rows(x, inverse)
 
-    def records_held(self, state: DampState) -> Array:
-        return jnp.zeros((state.shape[0],), jnp.int32)
-
-    def step_token(self, state: DampState, token: Token, *, active: Optional[Array] = None):
-        """Dequantize, dense fp32 update, re-quantize. Returns ``(o [B, H, dv], state)``."""
-        check_token(state.shape, token, active)
-        o, dense = recurrent_step_general(self.to_dense(state), token)
-        new = self.from_dense(dense)
-        if active is not None:
-            new = windowed.select_batch(active, new, state)
-        return o, new
 
 
 def bits_per_value(dk: int, dv: int, k_hi: int = DEFAULT_CHANNELS) -> float:

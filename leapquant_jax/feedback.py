@@ -36,11 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import windowed
 from .quantizers import FloatFormat, FloatTensor, IntFormat, IntTensor, column_absmax, pack_codes
-from .recurrence import Token, recurrent_step_general
-from .runner import Runner, check_dense, check_dims, check_token
-from .state import resolve_key_heads
+from .runner import PerStepRunner, check_dense
 from .tile_formats import Fp8TileFormat, TileFp8Tensor
 
 Array = jax.Array
@@ -122,29 +119,9 @@ def sequence_bits(seed: int, counter: Array, shape: tuple[int, ...]) -> Array:
 # ----------------------------------------------------------------------------- methods
 
 
-class _StatefulPerStep(Runner):
+class _StatefulPerStep(PerStepRunner):
     """Shared by the methods below: every token dequantizes, takes the dense fp32 delta-rule step
-    and re-quantizes through ``requantize``; inactive sequences keep their whole state."""
-
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
-             key_heads: Optional[int] = None):
-        """A zero state ``[batch, heads, dk, dv]`` (for GDN and KDA tokens alike; ``key_heads`` is
-        checked, and the state keeps no keys)."""
-        check_dims(batch, heads, dk, dv)
-        resolve_key_heads(heads, key_heads)
-        return self.from_dense(jnp.zeros((batch, heads, dk, dv), jnp.float32))
-
-    def records_held(self, state) -> Array:
-        return jnp.zeros((state.shape[0],), jnp.int32)
-
-    def step_token(self, state, token: Token, *, active: Optional[Array] = None):
-        """Dequantize, dense fp32 update, re-quantize. Returns ``(o [B, H, dv], state)``."""
-        check_token(state.shape, token, active)
-        o, dense = recurrent_step_general(self.to_dense(state), token)
-        new = self.requantize(state, dense)
-        if active is not None:
-            new = windowed.select_batch(active, new, state)
-        return o, new
+    and re-quantizes through ``requantize``, which carries their extra state from step to step."""
 
 
 _RESIDUAL_FORMATS = {"fp16": lambda: FloatFormat("float16"), "int4": lambda: IntFormat(4)}

@@ -36,8 +36,7 @@ import numpy as np
 from . import windowed
 from .bit_allocation import allocate
 from .lifetime import WIDTH_OPTIONS as WIDTHS
-from .lifetime import (LayerStatistics, LifetimeCalibration, LifetimeCalibrationError, WidthPlan, as_calibration,
-                       significant)
+from .lifetime import LayerStatistics, LifetimeCalibration, PlanMethod, WidthPlan, as_calibration, significant
 from .quantizers import tree_bytes
 from .recurrence import Token
 from .runner import Runner, check_dense, check_dims
@@ -136,7 +135,7 @@ def _split(x: Array, sizes: list) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
-class AllocMethod(Runner):
+class AllocMethod(PlanMethod, Runner):
     """``leapquant-alloc-*``: LeapQuant with the per-head widths and ranks of the plan named
     ``plan`` in a ``LifetimeCalibration`` (module docstring), specialised to a layer with
     ``for_layer``. window: records per window ``p``; impl: the kernels, as ``LeapQuantConfig.impl``.
@@ -155,31 +154,15 @@ class AllocMethod(Runner):
             raise ValueError(f"unknown method {self.plan!r}; known: {', '.join(NAMES)}")
         LeapQuantConfig(window=self.window, impl=self.impl)    # checks both
 
-    @property
-    def name(self) -> str:
-        return self.plan
-
-    def for_layer(self, layer: int) -> "AllocMethod":
-        return dataclasses.replace(self, layer=int(layer))
-
     def layout(self, heads: int, dk: int, dv: int, *, need_plan: bool = True) -> GroupLayout:
         """The layer's grouping: its plan's, or without a calibration (``need_plan=False`` only)
         one group at the name's width and LeapQuant's default rank."""
-        if self.calibration is None:
-            if need_plan:
-                raise LifetimeCalibrationError(f"method {self.plan!r} needs a calibration file (`leapquant "
-                                               "calibrate-stepquant`; pass it with --stepquant-calibration, or "
-                                               f"make_method({self.plan!r}, calibration=...))")
+        found = self.layer_plan(heads, dk, dv, need_plan=need_plan, plan_type=WidthPlan, kind="leapquant-alloc",
+                                differs="layout")
+        if found is None:
             return GroupLayout(options=((NAMES[self.plan], None),), heads=(tuple(range(heads)),))
-        if self.layer is None:
-            raise LifetimeCalibrationError(f"method {self.plan!r} keeps a different layout per layer: specialise it "
-                                           "with method.for_layer(layer) first")
-        cal = self.calibration
-        cal.check_shape(self.layer, heads, dk, dv)
-        plan = cal.plan(self.plan)
-        if not isinstance(plan, WidthPlan):
-            raise LifetimeCalibrationError(f"plan {self.plan!r} of the calibration is not a leapquant-alloc plan")
-        choice = plan.choice[cal.layer_index(self.layer)]
+        plan, i = found
+        choice = plan.choice[i]
         used = sorted(set(choice))
         return GroupLayout(options=tuple(plan.options[j] for j in used),
                            heads=tuple(tuple(h for h, c in enumerate(choice) if c == j) for j in used))

@@ -32,6 +32,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from .calibration_files import model_mismatches, read_json, write_json
 from .checks import check_integer
 from .damp import persistence, state_samples
 
@@ -289,14 +290,7 @@ class LifetimeCalibration:
                     source: str = "calibration") -> None:
         """Raises ``LifetimeCalibrationError`` naming ``source`` and what differs when this
         calibration was not made for the model described."""
-        problems = []
-        if self.model and fingerprint and self.model != fingerprint:
-            problems.append("it was made on another model (its configuration or weights differ)")
-        if tuple(layers) != tuple(self.layers):
-            problems.append(f"linear-attention layers {list(self.layers)} vs the model's {list(layers)}")
-        if (self.heads, self.dk, self.dv) != (heads, dk, dv):
-            problems.append(f"heads x dk x dv {self.heads} x {self.dk} x {self.dv} vs the model's "
-                            f"{heads} x {dk} x {dv}")
+        problems = model_mismatches(self, fingerprint=fingerprint, layers=layers, heads=heads, dk=dk, dv=dv)
         if problems:
             raise LifetimeCalibrationError(f"lifetime {source} does not match this model: " + "; ".join(problems))
 
@@ -310,28 +304,14 @@ class LifetimeCalibration:
         out = self.content()
         if extra:
             out["calibration"] = extra
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, path)
+        write_json(path, out)
 
     @classmethod
     def load(cls, path: str) -> "LifetimeCalibration":
         """Reads a file written by ``save``; ``LifetimeCalibrationError`` naming ``path`` if it is not one."""
         where = f"lifetime calibration {path}"
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise LifetimeCalibrationError(f"{where}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise LifetimeCalibrationError(f"{where}: not a readable JSON file ({err})") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise LifetimeCalibrationError(f"{where}: not a lifetime calibration file (no \"format\": \"{FORMAT}\"; "
-                                           "make one with `leapquant calibrate-stepquant`)")
-        if d.get("version") != VERSION:
-            raise LifetimeCalibrationError(f"{where}: version {d.get('version')!r}, this library reads version "
-                                           f"{VERSION}")
+        d = read_json(path, what="lifetime calibration", fmt=FORMAT, version=VERSION, error=LifetimeCalibrationError,
+                      hint="; make one with `leapquant calibrate-stepquant`")
         try:
             layers = tuple(int(x) for x in d["layers"])
             plans = []
@@ -357,6 +337,42 @@ def as_calibration(calibration) -> Optional[LifetimeCalibration]:
                                    f"{type(calibration).__name__}")
 
 
+class PlanMethod:
+    """What a method that runs the plan named ``plan`` of its ``calibration`` (a
+    ``LifetimeCalibration`` or ``None``) at model layer ``layer`` shares: its name is the plan's,
+    ``for_layer`` specialises it to a layer, ``layer_plan`` finds the layer's plan. A base of the
+    method's frozen dataclass, which declares those three fields."""
+
+    @property
+    def name(self) -> str:
+        return self.plan
+
+    def for_layer(self, layer: int):
+        return dataclasses.replace(self, layer=int(layer))
+
+    def layer_plan(self, heads: int, dk: int, dv: int, *, need_plan: bool, plan_type: type, kind: str,
+                   differs: str) -> Optional[tuple[Plan, int]]:
+        """``(plan, index of the layer in it)`` for a state of ``heads x dk x dv``; ``None`` without
+        a calibration where ``need_plan`` is false. ``LifetimeCalibrationError`` without one where it
+        is true, without a layer (the ``differs`` word names what differs per layer), for another
+        shape, or for a plan that is not a ``plan_type`` (``kind`` names it)."""
+        if self.calibration is None:
+            if need_plan:
+                raise LifetimeCalibrationError(f"method {self.plan!r} needs a calibration file (`leapquant "
+                                               "calibrate-stepquant`; pass it with --stepquant-calibration, or "
+                                               f"make_method({self.plan!r}, calibration=...))")
+            return None
+        if self.layer is None:
+            raise LifetimeCalibrationError(f"method {self.plan!r} keeps a different {differs} per layer: specialise "
+                                           "it with method.for_layer(layer) first")
+        cal = self.calibration
+        cal.check_shape(self.layer, heads, dk, dv)
+        plan = cal.plan(self.plan)
+        if not isinstance(plan, plan_type):
+            raise LifetimeCalibrationError(f"plan {self.plan!r} of the calibration is not a {kind} plan")
+        return plan, cal.layer_index(self.layer)
+
+
 __all__ = ["ARCHITECTURES", "DEFAULT_EVERY", "DEFAULT_HORIZON", "DEFAULT_SAMPLES", "FORMAT", "LayerStatistics",
-           "LifetimeCalibration", "LifetimeCalibrationError", "Plan", "StepQuantPlan", "WidthPlan", "as_calibration",
-           "layer_statistics", "row_impact", "significant"]
+           "LifetimeCalibration", "LifetimeCalibrationError", "Plan", "PlanMethod", "StepQuantPlan", "WidthPlan",
+           "as_calibration", "layer_statistics", "row_impact", "significant"]

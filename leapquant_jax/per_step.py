@@ -14,15 +14,13 @@ import dataclasses
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from . import dispatch, windowed
 from .formats import STATE_FORMAT_NAMES, get_state_format
 from .quantizers import FloatTensor, QTensor
 from .recurrence import Token, recurrent_step_general
-from .runner import Runner, check_dense, check_dims, check_token
+from .runner import PerStepRunner, check_dense, check_token
 from .impls import AUTO, check_request
-from .state import resolve_key_heads
 
 Array = jax.Array
 
@@ -33,7 +31,7 @@ DENSE_KERNEL_FORMATS = ("fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
-class PerStepMethod(Runner):
+class PerStepMethod(PerStepRunner):
     """Per-step baseline (eq. 2): the state lives in ``format`` and is re-quantized after every token."""
 
     format_name: str = "fp32"
@@ -52,14 +50,6 @@ class PerStepMethod(Runner):
     def name(self) -> str:
         return self.format_name
 
-    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
-             key_heads: Optional[int] = None) -> QTensor:
-        """A zero state ``[batch, heads, dk, dv]`` in this format (for GDN and KDA tokens alike;
-        ``key_heads`` is checked, and the state keeps no keys)."""
-        check_dims(batch, heads, dk, dv)
-        resolve_key_heads(heads, key_heads)
-        return self.from_dense(jnp.zeros((batch, heads, dk, dv), jnp.float32))
-
     def from_dense(self, state: Array, *, per_channel_decay: bool = False, key_heads: Optional[int] = None) -> QTensor:
         """Rounds ``[B, H, dk, dv]`` fp32 into the format."""
         check_dense(state)
@@ -68,9 +58,6 @@ class PerStepMethod(Runner):
     def to_dense(self, state: QTensor) -> Array:
         """``[B, H, dk, dv]`` fp32."""
         return get_state_format(self.format_name).dequantize(state)
-
-    def records_held(self, state: QTensor) -> Array:
-        return jnp.zeros((state.shape[0],), jnp.int32)
 
     def step_token(self, state: QTensor, token: Token, *, active: Optional[Array] = None):
         """General-form step: dequantize, dense fp32 update, re-quantize. Returns ``(o, state)``."""

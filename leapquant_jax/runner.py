@@ -1,5 +1,6 @@
 """What every state method shares: argument checks and the sequence-level drivers (``decode``,
-``prefill``) built on a method's ``step_token``, ``from_dense``, ``to_dense`` and ``init``."""
+``prefill``) built on a method's ``step_token``, ``from_dense``, ``to_dense`` and ``init``; and
+``PerStepRunner``, the step of every method whose state is re-quantized after each token."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 from . import windowed
 from .checks import check_positive
 from .chunked import chunk_delta_rule
-from .recurrence import Token, check_lengths, check_sequence, delta_rule_token, time_major
+from .recurrence import Token, check_lengths, check_sequence, delta_rule_token, recurrent_step_general, time_major
+from .state import resolve_key_heads
 
 Array = jax.Array
 
@@ -145,5 +147,36 @@ class Runner:
         return o.at[rows, jnp.where(active, pos, t)].set(time_major(o_rest), mode="drop"), state
 
 
+class PerStepRunner(Runner):
+    """A method whose state is re-quantized after every token (eq. 2): it holds no records, its
+    zero state is ``from_dense`` of zeros, and ``step_token`` dequantizes (``to_dense``), takes the
+    dense fp32 delta-rule step and rounds the new state (``requantize``); inactive sequences keep
+    their whole state."""
 
-__all__ = ["Runner", "check_dense", "check_dims", "check_token"]
+    def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
+             key_heads: Optional[int] = None):
+        """A zero state ``[batch, heads, dk, dv]`` (for GDN and KDA tokens alike; ``key_heads`` is
+        checked, and the state keeps no keys)."""
+        check_dims(batch, heads, dk, dv)
+        resolve_key_heads(heads, key_heads)
+        return self.from_dense(jnp.zeros((batch, heads, dk, dv), jnp.float32))
+
+    def records_held(self, state) -> Array:
+        return jnp.zeros((state.shape[0],), jnp.int32)
+
+    def requantize(self, state, dense: Array):
+        """The state after a step of ``state`` whose dense fp32 result is ``dense [B, H, dk, dv]``:
+        ``from_dense(dense)`` unless the method carries more from one step to the next."""
+        return self.from_dense(dense)
+
+    def step_token(self, state, token: Token, *, active: Optional[Array] = None):
+        """Dequantize, dense fp32 update, re-quantize. Returns ``(o [B, H, dv], state)``."""
+        check_token(state.shape, token, active)
+        o, dense = recurrent_step_general(self.to_dense(state), token)
+        new = self.requantize(state, dense)
+        if active is not None:
+            new = windowed.select_batch(active, new, state)
+        return o, new
+
+
+__all__ = ["PerStepRunner", "Runner", "check_dense", "check_dims", "check_token"]

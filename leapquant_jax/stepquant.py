@@ -41,13 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import windowed
 from .bit_allocation import allocate_exact, allocate_lagrangian
-from .lifetime import (IMPACT_FLOOR, LayerStatistics, LifetimeCalibration, LifetimeCalibrationError, StepQuantPlan,
-                       as_calibration, significant)
+from .lifetime import (IMPACT_FLOOR, LayerStatistics, LifetimeCalibration, PlanMethod, StepQuantPlan, as_calibration,
+                       significant)
 from .quantizers import pack_codes, unpack_codes
-from .recurrence import Token, recurrent_step_general
-from .runner import Runner, check_dense, check_dims, check_token
+from .runner import PerStepRunner, check_dense, check_dims
 from .state import resolve_key_heads
 
 Array = jax.Array
@@ -309,7 +307,7 @@ def decode(state: StepQuantState, layout: Layout) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepQuantMethod(Runner):
+class StepQuantMethod(PlanMethod, PerStepRunner):
     """``stepquant-*``: the per-step STEPQuant state (module docstring) of the plan named ``plan``
     in a ``LifetimeCalibration``, specialised to a layer with ``for_layer``."""
 
@@ -322,33 +320,16 @@ class StepQuantMethod(Runner):
         if self.calibration is None and self.plan not in NAMES:
             raise ValueError(f"unknown STEPQuant method {self.plan!r}; known: {', '.join(NAMES)}")
 
-    @property
-    def name(self) -> str:
-        return self.plan
-
-    def for_layer(self, layer: int) -> "StepQuantMethod":
-        return dataclasses.replace(self, layer=int(layer))
-
     def layout(self, heads: int, dk: int, dv: int, *, need_plan: bool = True) -> Layout:
         """The layer's layout: its plan's, or without a calibration (``need_plan=False`` only) the
         budget's width on every row (no 2-bit row: the same for GDN and KDA)."""
-        if self.calibration is None:
-            if need_plan:
-                raise LifetimeCalibrationError(f"method {self.plan!r} needs a calibration file (`leapquant "
-                                               "calibrate-stepquant`; pass it with --stepquant-calibration, or "
-                                               f"make_method({self.plan!r}, calibration=...))")
+        found = self.layer_plan(heads, dk, dv, need_plan=need_plan, plan_type=StepQuantPlan, kind="STEPQuant",
+                                differs="plan")
+        if found is None:
             return Layout(bits=np.full((heads, dk), NAMES[self.plan]), impact=np.ones((heads, dk)), architecture="gdn")
-        if self.layer is None:
-            raise LifetimeCalibrationError(f"method {self.plan!r} keeps a different plan per layer: specialise it "
-                                           "with method.for_layer(layer) first")
-        cal = self.calibration
-        cal.check_shape(self.layer, heads, dk, dv)
-        plan = cal.plan(self.plan)
-        if not isinstance(plan, StepQuantPlan):
-            raise LifetimeCalibrationError(f"plan {self.plan!r} of the calibration is not a STEPQuant plan")
-        i = cal.layer_index(self.layer)
+        plan, i = found
         return Layout(bits=np.asarray(plan.bits[i]), impact=np.asarray(plan.impact[i], np.float64),
-                      architecture=cal.architecture)
+                      architecture=self.calibration.architecture)
 
     def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
              key_heads: Optional[int] = None) -> StepQuantState:
@@ -370,17 +351,6 @@ class StepQuantMethod(Runner):
         _, h, dk, dv = state.shape
         return decode(state, self.layout(h, dk, dv, need_plan=self.calibration is not None))
 
-    def records_held(self, state: StepQuantState) -> Array:
-        return jnp.zeros((state.shape[0],), jnp.int32)
-
-    def step_token(self, state: StepQuantState, token: Token, *, active: Optional[Array] = None):
-        """Dequantize, dense fp32 update, re-quantize. Returns ``(o [B, H, dv], state)``."""
-        check_token(state.shape, token, active)
-        o, dense = recurrent_step_general(self.to_dense(state), token)
-        new = self.from_dense(dense)
-        if active is not None:
-            new = windowed.select_batch(active, new, state)
-        return o, new
 
 
 def _check_size(dk: int, dv: int) -> None:
