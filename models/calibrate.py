@@ -23,10 +23,10 @@ import numpy as np
 from leapquant_jax.cli_support import check_output, int_at_least
 from leapquant_jax.damp import DEFAULT_CHANNELS, DEFAULT_TAU, DampCalibrationError, bits_per_value, calibrate
 from leapquant_jax.methods import make_method
-from models.decode import check_token_ids, score
-from models.evaluate import EvalConfig, load_data, segment_rows
+from models.decode import score
+from models.evaluate import EvalConfig, load_model_and_data, segment_rows
 from models.fingerprint import check_state_method, linear_state_layout, model_fingerprint
-from models.loading import check_checkpoint, load_checkpoint, load_tokenizer
+from models.loading import check_checkpoint
 
 
 def record_traces(arch, params, config, rows: np.ndarray) -> dict:
@@ -50,9 +50,18 @@ def calibration_rows(args):
     if args.every > args.tokens:
         raise ValueError(f"--every {args.every} is more than --tokens {args.tokens}: no calibration sample")
     cfg = EvalConfig(context=args.tokens, prefill=0, batch=args.rows, greedy_tokens=1)
-    rows = segment_rows(load_data(args.data, load_tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
-    arch, config, params, _ = load_checkpoint(args.checkpoint)
-    return arch, config, params, check_token_ids(rows, config.vocab_size, name=f"--data {args.data} ids")
+    return load_model_and_data(args.checkpoint, args.data, lambda ids, source: segment_rows(ids, cfg, source=source))
+
+
+def save_calibration(args, cal, scores: dict, **settings) -> Path:
+    """Writes the calibration ``cal`` to a calibration command's ``--out`` (its folder made), with
+    what made it: the checkpoint, ``--data``, ``--rows``, ``--tokens``, ``--every``, ``settings`` and
+    the ``scores``. Returns the path."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(str(out), extra={"checkpoint": str(args.checkpoint), "data": str(args.data), "rows": args.rows,
+                              "tokens": args.tokens, "every": args.every, **settings, "scores": scores})
+    return out
 
 
 def run_calibrate(args) -> int:
@@ -64,10 +73,7 @@ def run_calibrate(args) -> int:
                          f"[1, dk - 1] = [1, {dk - 1}]")
     t0 = time.time()
     cal, scores = calibrate_model(arch, params, config, rows, k_hi=args.channels, tau=args.tau, every=args.every)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cal.save(str(out), extra={"checkpoint": str(args.checkpoint), "data": str(args.data), "rows": args.rows,
-                              "tokens": args.tokens, "every": args.every, "scores": scores})
+    out = save_calibration(args, cal, scores)
     result = {"command": "calibrate-damp", "checkpoint": str(args.checkpoint), "out": str(out),
               "layers": list(cal.layers), "heads": cal.heads, "k_hi": cal.k_hi, "tau": cal.tau,
               "bits_per_value": bits_per_value(cal.dk, cal.dv, cal.k_hi), "seconds": round(time.time() - t0, 3)}
@@ -77,16 +83,22 @@ def run_calibrate(args) -> int:
     return 0
 
 
-def add_subcommand(subparsers) -> None:
-    """Registers ``calibrate-damp`` on an argparse subparsers object."""
-    p = subparsers.add_parser("calibrate-damp", help="DAMP's offline calibration: which key channels stay in fp16")
+def add_calibration_options(p, *, every: int) -> None:
+    """The options ``calibration_rows`` reads: ``checkpoint``, ``--data``, ``--out``, ``--rows``,
+    ``--tokens`` and ``--every`` (default ``every``)."""
     p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
     p.add_argument("--data", required=True, type=Path,
                    help="calibration text (tokenized with the checkpoint's tokenizer.json) or .npy ids [N] / [rows, N]")
     p.add_argument("--out", required=True, type=Path, help="calibration file to write (JSON)")
     p.add_argument("--rows", type=int_at_least(1), default=32, help="calibration segments")
     p.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens per segment")
-    p.add_argument("--every", type=int_at_least(1), default=8, help="tokens between state samples")
+    p.add_argument("--every", type=int_at_least(1), default=every, help="tokens between state samples")
+
+
+def add_subcommand(subparsers) -> None:
+    """Registers ``calibrate-damp`` on an argparse subparsers object."""
+    p = subparsers.add_parser("calibrate-damp", help="DAMP's offline calibration: which key channels stay in fp16")
+    add_calibration_options(p, every=8)
     p.add_argument("--channels", type=int_at_least(1), default=DEFAULT_CHANNELS,
                    help="key channels per head kept in fp16 (K_hi)")
     p.add_argument("--tau", type=int_at_least(1), default=DEFAULT_TAU, help="persistence horizon in tokens")
@@ -96,5 +108,5 @@ def add_subcommand(subparsers) -> None:
 
 # check_state_method, linear_state_layout and model_fingerprint live in models.fingerprint; they
 # are part of this module's API too, as the calibration's checks.
-__all__ = ["DampCalibrationError", "add_subcommand", "calibrate_model", "calibration_rows", "check_state_method",
-           "linear_state_layout", "model_fingerprint", "record_traces", "run_calibrate"]
+__all__ = ["DampCalibrationError", "add_calibration_options", "add_subcommand", "calibrate_model", "calibration_rows", "check_state_method",
+           "linear_state_layout", "model_fingerprint", "record_traces", "run_calibrate", "save_calibration"]

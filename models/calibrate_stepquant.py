@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Optional
 
 from leapquant_jax.cli_support import int_at_least
@@ -28,7 +27,8 @@ from leapquant_jax.lifetime import (DEFAULT_EVERY, DEFAULT_HORIZON, DEFAULT_SAMP
                                     layer_statistics, significant)
 from leapquant_jax.stepquant import NAMES as STEPQUANT_NAMES
 from leapquant_jax.stepquant import stepquant_plan
-from models.calibrate import calibration_rows, linear_state_layout, model_fingerprint, record_traces
+from models.calibrate import (add_calibration_options, calibration_rows, linear_state_layout, model_fingerprint,
+                              record_traces, save_calibration)
 
 
 def calibrate_traces(traces: dict, *, every: int = DEFAULT_EVERY, samples: int = DEFAULT_SAMPLES,
@@ -70,10 +70,7 @@ def run_calibrate_stepquant(args) -> int:
     traces = record_traces(arch, params, config, rows)
     cal, scores = calibrate_traces(traces, every=args.every, samples=args.samples, horizon=args.horizon,
                                    pivots=args.pivots, model=model_fingerprint(config, params))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cal.save(str(out), extra={"checkpoint": str(args.checkpoint), "data": str(args.data), "rows": args.rows,
-                              "tokens": args.tokens, "every": args.every, "samples": args.samples, "scores": scores})
+    out = save_calibration(args, cal, scores, samples=args.samples)
     result = {"command": "calibrate-stepquant", "checkpoint": str(args.checkpoint), "out": str(out),
               "layers": list(cal.layers), "architecture": cal.architecture, "horizon": cal.horizon,
               "plans": {p.name: {"budget": p.budget} for p in cal.plans}, "seconds": round(time.time() - t0, 3)}
@@ -86,13 +83,7 @@ def add_subcommand(subparsers) -> None:
     """Registers ``calibrate-stepquant`` on an argparse subparsers object."""
     p = subparsers.add_parser("calibrate-stepquant",
                               help="lifetime calibration of stepquant-6/-4 and leapquant-alloc-6/-4 (one file)")
-    p.add_argument("checkpoint", type=Path, help="converted checkpoint or HF directory")
-    p.add_argument("--data", required=True, type=Path,
-                   help="calibration text (tokenized with the checkpoint's tokenizer.json) or .npy ids [N] / [rows, N]")
-    p.add_argument("--out", required=True, type=Path, help="calibration file to write (JSON)")
-    p.add_argument("--rows", type=int_at_least(1), default=32, help="calibration segments")
-    p.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens per segment")
-    p.add_argument("--every", type=int_at_least(1), default=DEFAULT_EVERY, help="tokens between state samples")
+    add_calibration_options(p, every=DEFAULT_EVERY)
     p.add_argument("--samples", type=int_at_least(1), default=DEFAULT_SAMPLES,
                    help="calibration states kept per layer (evenly spaced)")
     p.add_argument("--horizon", type=int_at_least(1), default=DEFAULT_HORIZON, help="lifetime horizon in tokens")

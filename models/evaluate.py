@@ -335,25 +335,44 @@ def score_method(arch, params, config, ref: Reference, method, *, label: str = "
     return entry
 
 
+def lineup_labels(methods: dict) -> list:
+    """The labels of ``methods`` (``{label: method}``); ``ValueError`` unless the fp32 reference
+    comes first."""
+    labels = list(methods)
+    if not labels or labels[0] != "fp32":
+        raise ValueError(f"methods must start with the fp32 reference, got {labels}")
+    return labels
+
+
+def in_turn(labels: list, methods: dict, arch, params, config, progress: Callable, *, desc: str):
+    """``labels`` one after another in the bar ``progress(labels, desc=desc)``, which shows the
+    one running; every method of ``methods`` is checked against the model first
+    (``check_state_method``: a mismatched calibration is refused before any run)."""
+    for method in methods.values():
+        check_state_method(method, arch, config, params)
+    bar = progress(labels, desc=desc)
+
+    def shown():
+        for label in bar:
+            if hasattr(bar, "set_postfix_str"):
+                bar.set_postfix_str(label)
+            yield label
+
+    return shown()
+
+
 def evaluate(arch, params, config, rows: np.ndarray, methods: dict, cfg: EvalConfig, *,
              progress: Callable = lambda it, **kw: it) -> dict:
     """Evaluates every method of ``methods`` (``{label: method}``, fp32 first) on ``rows``
     ``[B, context]`` int32 (see the module docstring). Returns the JSON object of ``leapquant
     eval``: ``{"methods": {label: {...}}, "context", "tokens"}``, ``tokens`` being the number of
     scored next-token predictions per method."""
-    labels = list(methods)
-    if not labels or labels[0] != "fp32":
-        raise ValueError(f"methods must start with the fp32 reference, got {labels}")
+    labels = lineup_labels(methods)
     rows = np.asarray(rows)
     if rows.shape != (cfg.batch, cfg.context):
         raise ValueError(f"rows must be [batch, context] = {[cfg.batch, cfg.context]}, got {list(rows.shape)}")
-    for method in methods.values():  # a mismatched calibration is refused before any run
-        check_state_method(method, arch, config, params)
     results = {}
-    bar = progress(labels, desc="eval")
-    for label in bar:
-        if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(label)
+    for label in in_turn(labels, methods, arch, params, config, progress, desc="eval"):
         if label == "fp32":
             ref = reference_run(arch, params, config, rows, cfg, method=methods[label])
         results[label] = score_method(arch, params, config, ref, methods[label], label=label)
@@ -490,17 +509,11 @@ def generation_study(arch, params, config, prompts: np.ndarray, methods: dict, g
     ``REPETITION_N``-grams of the method's own continuation (seq-rep-n; fp32's is the baseline). Returns ``{"methods": {label: {"first_divergence": {median, p25, p75, min, max,
     "per_prompt"}, "kl_to_fp32", "kl_per_prompt", "repetition_rate", "repetition_per_prompt"}},
     "generate", "prompts", "context"}``."""
-    labels = list(methods)
-    if not labels or labels[0] != "fp32":
-        raise ValueError(f"methods must start with the fp32 reference, got {labels}")
-    for method in methods.values():
-        check_state_method(method, arch, config, params)
+    labels = lineup_labels(methods)
+    lineup = in_turn(labels, methods, arch, params, config, progress, desc="generate")
     prompts = np.asarray(prompts, np.int32)
     results, reference = {}, None
-    bar = progress(labels, desc="generate")
-    for label in bar:
-        if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(label)
+    for label in lineup:
         gen = generate(arch, params, config, list(prompts), method=methods[label], max_new_tokens=generate_tokens,
                        stop_ids=())
         tokens = np.asarray(gen.tokens, np.int32)                                  # [P, G]: no stop ids
@@ -534,26 +547,46 @@ def format_generation_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def load_model_and_data(checkpoint, data, cut: Callable[[np.ndarray, str], np.ndarray]):
+    """A command's model and token ids: ``load_data(data)`` with the checkpoint's tokenizer, cut by
+    ``cut(ids, source)`` (``source`` names ``--data`` in its errors), both checked before the model
+    loads. Returns ``(arch, config, params, ids int32)``, every id within the vocabulary."""
+    check_checkpoint(checkpoint)
+    source = f"--data {data}"
+    ids = cut(load_data(data, load_tokenizer(checkpoint)), source)
+    arch, config, params, _ = load_checkpoint(checkpoint)
+    return arch, config, params, check_token_ids(ids, config.vocab_size, name=f"{source} ids")
+
+
+def run_study(args, cut: Callable[[np.ndarray, str], np.ndarray], study: Callable, table: Callable[[dict], str],
+              **record) -> int:
+    """A command that compares the ``--states`` on a checkpoint's ``--data``: the methods, then the
+    model and ids (``load_model_and_data`` with ``cut``), then ``study(arch, params, config, ids,
+    methods, progress) -> result``, timed. Prints the result with the checkpoint, data, ``record``,
+    state options and seconds added: one JSON object with ``--json``, else ``table(result)``."""
+    options = state_options(args)
+    methods = methods_for_labels(args.states.split(","), options)
+    arch, config, params, ids = load_model_and_data(args.checkpoint, args.data, cut)
+    warn_if_training_data(args.checkpoint, args.data)
+    t0 = time.time()
+    result = study(arch, params, config, ids, methods,
+                   lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
+    result.update(checkpoint=str(args.checkpoint), data=str(args.data), **record,
+                  state_options={k: v for k, v in options.items() if v is not None},
+                  seconds=round(time.time() - t0, 3))
+    print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
 def run_generation(args) -> int:
     """``leapquant eval --generate G``: ``generation_study`` on ``--batch`` prompts of ``--context`` tokens."""
     if args.error_every is not None or args.prefill:
         raise ValueError("--generate prefills each prompt exactly: leave out --prefill and --error-every")
     cfg = EvalConfig(context=args.context, batch=args.batch)
-    options = state_options(args)
-    methods = methods_for_labels(args.states.split(","), options)
-    check_checkpoint(args.checkpoint)
-    rows = segment_rows(load_data(args.data, load_tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
-    arch, config, params, _ = load_checkpoint(args.checkpoint)
-    rows = check_token_ids(rows, config.vocab_size, name=f"--data {args.data} ids")
-    warn_if_training_data(args.checkpoint, args.data)
-    t0 = time.time()
-    result = generation_study(arch, params, config, rows, methods, args.generate,
-                              progress=lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
-    result.update(checkpoint=str(args.checkpoint), data=str(args.data),
-                  state_options={k: v for k, v in options.items() if v is not None},
-                  seconds=round(time.time() - t0, 3))
-    print(json.dumps(result) if args.json else format_generation_table(result))
-    return 0
+    return run_study(args, lambda ids, source: segment_rows(ids, cfg, source=source),
+                     lambda arch, params, config, rows, methods, prog: generation_study(
+                         arch, params, config, rows, methods, args.generate, progress=prog),
+                     format_generation_table)
 
 
 def run_eval(args) -> int:
@@ -562,22 +595,11 @@ def run_eval(args) -> int:
         return run_generation(args)
     cfg = EvalConfig(context=args.context, prefill=args.prefill, batch=args.batch, greedy_tokens=args.greedy_tokens,
                      error_every=args.error_every)
-    options = state_options(args)
-    methods = methods_for_labels(args.states.split(","), options)
-    check_checkpoint(args.checkpoint)
-    rows = segment_rows(load_data(args.data, load_tokenizer(args.checkpoint)), cfg, source=f"--data {args.data}")
-    arch, config, params, _ = load_checkpoint(args.checkpoint)
-    rows = check_token_ids(rows, config.vocab_size, name=f"--data {args.data} ids")
-    warn_if_training_data(args.checkpoint, args.data)
-    t0 = time.time()
-    result = evaluate(arch, params, config, rows, methods, cfg,
-                      progress=lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
-    result.update(checkpoint=str(args.checkpoint), data=str(args.data), prefill=cfg.prefill, batch=cfg.batch,
-                  greedy_tokens=cfg.greedy_tokens, error_every=cfg.error_every,
-                  state_options={k: v for k, v in options.items() if v is not None},
-                  seconds=round(time.time() - t0, 3))
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
+    return run_study(args, lambda ids, source: segment_rows(ids, cfg, source=source),
+                     lambda arch, params, config, rows, methods, prog: evaluate(
+                         arch, params, config, rows, methods, cfg, progress=prog),
+                     format_table, prefill=cfg.prefill, batch=cfg.batch, greedy_tokens=cfg.greedy_tokens,
+                     error_every=cfg.error_every)
 
 
 def add_subcommand(subparsers) -> None:
@@ -604,7 +626,7 @@ def add_subcommand(subparsers) -> None:
 
 
 __all__ = ["DEFAULT_STATES", "REPETITION_N", "EvalConfig", "Reference", "add_subcommand", "evaluate", "final_states",
-           "first_divergence", "format_generation_table", "format_table", "generation_study", "greedy_match",
-           "kl_along", "load_data", "next_token_metrics", "reference_run", "relative_state_errors", "repetition_rate",
-           "replay_states", "run_eval", "run_generation", "score_method", "segment_rows", "state_errors",
-           "warn_if_training_data"]
+           "first_divergence", "format_generation_table", "format_table", "generation_study", "greedy_match", "in_turn",
+           "kl_along", "lineup_labels", "load_data", "load_model_and_data", "next_token_metrics", "reference_run",
+           "relative_state_errors", "repetition_rate", "replay_states", "run_eval", "run_generation", "run_study",
+           "score_method", "segment_rows", "state_errors", "warn_if_training_data"]

@@ -22,20 +22,15 @@ uncertainty of the mean.
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from leapquant_jax.checks import check_integer
-from leapquant_jax.cli_support import add_states_option, int_at_least, progress, state_options
-from leapquant_jax.method_names import methods_for_labels
+from leapquant_jax.cli_support import add_states_option, int_at_least
 from models.decode import check_token_ids, score
-from models.evaluate import DEFAULT_STATES, load_data, next_token_metrics, warn_if_training_data
-from models.fingerprint import check_state_method
-from models.loading import check_checkpoint, load_checkpoint, load_tokenizer
+from models.evaluate import DEFAULT_STATES, in_turn, lineup_labels, next_token_metrics, run_study
 
 METRICS = ("copy_accuracy", "copy_nll", "recall_gain", "agreement_with_fp32")
 
@@ -139,21 +134,14 @@ def recall_probe(arch, params, config, methods: dict, stream: np.ndarray, cfg: R
     "nll": [B]}}``. Raises ``ValueError`` for a bad stream or method list, ``FloatingPointError``
     for non-finite logits.
     """
-    labels = list(methods)
-    if not labels or labels[0] != "fp32":
-        raise ValueError(f"methods must start with the fp32 reference, got {labels}")
+    labels = lineup_labels(methods)
     rows, control, scored = build_recall_rows(stream, cfg, source="stream")
     rows = check_token_ids(rows, config.vocab_size, name="stream ids (recall rows)")
     control = check_token_ids(control, config.vocab_size, name="stream ids (control rows)")
     targets = rows[:, scored.start + 1: scored.stop + 1]
     p = cfg.prefill
-    for method in methods.values():  # a mismatched calibration is refused before any run
-        check_state_method(method, arch, config, params)
     results = {}
-    bar = progress(labels, desc="recall")
-    for label in bar:
-        if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(label)
+    for label in in_turn(labels, methods, arch, params, config, progress, desc="recall"):
         logits = score(arch, params, config, rows, method=methods[label], prefill_len=p)[0][:, scored]
         if label == "fp32":
             ref = logits
@@ -198,23 +186,15 @@ def run_recall(args) -> int:
     """The ``leapquant recall`` handler."""
     cfg = RecallConfig(span=args.span, gap=args.gap, batch=args.batch, skip=args.skip, prefill=args.prefill,
                        seed=args.seed)
-    options = state_options(args)
-    methods = methods_for_labels(args.states.split(","), options)
-    check_checkpoint(args.checkpoint)
-    source = f"--data {args.data}"
-    stream = load_data(args.data, load_tokenizer(args.checkpoint))
-    build_recall_rows(stream, cfg, source=source)  # shape and length checked before the model loads
-    arch, config, params, _ = load_checkpoint(args.checkpoint)
-    stream = check_token_ids(stream, config.vocab_size, name=f"{source} ids")
-    warn_if_training_data(args.checkpoint, args.data)
-    t0 = time.time()
-    result = recall_probe(arch, params, config, methods, stream, cfg,
-                          progress=lambda it, desc: progress(it, desc=desc, enabled=True, total=len(methods)))
-    result.update(checkpoint=str(args.checkpoint), data=str(args.data),
-                  state_options={k: v for k, v in options.items() if v is not None},
-                  seconds=round(time.time() - t0, 3))
-    print(json.dumps(result) if args.json else format_recall_table(result))
-    return 0
+
+    def checked(stream, source):
+        build_recall_rows(stream, cfg, source=source)  # shape and length checked before the model loads
+        return stream
+
+    return run_study(args, checked,
+                     lambda arch, params, config, stream, methods, prog: recall_probe(
+                         arch, params, config, methods, stream, cfg, progress=prog),
+                     format_recall_table)
 
 
 def add_subcommand(subparsers) -> None:
