@@ -8,11 +8,14 @@
 * ``numpy_reference``: the dense delta rule in float64 NumPy, an oracle independent of JAX.
 * ``lower_to_triton``: a kernel lowered for CUDA on the CPU (Triton IR, no GPU).
 * ``heldout_ids``, ``heldout_ids_file``: a shipped checkpoint's held-out snippet, as ids or an ``.npy``.
+* ``run_cli``, ``check_refused_by_name``: ``leapquant`` run in-process, its output captured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 from pathlib import Path
 
@@ -140,5 +143,30 @@ def heldout_ids_file(folder: Path, checkpoint: Path = GDN_CHECKPOINT) -> Path:
     return path
 
 
-__all__ = ["GDN_CHECKPOINT", "check_flush", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp",
-           "live_state", "lower_to_triton", "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "token_at"]
+def run_cli(argv) -> tuple[int, str, str]:
+    """``leapquant argv`` (each item as a string) in this process: ``(exit code, stdout, stderr)``."""
+    from leapquant_cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def check_refused_by_name(argv, names: dict, words, *, eval_data, unwritten: Path) -> None:
+    """``leapquant argv``, each ``"{name}"`` item filled from ``names`` (an ``eval`` given ``--data
+    eval_data --context 32`` too), is refused: exit code 2, nothing on stdout, each of ``words`` on
+    stderr, and ``unwritten`` not written."""
+    argv = [a.format(**names) if a.startswith("{") else a for a in argv]
+    if argv[0] == "eval":
+        argv += ["--data", eval_data, "--context", "32"]
+    code, out, err = run_cli(argv)
+    assert code == 2 and out == "", err
+    for w in words:
+        assert w in err, err
+    assert not unwritten.exists()
+
+
+__all__ = ["GDN_CHECKPOINT", "check_flush", "check_refused_by_name", "copy_tree", "expanded_state", "heldout_ids",
+           "heldout_ids_file", "jax", "jnp", "live_state", "lower_to_triton", "numpy_reference", "random_inputs",
+           "random_sequence", "random_state", "rel", "run_cli", "token_at"]

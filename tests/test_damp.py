@@ -16,7 +16,7 @@ from leapquant_jax.damp import (DampCalibration, DampCalibrationError, DampMetho
                                 dequantize_rows, persistence, quantize_rows, select_channels)
 from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.recurrence import delta_rule_token, recurrent_step_general
-from helpers import numpy_reference, random_inputs, rel
+from helpers import check_refused_by_name, heldout_ids_file, numpy_reference, random_inputs, rel, run_cli
 
 # The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("damp")
@@ -206,36 +206,21 @@ def test_shipped_calibrations_belong_to_their_checkpoints(name):
 # ----------------------------------------------------------------------------- the commands
 
 
-def _cli(argv):
-    import contextlib
-    import io
-
-    from leapquant_cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def snippet_npy(tmp_path_factory):
-    ids = np.asarray(json.loads((CKPTS / "stdlib-gdn" / "heldout_snippet.json").read_text())["ids"], np.int32)
-    path = tmp_path_factory.mktemp("damp") / "ids.npy"
-    np.save(path, ids)
-    return path
+    return heldout_ids_file(tmp_path_factory.mktemp("damp"), CKPTS / "stdlib-gdn")
 
 
 def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
     cal = tmp_path / "cal.json"
-    code, out, err = _cli(["calibrate-damp", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--out", cal,
+    code, out, err = run_cli(["calibrate-damp", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--out", cal,
                            "--rows", 2, "--tokens", 48, "--channels", 8, "--json"])
     assert code == 0, err
     report = json.loads(out)
     assert report["bits_per_value"] == bits_per_value(128, 128, 8) and report["layers"] == [0, 1, 2, 4, 5, 6]
     loaded = DampCalibration.load(str(cal))
     assert loaded.k_hi == 8 and json.loads(cal.read_text())["calibration"]["rows"] == 2
-    code, out, err = _cli(["eval", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--context", 48, "--states",
+    code, out, err = run_cli(["eval", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--context", 48, "--states",
                            "int8,damp", "--damp-calibration", cal, "--json"])
     assert code == 0, err
     m = json.loads(out)["methods"]
@@ -259,14 +244,7 @@ def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
 def test_damp_bad_input_is_refused_by_name(tmp_path, snippet_npy, argv, words):
     names = {"gdn": CKPTS / "stdlib-gdn", "kda_cal": CKPTS / "stdlib-kda" / "damp-calibration.json",
              "missing": tmp_path / "none.json", "ids": snippet_npy, "out": tmp_path / "out.json", "tmp": tmp_path}
-    argv = [a.format(**names) if a.startswith("{") else a for a in argv]
-    if argv[0] == "eval":
-        argv += ["--data", snippet_npy, "--context", "32"]
-    code, out, err = _cli(argv)
-    assert code == 2 and out == "", err
-    for w in words:
-        assert w in err, err
-    assert not (tmp_path / "out.json").exists()
+    check_refused_by_name(argv, names, words, eval_data=snippet_npy, unwritten=tmp_path / "out.json")
 
 
 @pytest.mark.parametrize("kda", [False, True])
@@ -285,23 +263,23 @@ def test_study_errors_calibrates_damp_on_an_independent_draw(kda):
 def test_generate_and_replay_take_damp_per_layer(tmp_path):
     cal = CKPTS / "stdlib-gdn" / "damp-calibration.json"
     traces = tmp_path / "traces"
-    code, out, err = _cli(["generate", CKPTS / "stdlib-gdn", "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", 4,
+    code, out, err = run_cli(["generate", CKPTS / "stdlib-gdn", "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", 4,
                            "--state", "damp", "--damp-calibration", cal, "--record-traces", traces, "--json"])
     assert code == 0, err
     assert json.loads(out)["method"] == {"method": "damp", "calibration": str(cal)}
-    code, out, err = _cli(["replay", traces / "layer04.npz", "--method", "damp", "--damp-calibration", cal,
+    code, out, err = run_cli(["replay", traces / "layer04.npz", "--method", "damp", "--damp-calibration", cal,
                            "--out", tmp_path / "r4.npz", "--json"])
     assert code == 0, err
     # the layer comes from the file name; a renamed trace needs --layer, and a layer the
     # calibration does not cover (3 is an attention layer) is refused
     (traces / "layer04.npz").rename(tmp_path / "trace.npz")
-    code, out, err = _cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
+    code, out, err = run_cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
                            "--out", tmp_path / "r.npz"])
     assert code == 2 and "pass --layer" in err
-    code, out, err = _cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
+    code, out, err = run_cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
                            "--layer", 3, "--out", tmp_path / "r.npz"])
     assert code == 2 and "no layer 3" in err and not (tmp_path / "r.npz").exists()
-    code, out, err = _cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
+    code, out, err = run_cli(["replay", tmp_path / "trace.npz", "--method", "damp", "--damp-calibration", cal,
                            "--layer", 4, "--out", tmp_path / "r.npz"])
     assert code == 0, err
     np.testing.assert_array_equal(np.load(tmp_path / "r.npz")["state"], np.load(tmp_path / "r4.npz")["state"])

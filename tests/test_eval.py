@@ -4,20 +4,17 @@ the metrics and the replay against direct computations, and bad input refused by
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import jax
 import numpy as np
 import pytest
 
-from leapquant_cli import main
 from leapquant_jax.method_names import methods_for_labels
 from models.evaluate import (EvalConfig, greedy_match, load_data, next_token_metrics, replay_states,
                              segment_rows)
 
-from helpers import GDN_CHECKPOINT, heldout_ids_file
+from helpers import GDN_CHECKPOINT, heldout_ids_file, run_cli
 
 # The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("eval")
@@ -27,13 +24,6 @@ CKPT = GDN_CHECKPOINT
 CONTEXT, GREEDY, BATCH, EVERY = 64, 8, 2, 24
 
 
-def _run(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def heldout_npy(tmp_path_factory):
     return heldout_ids_file(tmp_path_factory.mktemp("eval"))
@@ -41,7 +31,7 @@ def heldout_npy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def result(heldout_npy):
-    code, out, err = _run(["eval", str(CKPT), "--data", str(heldout_npy), "--context", str(CONTEXT),
+    code, out, err = run_cli(["eval", str(CKPT), "--data", str(heldout_npy), "--context", str(CONTEXT),
                            "--batch", str(BATCH), "--greedy-tokens", str(GREEDY), "--error-every", str(EVERY),
                            "--states", "fp32,leapquant", "--json"])
     assert code == 0, err
@@ -252,7 +242,7 @@ def test_eval_refuses_bad_input_by_name(tmp_path, heldout_npy, case, message):
     argv += {"unknown": ["--states", "fp32,int9"],
              "contradiction": ["--states", "leapquant-b6", "--bits", "4"],
              "every_zero": ["--error-every", "0"], "every_too_long": ["--error-every", "65"]}.get(case, [])
-    code, out, err = _run(argv)
+    code, out, err = run_cli(argv)
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("leapquant: error: ")
@@ -296,7 +286,7 @@ def test_eval_warns_when_the_data_is_in_the_checkpoints_training_split(tmp_path)
             "--json"]
     for split, warned in (("train", True), ("heldout", False)):
         (ckpt / "DATA_FILES.txt").write_text(f"heldout {'0' * 64} other.py\n{split} {digest} json/decoder.py\n")
-        code, out, err = _run(argv)
+        code, out, err = run_cli(argv)
         assert code == 0, err
         assert json.loads(out)["context"] == 4
         warnings = [line for line in err.splitlines() if line.startswith("leapquant: warning: ")]

@@ -20,7 +20,7 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.stepquant import (Layout, StepQuantMethod, fit, impact_weights, pack_2bit, stepquant_plan,
                                      unpack_2bit)
 from leapquant_jax.traces import Trace, save_trace
-from helpers import numpy_reference, random_inputs, rel
+from helpers import check_refused_by_name, heldout_ids_file, numpy_reference, random_inputs, rel, run_cli
 
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("stepquant")
@@ -317,24 +317,9 @@ def test_bad_input_is_refused_by_name(calibrated, tmp_path):
 # ----------------------------------------------------------------------------- the commands
 
 
-def _cli(argv):
-    import contextlib
-    import io
-
-    from leapquant_cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def snippet_npy(tmp_path_factory):
-    ids = np.asarray(json.loads((CKPTS / "stdlib-gdn" / "heldout_snippet.json").read_text())["ids"], np.int32)
-    path = tmp_path_factory.mktemp("stepquant") / "ids.npy"
-    np.save(path, ids)
-    return path
+    return heldout_ids_file(tmp_path_factory.mktemp("stepquant"), CKPTS / "stdlib-gdn")
 
 
 @pytest.mark.parametrize("name", ["stdlib-gdn", "stdlib-kda"])
@@ -355,7 +340,7 @@ def test_shipped_calibrations_belong_to_their_checkpoints(name):
 
 def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
     cal = tmp_path / "cal.json"
-    code, out, err = _cli(["calibrate-stepquant", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--out", cal,
+    code, out, err = run_cli(["calibrate-stepquant", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--out", cal,
                            "--rows", 2, "--tokens", 48, "--samples", 8, "--json"])
     assert code == 0, err
     report = json.loads(out)
@@ -363,7 +348,7 @@ def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
     assert report["plans"]["leapquant-alloc-4"]["budget"] == default_budget(4, 128, 128) == 6.0
     loaded = LifetimeCalibration.load(str(cal))
     assert json.loads(cal.read_text())["calibration"]["rows"] == 2 and loaded.model
-    code, out, err = _cli(["eval", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--context", 32, "--states",
+    code, out, err = run_cli(["eval", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--context", 32, "--states",
                            "stepquant-4,leapquant-alloc-4", "--stepquant-calibration", cal, "--json"])
     assert code == 0, err
     m = json.loads(out)["methods"]
@@ -386,14 +371,7 @@ def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
 def test_command_line_refuses_by_name(tmp_path, snippet_npy, argv, words):
     names = {"gdn": CKPTS / "stdlib-gdn", "kda_cal": CKPTS / "stdlib-kda" / "stepquant-calibration.json",
              "missing": tmp_path / "none.json", "ids": snippet_npy, "out": tmp_path / "out.npy"}
-    argv = [a.format(**names) if a.startswith("{") else a for a in argv]
-    if argv[0] == "eval":
-        argv += ["--data", snippet_npy, "--context", "32"]
-    code, out, err = _cli(argv)
-    assert code == 2 and out == "", err
-    for w in words:
-        assert w in err, err
-    assert not (tmp_path / "out.npy").exists()
+    check_refused_by_name(argv, names, words, eval_data=snippet_npy, unwritten=tmp_path / "out.npy")
 
 
 def test_memory_measures_the_calibrated_layouts():

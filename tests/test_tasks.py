@@ -5,9 +5,7 @@ and bad input refused by name with nothing written."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 from pathlib import Path
 
@@ -16,23 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leapquant_cli import main
 from models.evaluate import first_divergence, repetition_rate
 from models.tasks import TaskSpec, TaskVocab, generate
 from models.training.task_data import TaskMix, task_batch
+from helpers import run_cli
 
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("tasks")
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
 VOCAB = TaskVocab(size=48, keys=12, values=12)
-
-
-def _run(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 # ----------------------------------------------------------------------------- generators
@@ -183,7 +174,7 @@ def tiny_recall(tmp_path_factory):
 
 def test_a_tiny_pure_gdn_trained_here_recalls_in_fp32(tiny_recall):
     assert tiny_recall["train_accuracy"] >= 0.9
-    code, out, err = _run(["task", str(tiny_recall["ckpt"]), "--task", "mqar", "--lengths", "24", "48",
+    code, out, err = run_cli(["task", str(tiny_recall["ckpt"]), "--task", "mqar", "--lengths", "24", "48",
                            "--samples", "64", "--states", "fp32", "--json"])
     assert code == 0, err
     result = json.loads(out)
@@ -195,7 +186,7 @@ def test_a_tiny_pure_gdn_trained_here_recalls_in_fp32(tiny_recall):
 
 def test_task_command_gives_every_method_the_same_rows(tiny_recall, tmp_path):
     plot = tmp_path / "acc.png"
-    code, out, err = _run(["task", str(tiny_recall["ckpt"]), "--task", "mqar", "--lengths", "24", "40",
+    code, out, err = run_cli(["task", str(tiny_recall["ckpt"]), "--task", "mqar", "--lengths", "24", "40",
                            "--samples", "8", "--states", "fp32,bf16,int8,leapquant,damp", "--window", "4",
                            "--json", "--plot", str(plot)])
     assert code == 0, err
@@ -219,7 +210,7 @@ def test_task_command_gives_every_method_the_same_rows(tiny_recall, tmp_path):
 def test_task_command_refuses_bad_input_by_name_and_writes_nothing(tiny_recall, tmp_path, argv, match):
     plot = tmp_path / "acc.png"
     args = ["task", str(tiny_recall["ckpt"])] + (["--task", "mqar"] if "--task" not in argv else []) + argv
-    code, out, err = _run(args + ["--plot", str(plot)])
+    code, out, err = run_cli(args + ["--plot", str(plot)])
     assert code == 2 and out == "" and match in err and err.count("\n") == 1
     assert not plot.exists()
 
@@ -227,7 +218,7 @@ def test_task_command_refuses_bad_input_by_name_and_writes_nothing(tiny_recall, 
 def test_task_command_refuses_a_vocabulary_that_cannot_hold_the_task(tiny_recall, tmp_path):
     # no task.json: the default split of 2,048 ids does not fit the 16-id vocabulary
     plot = tmp_path / "acc.png"
-    code, out, err = _run(["task", str(tiny_recall["bare"]), "--task", "mqar", "--pairs", "2", "--lengths", "24",
+    code, out, err = run_cli(["task", str(tiny_recall["bare"]), "--task", "mqar", "--pairs", "2", "--lengths", "24",
                            "--plot", str(plot)])
     assert code == 2 and "vocabulary of 16 ids, which cannot hold the task's 2048" in err and not plot.exists()
 
@@ -235,7 +226,7 @@ def test_task_command_refuses_a_vocabulary_that_cannot_hold_the_task(tiny_recall
 def test_eval_generate_compares_free_running_generation_with_fp32(tiny_recall, tmp_path):
     data = tmp_path / "ids.npy"
     np.save(data, generate(1, TaskSpec("mqar", length=24, pairs=2, gap=8, vocab=TINY_TASK.vocab), 4).ids.reshape(-1))
-    code, out, err = _run(["eval", str(tiny_recall["ckpt"]), "--data", str(data), "--context", "12", "--batch", "3",
+    code, out, err = run_cli(["eval", str(tiny_recall["ckpt"]), "--data", str(data), "--context", "12", "--batch", "3",
                            "--generate", "10", "--states", "fp32,bf16,int8", "--json"])
     assert code == 0, err
     result = json.loads(out)
@@ -247,7 +238,7 @@ def test_eval_generate_compares_free_running_generation_with_fp32(tiny_recall, t
         assert m["kl_to_fp32"] >= 0 and 0 <= m["repetition_rate"] <= 1 and len(m["kl_per_prompt"]) == 3
     # bf16 rounds this small state by about 1e-3: its next-token distributions stay close to fp32's
     assert result["methods"]["bf16"]["kl_to_fp32"] < 1e-2
-    code, _, err = _run(["eval", str(tiny_recall["ckpt"]), "--data", str(data), "--context", "12", "--batch", "3",
+    code, _, err = run_cli(["eval", str(tiny_recall["ckpt"]), "--data", str(data), "--context", "12", "--batch", "3",
                          "--generate", "10", "--error-every", "4"])
     assert code == 2 and "--generate prefills each prompt exactly" in err
 
@@ -263,7 +254,7 @@ def test_shipped_recall_checkpoint_recalls_at_a_short_length(folder):
     """fp32 and LeapQuant-8 on 16 rows of 256 tokens with 16 pairs (distractor-pair filler), through
     the decode path. Measured on the CPU: fp32 1.0 and LeapQuant-8 1.0 on both checkpoints (256
     scored values each); the bounds leave two of them."""
-    code, out, err = _run(["task", str(folder), "--task", "mqar", "--pairs", "16", "--lengths", "256",
+    code, out, err = run_cli(["task", str(folder), "--task", "mqar", "--pairs", "16", "--lengths", "256",
                            "--samples", "16", "--filler", "pairs", "--states", "fp32,leapquant", "--json"])
     assert code == 0, err
     acc = json.loads(out)["results"]
