@@ -111,15 +111,37 @@ def undigit_cols(acc, v):
 # ----------------------------------------------------------------------------- kernel
 
 
+def step_operands(config: LeapQuantConfig, state: LeapQuantState, token: Token) -> tuple[list, int]:
+    """The step's operands in the order its kernels take them (this one and ``load_only``'s):
+    ``pos``; the token's ``q, w, b, v, g, beta`` (fp32); the codes and scales; the smoothing
+    scales where ``config.smoothing``; the Compensator Tokens ``k, u`` where the rank is not 0;
+    the records ``k, u, g`` (outputs 1 to 3 alias them). Returns ``(operands, index of the
+    first record)``."""
+    ckpt, buf = state.checkpoint, state.buffer
+    args = [state.pos.astype(jnp.int32), token.q.astype(f32), token.w.astype(f32), token.b.astype(f32),
+            token.v.astype(f32), token.g.astype(f32), token.beta.astype(f32), ckpt.residual.codes, ckpt.residual.scale]
+    if config.smoothing:
+        args.append(ckpt.smooth)
+    if config.effective_rank:
+        args += [ckpt.comp_k, ckpt.comp_u]
+    return args + [buf.k, buf.u, buf.g], len(args)
+
+
+def step_refs(refs, *, smoothing: bool, rank: int) -> tuple:
+    """A step kernel's refs (``step_operands``, then the outputs ``o`` and the records ``k, u, g``)
+    by name: ``(pos, q, w, b, v, g, beta, codes, scale, smooth, comp_k, comp_u, k, u, g, o, k_out,
+    u_out, g_out)``, ``smooth`` and the Compensator Tokens ``None`` where the step has none."""
+    it = iter(refs)
+    head = tuple(next(it) for _ in range(9))
+    smooth = next(it) if smoothing else None
+    comp = (next(it), next(it)) if rank else (None, None)
+    return head + (smooth,) + comp + tuple(it)
+
+
 def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot, dot_cols, heads,
                  group, key_block):
-    it = iter(refs)
-    pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(7))
-    codes_ref, scale_ref = next(it), next(it)
-    smooth_ref = next(it) if smoothing else None
-    ck_ref, cu_ref = (next(it), next(it)) if rank else (None, None)
-    bk_ref, bu_ref, bg_ref = next(it), next(it), next(it)
-    o_ref, bk_out, bu_out, bg_out = next(it), next(it), next(it), next(it)
+    (pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref,
+     bk_ref, bu_ref, bg_ref, o_ref, bk_out, bu_out, bg_out) = step_refs(refs, smoothing=smoothing, rank=rank)
 
     parts = num_parts(bits)
     n = dk // parts                                   # key rows per code part
@@ -489,23 +511,18 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
         k_spec = pl.BlockSpec((None, kbb, p, dk), lambda i, j, c: (i, j, 0, 0))
     vec_v = pl.BlockSpec((None, hb, bv), lambda i, j, c: (i, j, c))
     scalar = pl.BlockSpec((None, hb), lambda i, j, c: (i, j))
-    args = [state.pos.astype(jnp.int32), token.q.astype(f32), token.w.astype(f32), token.b.astype(f32),
-            token.v.astype(f32), token.g.astype(f32), token.beta.astype(f32), ckpt.residual.codes, ckpt.residual.scale]
+    args, first_buf = step_operands(config, state, token)
     specs = [pl.BlockSpec((None,), lambda i, j, c: (i,)), vec_k, key_vec, vec_k, vec_v,
              vec_k if per_channel else scalar, scalar,
              pl.BlockSpec((None, hb, rows, bv), lambda i, j, c: (i, j, 0, c)), vec_v]
     if config.smoothing:
-        args.append(ckpt.smooth)
         specs.append(vec_k)
     if r:
-        args += [ckpt.comp_k, ckpt.comp_u]
         specs += [pl.BlockSpec((None, hb, r, dk), lambda i, j, c: (i, j, 0, 0)),
                   pl.BlockSpec((None, hb, r, bv), lambda i, j, c: (i, j, 0, c))]
     u_spec = pl.BlockSpec((None, hb, p, bv), lambda i, j, c: (i, j, 0, c))
     g_spec = (pl.BlockSpec((None, hb, p, dk), lambda i, j, c: (i, j, 0, 0)) if per_channel
               else pl.BlockSpec((None, hb, p), lambda i, j, c: (i, j, 0)))
-    first_buf = len(args)
-    args += [buf.k, buf.u, buf.g]
     specs += [k_spec, u_spec, g_spec]
 
     kernel = functools.partial(
@@ -553,4 +570,4 @@ def leapquant_step_reference(config: LeapQuantConfig, state: LeapQuantState, tok
     return windowed.step_reference(config, state, token)
 
 
-__all__ = ["check_token", "leapquant_step", "leapquant_step_reference", "step_bytes"]
+__all__ = ["check_token", "leapquant_step", "leapquant_step_reference", "step_bytes", "step_operands", "step_refs"]

@@ -28,18 +28,14 @@ from leapquant_jax.quantizers import packed_rows
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl
+from .leapquant_step import step_operands, step_refs
 from .shared import num_parts
 from .support import check_token
 
 
 def _load_only_kernel(*refs, rank, window, chunk, per_channel, smoothing, rec_dtype):
-    it = iter(refs)
-    pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(7))
-    codes_ref, scale_ref = next(it), next(it)
-    smooth_ref = next(it) if smoothing else None
-    ck_ref, cu_ref = (next(it), next(it)) if rank else (None, None)
-    bk_ref, bu_ref, bg_ref = next(it), next(it), next(it)
-    o_ref, bk_out, bu_out, bg_out = (next(it) for _ in range(4))
+    (pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref,
+     bk_ref, bu_ref, bg_ref, o_ref, bk_out, bu_out, bg_out) = step_refs(refs, smoothing=smoothing, rank=rank)
 
     f32 = jnp.float32
     pos = pos_ref[...]
@@ -105,20 +101,15 @@ def load_only_step(config: LeapQuantConfig, state: LeapQuantState, token, *, num
         return pl.BlockSpec((None, None) + shape, lambda i, j: (i, j) + (0,) * len(shape))
 
     scalar = pl.BlockSpec((None, None), lambda i, j: (i, j))
-    args = [state.pos.astype(jnp.int32), token.q.astype(f32), token.w.astype(f32), token.b.astype(f32),
-            token.v.astype(f32), token.g.astype(f32), token.beta.astype(f32), ckpt.residual.codes, ckpt.residual.scale]
+    args, first_record = step_operands(config, state, token)
     specs = [pl.BlockSpec((None,), lambda i, j: (i,)), spec(dk), spec(dk), spec(dk), spec(dv),
              spec(dk) if per_channel else scalar, scalar, spec(rows, dv), spec(dv)]
     if config.smoothing:
-        args.append(ckpt.smooth)
         specs.append(spec(dk))
     if r:
-        args += [ckpt.comp_k, ckpt.comp_u]
         specs += [spec(r, dk), spec(r, dv)]
     records = (buf.k, buf.u, buf.g)
     record_specs = [spec(p, dk), spec(p, dv), spec(p, dk) if per_channel else spec(p)]
-    first_record = len(args)
-    args += records
     specs += record_specs
     kernel = functools.partial(_load_only_kernel, rank=r, window=p, chunk=ch, per_channel=per_channel,
                                smoothing=config.smoothing, rec_dtype=config.record_dtype)

@@ -67,19 +67,32 @@ MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 # ----------------------------------------------------------------------------- kernel
 
 
+def _code_products(t, factors, *, n, dk, lay):
+    """The codes times two vectors on the CUDA cores, ``n`` key rows at a time (int8 -> bf16 ->
+    fp32, exact for codes, cheaper than int8 -> fp32), summed elementwise over the ``dk / n``
+    steps: two ``[n, 128]`` tiles in ``rows_layout(n)``. ``factors(rows)``: the two vectors at key
+    rows ``rows`` (``[n]`` each, in ``rows_layout(n).reduce(1)``)."""
+    R = rows_layout(n)
+    along_cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (n, LANES_COLS), (0,)), R)
+    acc1 = acc2 = None
+    for k in range(dk // n):
+        rows = pl.ds(k * n, n)
+        z = lay.load(t["codes"].at[rows], R).astype(jnp.bfloat16).astype(f32)
+        y1, y2 = factors(rows)
+        t1, t2 = z * along_cols(y1), z * along_cols(y2)
+        acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
+    return acc1, acc2
+
+
 def code_sums_fma(t, *, dk, smoothing, chunk, lay, decay=None):
     """``(Z^T (c b), Z^T (c q))`` (``[128]`` each, value-column layout; ``c`` the smoothing scales or
     1) on the CUDA cores: the codes read ``chunk`` key rows at a time (int8 -> bf16 -> fp32, exact
     for codes, cheaper than int8 -> fp32), products summed elementwise over the chunks, then
     across the rows once. ``decay``: ``(ref, row)`` where KDA's per-channel decays scale the two
     vectors too (``ref[row]`` times ``b``, ``ref[row + 1]`` times ``q``; ``_kda_decays``)."""
-    CH = rows_layout(chunk)
-    CROW = CH.reduce(1)
-    bcast_rows = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, LANES_COLS), (0,)), CH)
-    acc1 = acc2 = None
-    for k in range(dk // chunk):
-        rows = pl.ds(k * chunk, chunk)
-        z = lay.load(t["codes"].at[rows], CH).astype(jnp.bfloat16).astype(f32)
+    CROW = rows_layout(chunk).reduce(1)
+
+    def factors(rows):
         y1, y2 = lay.load(t["b"].at[rows], CROW), lay.load(t["q"].at[rows], CROW)
         if smoothing:
             sm = lay.load(t["smooth"].at[rows], CROW)
@@ -87,8 +100,9 @@ def code_sums_fma(t, *, dk, smoothing, chunk, lay, decay=None):
         if decay is not None:
             ref, row = decay
             y1, y2 = lay.load(ref.at[row, rows], CROW) * y1, lay.load(ref.at[row + 1, rows], CROW) * y2
-        t1, t2 = z * bcast_rows(y1), z * bcast_rows(y2)
-        acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
+        return y1, y2
+
+    acc1, acc2 = _code_products(t, factors, n=chunk, dk=dk, lay=lay)
     return jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
 
 
@@ -182,17 +196,9 @@ def code_partials_rows(t, xv, *, dk, lay):
     -> bf16 -> fp32, exact), each row times its two factors (one value for the whole warp, read from
     ``xv``), summed in registers: no exchange between the warps here, so that the caller adds these
     parts to the records' before their one exchange (``_head_step`` with ``dot="rows"``)."""
-    W = rows_layout(WARPS)
-    WROW = W.reduce(1)
-    along_cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (WARPS, LANES_COLS), (0,)), W)
-    acc1 = acc2 = None
-    for k in range(dk // WARPS):
-        rows = pl.ds(k * WARPS, WARPS)
-        z = lay.load(t["codes"].at[rows], W).astype(jnp.bfloat16).astype(f32)
-        t1 = z * along_cols(lay.load(xv.at[0, rows], WROW))
-        t2 = z * along_cols(lay.load(xv.at[1, rows], WROW))
-        acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
-    return acc1, acc2
+    WROW = rows_layout(WARPS).reduce(1)
+    return _code_products(t, lambda rows: (lay.load(xv.at[0, rows], WROW), lay.load(xv.at[1, rows], WROW)),
+                          n=WARPS, dk=dk, lay=lay)
 
 
 def _kda_decays(i, meta_all, t, dec, *, p, lay):
