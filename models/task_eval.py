@@ -58,10 +58,8 @@ from models.training.task_data import HELDOUT_STREAM, task_batch
 # The rows of the calibrations made here (DAMP's protocol and calibrate-stepquant's default take 32
 # segments of 256 tokens; 16 rows of a long training length hold more tokens).
 CALIBRATION_ROWS = 16
-# state samples per row: DAMP's most; the lifetime calibration's (x 16 rows: 4x the 64 it keeps,
-# lifetime.DEFAULT_SAMPLES, spread over positions and rows without holding a state every 8 tokens)
-DAMP_SAMPLES_PER_ROW = 64
-LIFETIME_SAMPLES_PER_ROW = 16
+DAMP_SAMPLES_PER_ROW = 64       # DAMP's most state samples per row
+LIFETIME_SAMPLES_PER_ROW = 16   # x 16 rows: 4x the 64 states it keeps (evenly spaced), not one every 8 tokens
 DEFAULT_PAIRS = 64
 # tokens per compiled scan call: long enough that the per-call overhead vanishes, short enough
 # that a row of 1K tokens wastes little padding
