@@ -11,6 +11,8 @@ format rounds (the kernels round as the reference does, so they should add almos
   ``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, both against fp32.
 * ``fla_row``: FLA's fp32 kernel against the exact recurrence (needs torch and fla-core).
 * ``check_long_decode``: long decodes of the extreme-decay heads, finiteness and per-head errors.
+* ``check_decoded_state``: the flush judged by the decoded-state criterion of the NVlabs/kda
+  flush requests (``decoded_state_row``) on structured, second-window and random heads.
 
 On the CPU the Pallas kernels run in interpret mode, so every check also runs there (slowly).
 """
@@ -23,7 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.inputs import copy_tree, random_sequence, random_state, rel, token_at
+from bench.inputs import (
+    FLUSH_HEAD_KINDS, copy_tree, next_window, random_flush_state, random_sequence, random_state, rel,
+    structured_flush_state, token_at,
+)
 from leapquant_jax import dispatch, windowed
 from leapquant_jax.impls import OPS, Impl
 from leapquant_jax.methods import make_method
@@ -264,4 +269,156 @@ def check_long_decode(log, tokens, *, chunk=16384, batch=4, impls=("pallas", "re
             r.update(impl=impl, seconds=time.perf_counter() - t0)
             rows.append(r)
             log(r)
+    return rows
+
+
+# ----------------------------------------------------------------------------- decoded-state criterion
+
+# The flush requests' criterion (NVlabs/kda, requests/conless-leapquant-{gdn,kda}-flush/README.md),
+# per head: err = mean |decode(checkpoint) - S| over the batch and the head's dk x dv elements, S the
+# flush's input state rebuilt in fp64. A candidate passes where err <= (1 + DECODED_REL_TOL) x the
+# reference flush's err on every head whose reference err is at least DECODED_FLOOR mean |S|, and
+# err <= DECODED_CAP mean |S| on the others (heads the format captures almost exactly, whose
+# reference err is rounding noise; an all-zero head must decode to exact zeros).
+DECODED_REL_TOL, DECODED_FLOOR, DECODED_CAP = 0.01, 1e-4, 1e-3
+CRITERION_BATCH = 16                  # sequences per input set of the compiled check
+CRITERION_INPUTS = ("structured", "second window", "random")
+# The criterion's reference, compiled once (the same program gives the same bits: a candidate
+# that is this flush has ratio 1 exactly).
+reference_flush = jax.jit(windowed.flush_reference, static_argnums=0)
+
+
+def exact_decode(config, ckpt) -> np.ndarray:
+    """The state ``[B, H, dk, dv]`` a checkpoint stands for, in float64: ``C Z B + K^T U``."""
+    s = np.asarray(config.format.integer_values(ckpt.residual), np.float64)
+    s = s * np.asarray(ckpt.residual.scale, np.float64)[..., None, :]
+    if ckpt.smooth is not None:
+        s = np.asarray(ckpt.smooth, np.float64)[..., :, None] * s
+    return s + np.einsum("...rk,...rv->...kv", np.asarray(ckpt.comp_k, np.float64), np.asarray(ckpt.comp_u, np.float64))
+
+
+def exact_state(config, state) -> np.ndarray:
+    """``windowed.reconstruct_reference`` in float64 (NumPy): the state ``[B, H, dk, dv]`` after
+    ``pos`` records, ``e^{G_l} S0 + sum_{j < pos} e^{G_l - G_j} k_j u_j^T``."""
+    buf = state.buffer
+    b, h, dk, dv = state.shape
+    p = buf.g.shape[2]
+    live = (np.arange(p)[None, :] < np.asarray(state.pos)[:, None])[:, None, :, None]     # [B, 1, p, 1]
+    g = np.asarray(buf.g, np.float64)
+    g = np.where(live, g if g.ndim == 4 else g[..., None], 0.0)
+    G = np.cumsum(np.broadcast_to(g, (b, h, p, dk)), axis=2)
+    G_l = G[:, :, -1]                                                                     # dead slots add 0
+    k = np.repeat(np.asarray(buf.k, np.float64), h // state.key_heads, axis=1)
+    kd = np.where(live, np.exp(np.where(live, G_l[:, :, None] - G, 0.0)) * k, 0.0)
+    records = np.einsum("bhpk,bhpv->bhkv", kd, np.where(live, np.asarray(buf.u, np.float64), 0.0))
+    return np.exp(G_l)[..., None] * exact_decode(config, state.checkpoint) + records
+
+
+def criterion_cases(config, kda, *, batch=CRITERION_BATCH, dk=CHECK_DIM, dv=CHECK_DIM, seed=0) -> list[dict]:
+    """The criterion's three input sets (``CRITERION_INPUTS``), each ``dict(inputs, state, kinds,
+    exact, reference)``: ``structured_flush_state``; the reference's checkpoint of it with a fresh
+    full window (``next_window``); ``random_flush_state`` with as many heads (one compiled shape).
+    ``exact``: the fp64 state; ``reference``: ``reference_flush``'s flushed state."""
+    flush = reference_flush
+    first = structured_flush_state(config, seed, batch, dk, dv, kda)
+    first_ref = flush(config, first)
+    second = next_window(config, seed + 1, first_ref)
+    rand = random_flush_state(config, seed + 2, batch, len(FLUSH_HEAD_KINDS), dk, dv, kda)
+    cases = []
+    for name, state, ref, kinds in ((CRITERION_INPUTS[0], first, first_ref, FLUSH_HEAD_KINDS),
+                                    (CRITERION_INPUTS[1], second, None, FLUSH_HEAD_KINDS),
+                                    (CRITERION_INPUTS[2], rand, None, ("random",) * len(FLUSH_HEAD_KINDS))):
+        cases.append(dict(inputs=name, state=state, kinds=kinds, exact=exact_state(config, state),
+                          reference=flush(config, state) if ref is None else ref))
+    return cases
+
+
+def _finite_checkpoint(ckpt) -> bool:
+    leaves = [ckpt.residual.scale, ckpt.comp_k, ckpt.comp_u] + ([ckpt.smooth] if ckpt.smooth is not None else [])
+    return all(bool(np.all(np.isfinite(np.asarray(x, np.float64)))) for x in leaves)
+
+
+def decoded_state_row(config, case, flushed, *, mode, impl) -> dict:
+    """The criterion (``DECODED_*``) on a candidate's flushed state ``flushed`` for one of
+    ``criterion_cases``, as a report row: per head kind the worst ``ratio`` err / reference err over
+    its heads held relatively (``None`` if none), the worst ``cap`` err / (``DECODED_CAP`` mean
+    |S|) over the others (``None`` if none), the reference's ``ref_err`` = err / mean |S| (mean
+    over its heads) and ``ok``; ``worst_ratio`` over every head held relatively; ``finite``
+    (checkpoint and decoded state), ``codes_in_range`` (``[-qmax, qmax]``) and ``passed``."""
+    S, kinds = case["exact"], case["kinds"]
+    dec = exact_decode(config, flushed.checkpoint)
+    err = np.abs(dec - S).mean(axis=(0, 2, 3))
+    ref = np.abs(exact_decode(config, case["reference"].checkpoint) - S).mean(axis=(0, 2, 3))
+    mag = np.abs(S).mean(axis=(0, 2, 3))
+    relative = (ref >= DECODED_FLOOR * mag) & (ref > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(relative, err / np.where(relative, ref, 1.0), np.nan)
+        cap = np.where(relative, np.nan, np.where(err == 0, 0.0, err / (DECODED_CAP * mag)))
+        ref_err = np.where(mag > 0, ref / np.where(mag > 0, mag, 1.0), 0.0)
+    head_ok = np.where(relative, err <= (1 + DECODED_REL_TOL) * ref, err <= DECODED_CAP * mag)
+    per_kind = {}
+    for kind in dict.fromkeys(kinds):
+        sel = np.array([k == kind for k in kinds])
+        r, c = ratio[sel & relative], cap[sel & ~relative]
+        per_kind[kind] = dict(ratio=float(r.max()) if r.size else None, cap=float(c.max()) if c.size else None,
+                              ref_err=float(ref_err[sel].mean()), ok=bool(head_ok[sel].all()))
+    finite = _finite_checkpoint(flushed.checkpoint) and bool(np.all(np.isfinite(dec)))
+    z = np.asarray(config.format.integer_values(flushed.checkpoint.residual))
+    in_range = bool(np.abs(z).max() <= config.format.qmax)
+    return dict(check="decoded-state criterion (flush)", mode=mode, bits=config.bits, impl=impl,
+                inputs=case["inputs"], batch=int(S.shape[0]),
+                worst_ratio=float(np.nanmax(ratio)) if relative.any() else None, kinds=per_kind, finite=finite,
+                codes_in_range=in_range, passed=finite and in_range and bool(head_ok.all()))
+
+
+def decoded_state_rows(config, cases, flush, *, mode, impl) -> list[dict]:
+    """``decoded_state_row`` of ``flush(config, state)`` (a flushed state; given a copy, since the
+    kernels donate theirs) for each of ``cases``."""
+    return [decoded_state_row(config, case, flush(config, copy_tree(case["state"])), mode=mode, impl=impl)
+            for case in cases]
+
+
+def decoded_state_failures(row) -> list[str]:
+    """What a ``decoded_state_row`` misses, one line per failing head kind (empty: it passes)."""
+    out = [] if row["finite"] else ["non-finite checkpoint or decoded state"]
+    if not row["codes_in_range"]:
+        out.append(f"codes outside [-qmax, qmax] at {row['bits']} bits")
+    for kind, k in row["kinds"].items():
+        if k["ok"]:
+            continue
+        n = len(out)
+        if k["ratio"] is not None and k["ratio"] > 1 + DECODED_REL_TOL:
+            out.append(f"{row['inputs']} {kind}: decoded-state error {k['ratio']:.4f} x the reference's "
+                       f"> {1 + DECODED_REL_TOL}")
+        if k["cap"] is not None and k["cap"] > 1:
+            out.append(f"{row['inputs']} {kind}: decoded-state error {k['cap'] * DECODED_CAP:.2e} of mean |S| "
+                       f"> {DECODED_CAP} (reference error below {DECODED_FLOOR} of it)")
+        if len(out) == n:
+            out.append(f"{row['inputs']} {kind}: decoded-state error not comparable (NaN)")
+    return out
+
+
+def check_decoded_state(log, bits_list=(8, 6, 4), kda_modes=(False, True), flush_impls=("split", "fused", "mosaic"),
+                        *, batch=CRITERION_BATCH, window=16) -> list[dict]:
+    """The compiled flushes ``flush_impls`` (``run_flush`` names) under the decoded-state
+    criterion, 128 x 128 heads, window ``window``: three rows per flush, bit width and mode
+    (``CRITERION_INPUTS``); a flush that cannot take the config gives one row with ``skipped``
+    (its reason). Each row is logged as it comes."""
+    rows = []
+    for kda in kda_modes:
+        mode = "KDA" if kda else "GDN"
+        for bits in bits_list:
+            config = LeapQuantConfig(bits=bits, window=window, impl="pallas")
+            cases = criterion_cases(config, kda, batch=batch)
+            for impl in flush_impls:
+                why = mosaic_flush.unsupported_reason(config, cases[0]["state"]) if impl == "mosaic" else None
+                if why is not None:
+                    new = [dict(check="decoded-state criterion (flush)", mode=mode, bits=bits, impl=impl,
+                                inputs="-", skipped=why)]
+                else:
+                    new = decoded_state_rows(config, cases, lambda c, s, impl=impl: run_flush(c, s, impl),
+                                             mode=mode, impl=impl)
+                for row in new:
+                    log(row)
+                rows += new
     return rows

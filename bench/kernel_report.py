@@ -84,6 +84,28 @@ def _cell(text, n=160):
     return str(text)[:n].replace("|", "/").replace("\n", " ")
 
 
+def decoded_state_markdown(rows) -> list[str]:
+    """The decoded-state criterion's table (``bench.kernel_checks.decoded_state_row`` rows): per head
+    kind the worst error ratio to the reference's, or ``cap`` and the error over the cap where the
+    reference's error is below the floor; ``ref`` the reference's error / mean |S|."""
+    out = ["## Decoded-state criterion (the flush)", "",
+           "Per head: err = mean |decode(checkpoint) - S| over the batch and the head's elements, S rebuilt in "
+           "fp64; pass: err <= 1.01 x the reference flush's where that is >= 1e-4 mean |S|, else <= 1e-3 mean |S|; "
+           "every output finite, codes in range.", "",
+           "| mode | bits | flush | inputs | batch | pass | worst ratio | per head kind: ratio (ref err) or cap |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r.get("skipped"):
+            out.append(f"| {r['mode']} | {r['bits']} | {r['impl']} | - | - | skipped | - | {_cell(r['skipped'])} |")
+            continue
+        kinds = ", ".join(f"{k} {v['ratio']:.4f} ({v['ref_err']:.1e})" if v["ratio"] is not None
+                          else f"{k} cap {v['cap']:.2f}" for k, v in r["kinds"].items())
+        worst = f"{r['worst_ratio']:.4f}" if r["worst_ratio"] is not None else "-"
+        out.append(f"| {r['mode']} | {r['bits']} | {r['impl']} | {r['inputs']} | {r['batch']} | "
+                   f"{'yes' if r['passed'] else 'no'} | {worst} | {kinds} |")
+    return out + [""]
+
+
 def markdown(results) -> str:
     env = results["environment"]
     out = [f"# Kernel benchmark ({env.get('gpu') or env['devices']})", "",
@@ -98,6 +120,8 @@ def markdown(results) -> str:
             ex = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
             out.append(f"| {r['check']} | {r['mode']} | {r['o_rel_err']:.2e} | {r['state_rel_err']:.2e} | {ex} |")
         out.append("")
+    if results.get("decoded_state"):
+        out += decoded_state_markdown(results["decoded_state"])
     if results.get("long_decode"):
         r0 = results["long_decode"][0]
         out += [f"## Long decodes of extreme-decay heads ({r0['tokens']} tokens, batch {r0['batch']}, "

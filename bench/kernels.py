@@ -2,13 +2,17 @@
 
     python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
                             [--load-only] [--extra-bits 6 4] [--correctness full|ops|none] [--check-bits 8 6 4]
-                            [--check-flush-impls auto split] [--modes gdn kda] [--time-budget SECONDS]
+                            [--check-flush-impls auto split] [--decoded-state-impls split fused mosaic]
+                            [--decoded-state-batch 16] [--modes gdn kda] [--time-budget SECONDS]
                             [--long-decode TOKENS] [--commit HASH] [--out bench/results]
 
 In this order:
 
 1. Correctness of the compiled kernels on one step and one flush from the same state (ragged
-   positions), against ``windowed``'s reference.
+   positions), against ``windowed``'s reference; then each flush of ``--decoded-state-impls`` at
+   every ``--check-bits`` under the decoded-state criterion of the NVlabs/kda flush requests
+   (``kernel_checks.check_decoded_state``: per head kind, the decoded state's error within 1% of
+   the reference flush's, on structured, second-window and random heads).
 2. ``--sweep``: at the largest batch, block/warp/stage variants of the Pallas fp32 dense step,
    the LeapQuant step (``heads_per_program`` too; on Hopper the Mosaic GPU step, with the Triton
    step's defaults timed beside it when it is the fastest) and the flush (``fused``, ``split``,
@@ -63,7 +67,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 
 from bench.fla import fla_fns, time_copy  # noqa: E402
 from bench.harness import environment, git_commit, on_gpu  # noqa: E402
-from bench.kernel_checks import FLUSH_IMPLS, check_correctness, check_long_decode, check_single_ops  # noqa: E402
+from bench.kernel_checks import (  # noqa: E402
+    CRITERION_BATCH, FLUSH_IMPLS, check_correctness, check_decoded_state, check_long_decode, check_single_ops,
+)
 from bench.kernel_report import markdown, targets  # noqa: E402
 from bench.kernel_timing import (  # noqa: E402
     Run, default_variants, flush_stages, sweep, time_batch, time_load_only, time_other_bits,
@@ -87,6 +93,12 @@ def main(argv=None):
     ap.add_argument("--check-bits", type=int, nargs="+", default=[8, 6, 4])
     ap.add_argument("--check-flush-impls", nargs="+", default=["auto"], choices=list(FLUSH_IMPLS),
                     help="flush implementations the single-op checks compare with the reference")
+    ap.add_argument("--decoded-state-impls", nargs="*", default=["split", "fused", "mosaic"],
+                    choices=list(FLUSH_IMPLS),
+                    help="flushes judged by the decoded-state criterion with --correctness ops or full (none: skip); "
+                         "a flush that cannot take a bit width is reported as skipped")
+    ap.add_argument("--decoded-state-batch", type=int, default=CRITERION_BATCH,
+                    help="sequences per input set of the decoded-state criterion")
     ap.add_argument("--flush", default="{}", metavar="JSON",
                     help='the timed flush: run_flush options (default {}: impl auto; {"impl": "mosaic"}: the Mosaic '
                          'GPU flush); --sweep replaces it with the fastest of its flush variants')
@@ -133,6 +145,11 @@ def main(argv=None):
         results["correctness"] = check_single_ops(log, tuple(args.check_bits), kda_modes,
                                                   flush_impls=tuple(args.check_flush_impls))
         save()
+        if args.decoded_state_impls:
+            results["decoded_state"] = check_decoded_state(log, tuple(args.check_bits), kda_modes,
+                                                           tuple(args.decoded_state_impls),
+                                                           batch=args.decoded_state_batch, window=args.window)
+            save()
     if args.long_decode:
         results["long_decode"] = check_long_decode(log, args.long_decode,
                                                    impls=("pallas", "reference") if gpu else ("reference",),

@@ -11,7 +11,9 @@ small models is latency-bound, so they overlap; ``XLA_PYTHON_CLIENT_PREALLOCATE=
 
 * per recall checkpoint and filler, ``--processes`` runs of ``leapquant task CKPT --task mqar
   --filler F --lengths ... --states ... --progress --json``, the states dealt out among them (each
-  also runs fp32, its reference): accuracy per state method and length, merged into one table;
+  also runs fp32, its reference; a run calibrates the ``damp``, ``stepquant-*`` and
+  ``leapquant-alloc-*`` it was dealt, on the same rows): accuracy per state method and length,
+  merged into one table;
 * per language model, ``leapquant eval LM --data HELDOUT --context C --batch P --generate G
   --states ... --json``: first divergence from fp32, KL along fp32's continuation, repetition.
 
@@ -64,21 +66,24 @@ def deal_states(states: str, processes: int) -> list[str]:
 
 def merge_task_jobs(jobs: list, args) -> dict:
     """One report entry from the runs of one checkpoint and filler: their results merged (each
-    (method, length) from the first run that has it), plotted, partial if any run was."""
+    (method, length) from the first run that has it; a calibration made in any run marked as made
+    here), plotted, partial if any run was."""
     from models.task_eval import checkpoint_task, plot_task
 
     first = jobs[0]
     results, partial, full = {}, [], None
+    here = dict.fromkeys(("damp_calibrated_here", "stepquant_calibrated_here"), False)
     for job in jobs:
         r = task_result(job)
         for label, row in r["results"].items():
             for length, acc in row.items():
                 results.setdefault(label, {}).setdefault(length, acc)
+        here = {flag: made or bool(r.get(flag)) for flag, made in here.items()}
         if r.get("partial"):
             partial.append(r["status"])
         elif full is None:
             full = r
-    merged = dict(full or {}, task="mqar", results=results, lengths=args.lengths)
+    merged = dict(full or {}, task="mqar", results=results, lengths=args.lengths, **here)
     if partial:
         merged.update(partial=True, status="; ".join(partial))
     if full is None:

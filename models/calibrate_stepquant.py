@@ -8,17 +8,18 @@ The calibration rows go through the decode path with the fp32 state, recording e
 linear-attention layer's inputs (``models.calibrate.record_traces``, as ``calibrate-damp``);
 ``leapquant_jax.lifetime.layer_statistics`` turns each layer's into calibration states, read-out
 impacts and lifetimes; ``stepquant.stepquant_plan`` and ``leapquant_alloc.width_plan`` solve the
-four plans. The file records the model's fingerprint (``models.calibrate.model_fingerprint``) and
-each plan's scores. ``eval``, ``recall``, ``demo`` (``--states``), ``generate``, ``score`` and
-``replay`` (``--state``/``--method``) take it with ``--stepquant-calibration CAL.json`` and refuse
-one made on another model.
+four plans (``calibrate_lifetime``: all of it on rows in memory, which ``leapquant task`` calibrates
+with on the task's training rows). The file records the model's fingerprint
+(``models.calibrate.model_fingerprint``) and each plan's scores. ``eval``, ``recall``, ``demo``,
+``task`` (``--states``), ``generate``, ``score`` and ``replay`` (``--state``/``--method``) take it
+with ``--stepquant-calibration CAL.json`` and refuse one made on another model.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from leapquant_jax.cli_support import int_at_least
 from leapquant_jax.leapquant_alloc import NAMES as ALLOC_NAMES
@@ -40,7 +41,8 @@ def calibrate_traces(traces: dict, *, every: int = DEFAULT_EVERY, samples: int =
 
     stepquant_budgets: ``{name: nominal bits}`` (default ``stepquant.NAMES``); alloc_budgets:
     ``{name: checkpoint bits per value or None}`` (default ``leapquant_alloc.NAMES``' names with
-    ``None``: the budget of ``leapquant`` at the name's width). Returns ``(calibration, scores)``.
+    ``None``: the budget of ``leapquant`` at the name's width); an empty mapping plans none of its
+    kind. Returns ``(calibration, scores)``.
     """
     if not traces:
         raise ValueError("a lifetime calibration needs the traces of at least one linear-attention layer")
@@ -49,10 +51,10 @@ def calibrate_traces(traces: dict, *, every: int = DEFAULT_EVERY, samples: int =
     first = next(iter(stats.values()))
     _, heads, dk, dv = first.samples.shape
     plans, scores = [], {}
-    for name, budget in (stepquant_budgets or STEPQUANT_NAMES).items():
+    for name, budget in (STEPQUANT_NAMES if stepquant_budgets is None else stepquant_budgets).items():
         plan, scores[name] = stepquant_plan(stats, budget, name=name, pivots=pivots)
         plans.append(plan)
-    for name, budget in (alloc_budgets or {n: None for n in ALLOC_NAMES}).items():
+    for name, budget in ({n: None for n in ALLOC_NAMES} if alloc_budgets is None else alloc_budgets).items():
         plan, scores[name] = width_plan(stats, ALLOC_NAMES.get(name), budget=budget, name=name)
         plans.append(plan)
     scores["statistics"] = {str(layer): {"lifetime": significant(s.lifetime), "impact": significant(s.impact)}
@@ -62,14 +64,34 @@ def calibrate_traces(traces: dict, *, every: int = DEFAULT_EVERY, samples: int =
     return cal, scores
 
 
+def calibrate_lifetime(arch, params, config, rows, *, every: int = DEFAULT_EVERY, samples: int = DEFAULT_SAMPLES,
+                       horizon: int = DEFAULT_HORIZON, pivots: Optional[int] = None,
+                       names: Optional[Sequence[str]] = None) -> tuple[LifetimeCalibration, dict]:
+    """The lifetime calibration of a model on ``rows [R, T]`` token ids: its fp32 traces
+    (``record_traces``), then ``calibrate_traces`` with the model's fingerprint. names: the plans
+    to make (method names of ``stepquant.NAMES`` and ``leapquant_alloc.NAMES``; default all four).
+    Raises ``ValueError`` naming an unknown name or a model with no linear-attention layer."""
+    if names is not None:
+        unknown = [n for n in names if n not in STEPQUANT_NAMES and n not in ALLOC_NAMES]
+        if unknown or not names:
+            raise ValueError(f"lifetime calibration: {'unknown method ' + repr(unknown[0]) if unknown else 'no method'}"
+                             f" to plan; it plans {', '.join(list(STEPQUANT_NAMES) + list(ALLOC_NAMES))}")
+    linear_state_layout(arch, config)
+    traces = record_traces(arch, params, config, rows)
+    stepquant = alloc = None
+    if names is not None:
+        stepquant = {n: bits for n, bits in STEPQUANT_NAMES.items() if n in names}
+        alloc = {n: None for n in ALLOC_NAMES if n in names}
+    return calibrate_traces(traces, every=every, samples=samples, horizon=horizon, pivots=pivots,
+                            model=model_fingerprint(config, params), stepquant_budgets=stepquant, alloc_budgets=alloc)
+
+
 def run_calibrate_stepquant(args) -> int:
     """The ``leapquant calibrate-stepquant`` handler."""
     arch, config, params, rows = calibration_rows(args)
-    linear_state_layout(arch, config)
     t0 = time.time()
-    traces = record_traces(arch, params, config, rows)
-    cal, scores = calibrate_traces(traces, every=args.every, samples=args.samples, horizon=args.horizon,
-                                   pivots=args.pivots, model=model_fingerprint(config, params))
+    cal, scores = calibrate_lifetime(arch, params, config, rows, every=args.every, samples=args.samples,
+                                     horizon=args.horizon, pivots=args.pivots)
     out = save_calibration(args, cal, scores, samples=args.samples)
     result = {"command": "calibrate-stepquant", "checkpoint": str(args.checkpoint), "out": str(out),
               "layers": list(cal.layers), "architecture": cal.architecture, "horizon": cal.horizon,
@@ -93,4 +115,4 @@ def add_subcommand(subparsers) -> None:
     p.set_defaults(func=run_calibrate_stepquant)
 
 
-__all__ = ["add_subcommand", "calibrate_traces", "run_calibrate_stepquant"]
+__all__ = ["add_subcommand", "calibrate_lifetime", "calibrate_traces", "run_calibrate_stepquant"]

@@ -2,7 +2,8 @@
 
     leapquant task CKPT --task mqar|needle [--pairs N] --lengths L1 L2 ... [--samples S] [--seed S]
                    [--gap G] [--depth D] [--filler noise|pairs] [--states fp32,int8,leapquant,...]
-                   [--bits --window --rank --impl] [--damp-calibration FILE] [--json] [--plot FILE]
+                   [--bits --window --rank --impl] [--damp-calibration FILE]
+                   [--stepquant-calibration FILE] [--json] [--plot FILE]
 
 At each length the rows come from ``models.tasks.generate`` with the key ``fold_in(seed,
 length)``: every state method sees the same rows. Every token of a row goes through the state
@@ -15,10 +16,13 @@ right value. A row whose logits turned non-finite counts as wrong, and the repor
 
 The vocabulary split, the default pair count and filler and the training length come from the
 checkpoint's ``task.json`` (``leapquant train --task``), else from ``TaskVocab``'s defaults; a
-checkpoint whose vocabulary cannot hold the split is refused. ``damp`` without
-``--damp-calibration`` is calibrated here (``models.calibrate.calibrate_model``) on ``DAMP_ROWS``
-rows of the task's training distribution: the checkpoint's training rows at its training
-length, or this task at its first length when the checkpoint has no ``task.json``.
+checkpoint whose vocabulary cannot hold the split is refused. Calibrated here, on the same
+``CALIBRATION_ROWS`` rows of the task's training distribution (the checkpoint's training rows at
+its training length, or this task at its first length when the checkpoint has no ``task.json``):
+``damp`` without ``--damp-calibration`` (``models.calibrate.calibrate_model``), and the
+``stepquant-*`` / ``leapquant-alloc-*`` named without ``--stepquant-calibration`` (their plans
+alone, ``models.calibrate_stepquant.calibrate_lifetime``). A calibration file given is checked
+against the model's fingerprint as soon as the model loads.
 
 ``--json`` prints ``{"task", "results": {method: {"<length>": accuracy}}, ...}``; ``--plot``
 writes accuracy against length, one line per method.
@@ -41,19 +45,22 @@ import numpy as np
 from leapquant_jax.checks import check_integer, is_integer
 from leapquant_jax.cli_support import add_states_option, int_at_least, state_options
 from leapquant_jax.damp import DEFAULT_CHANNELS, DEFAULT_TAU
-from leapquant_jax.method_names import methods_for_labels
+from leapquant_jax.method_names import METHOD_LABELS, methods_for_labels
+from leapquant_jax.methods import LIFETIME_METHODS
 from leapquant_jax.studies.errors import method_styles
 from models.calibrate import calibrate_model
+from models.calibrate_stepquant import calibrate_lifetime
 from models.fingerprint import check_state_method, linear_state_layout
 from models.loading import check_checkpoint, load_checkpoint
 from models.tasks import FILLERS, TASKS, TaskSpec, TaskVocab, generate
 from models.training.task_cli import read_task_file
 from models.training.task_data import HELDOUT_STREAM, task_batch
 
-# DAMP's calibration rows (its protocol takes 32 documents; 16 rows of a long training length
-# hold more tokens) and the largest number of state samples per row it keeps.
-DAMP_ROWS = 16
-DAMP_SAMPLES_PER_ROW = 64
+# The rows of the calibrations made here (DAMP's protocol and calibrate-stepquant's default take 32
+# segments of 256 tokens; 16 rows of a long training length hold more tokens).
+CALIBRATION_ROWS = 16
+DAMP_SAMPLES_PER_ROW = 64       # DAMP's most state samples per row
+LIFETIME_SAMPLES_PER_ROW = 16   # x 16 rows: 4x the 64 states it keeps (evenly spaced), not one every 8 tokens
 DEFAULT_PAIRS = 64
 # tokens per compiled scan call: long enough that the per-call overhead vanishes, short enough
 # that a row of 1K tokens wastes little padding
@@ -167,18 +174,33 @@ def task_accuracy(arch, params, config, method, rows, *, chunk: int = SCAN_CHUNK
     return float(hit.sum() / rows.mask.sum()), int(np.sum(~finite))
 
 
-def damp_calibration(arch, params, config, mix, train_length: Optional[int], spec: TaskSpec, *, seed: int):
-    """DAMP calibrated on ``DAMP_ROWS`` rows of the task's training distribution (see the module
-    docstring): DAMP's 16 of 128 key channels in proportion to ``dk``, its default horizon."""
+def calibration_task_rows(mix, train_length: Optional[int], spec: TaskSpec, *, seed: int) -> np.ndarray:
+    """``[R, T]`` int32 token ids of the task's training distribution for the calibrations made
+    here (see the module docstring): ``CALIBRATION_ROWS`` rows (at least one per kind of row of
+    ``mix``), on a key stream apart from the training and held-out rows."""
     if mix is not None:
-        rows = task_batch(mix, seed=seed, step=HELDOUT_STREAM - 3, batch=max(DAMP_ROWS, len(mix.rows(DAMP_ROWS))),
+        kinds = len(mix.specs(train_length)) + mix.needle_rows
+        return task_batch(mix, seed=seed, step=HELDOUT_STREAM - 3, batch=max(CALIBRATION_ROWS, kinds),
                           seq_len=train_length)["ids"][:, :-1]
-    else:
-        rows = generate(jax.random.fold_in(jax.random.PRNGKey(seed), 2**31 - 4), spec, DAMP_ROWS).ids
+    return generate(jax.random.fold_in(jax.random.PRNGKey(seed), 2**31 - 4), spec, CALIBRATION_ROWS).ids
+
+
+def damp_calibration(arch, params, config, rows: np.ndarray):
+    """DAMP calibrated on ``rows [R, T]`` (``calibration_task_rows``): DAMP's 16 of 128 key
+    channels in proportion to ``dk``, its default horizon."""
     dk = linear_state_layout(arch, config)[2]
     every = max(8, rows.shape[1] // DAMP_SAMPLES_PER_ROW)
     k_hi = max(1, round(DEFAULT_CHANNELS * dk / 128))  # DAMP's 16 of 128 key channels, in proportion
     cal, _ = calibrate_model(arch, params, config, rows, k_hi=k_hi, tau=DEFAULT_TAU, every=every)
+    return cal
+
+
+def lifetime_calibration(arch, params, config, rows: np.ndarray, names):
+    """The lifetime plans of method names ``names`` (``stepquant-*``, ``leapquant-alloc-*``)
+    calibrated on ``rows [R, T]`` (``calibration_task_rows``): ``LIFETIME_SAMPLES_PER_ROW`` states
+    per row, ``lifetime.DEFAULT_SAMPLES`` of them kept, the default horizon."""
+    every = max(1, rows.shape[1] // LIFETIME_SAMPLES_PER_ROW)
+    cal, _ = calibrate_lifetime(arch, params, config, rows, every=every, names=names)
     return cal
 
 
@@ -297,23 +319,34 @@ def run_task(args) -> int:
     options = state_options(args)
     labels = [x.strip() for x in args.states.split(",")]
     auto_damp = "damp" in labels and options.get("calibration") is None
-    if auto_damp:
-        methods_for_labels([x for x in labels if x != "damp"], options)  # every other name checked before the model loads
-    else:
-        methods_for_labels(labels, options)
+    lifetime = [x for x in labels if x in METHOD_LABELS and METHOD_LABELS[x][0] in LIFETIME_METHODS]
+    auto_lifetime = bool(lifetime) and options.get("stepquant_calibration") is None
+    here = (["damp"] if auto_damp else []) + (lifetime if auto_lifetime else [])
+    # every other name checked before the model loads, a calibration file given as soon as it has
+    given = methods_for_labels([x for x in labels if x not in here] or ["fp32"], options)
     arch, config, params, _ = load_checkpoint(args.checkpoint)
     check_vocabulary(spec, config.vocab_size, args.checkpoint)
+    for method in given.values():
+        check_state_method(method, arch, config, params)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.progress else (lambda msg: None)
     t0 = time.time()
+    rows = calibration_task_rows(mix, train_length, spec.with_length(cfg.lengths[0]), seed=args.seed) if here else None
     if auto_damp:
-        options["calibration"] = damp_calibration(arch, params, config, mix, train_length,
-                                                  spec.with_length(cfg.lengths[0]), seed=args.seed)
-        log(f"damp calibrated on {DAMP_ROWS} rows of the training distribution ({time.time() - t0:.1f} s)")
+        options["calibration"] = damp_calibration(arch, params, config, rows)
+        log(f"damp calibrated on {len(rows)} rows of {rows.shape[1]} tokens ({time.time() - t0:.1f} s)")
+    if auto_lifetime:
+        t1 = time.time()
+        options["stepquant_calibration"] = lifetime_calibration(arch, params, config, rows,
+                                                                [METHOD_LABELS[x][0] for x in lifetime])
+        log(f"{', '.join(lifetime)} calibrated on {len(rows)} rows of {rows.shape[1]} tokens "
+            f"({time.time() - t1:.1f} s)")
     methods = methods_for_labels(labels, options)
     result = run_task_eval(arch, params, config, methods, cfg, progress=log)
     result.update(checkpoint=str(args.checkpoint), lengths=list(cfg.lengths), samples=cfg.samples, seed=cfg.seed,
                   spec={k: v for k, v in spec.to_json().items() if k not in ("length", "vocab")},
                   vocab=spec.vocab.to_json(), train_length=train_length, damp_calibrated_here=auto_damp,
+                  stepquant_calibrated_here=auto_lifetime,
+                  calibration_rows=None if rows is None else list(rows.shape),
                   state_options={k: v for k, v in state_options(args).items() if v is not None},
                   total_seconds=round(time.time() - t0, 3))
     if args.plot:
@@ -348,6 +381,6 @@ def add_subcommand(subparsers) -> None:
     p.set_defaults(func=run_task)
 
 
-__all__ = ["DAMP_ROWS", "DEFAULT_TASK_STATES", "SCAN_CHUNK", "TaskEvalConfig", "add_subcommand", "check_vocabulary",
-           "damp_calibration", "format_task_table", "plot_task", "predictions", "run_task", "run_task_eval",
-           "task_accuracy", "task_spec"]
+__all__ = ["CALIBRATION_ROWS", "DEFAULT_TASK_STATES", "SCAN_CHUNK", "TaskEvalConfig", "add_subcommand",
+           "calibration_task_rows", "check_vocabulary", "damp_calibration", "format_task_table", "lifetime_calibration",
+           "plot_task", "predictions", "run_task", "run_task_eval", "task_accuracy", "task_spec"]

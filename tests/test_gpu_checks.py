@@ -4,8 +4,10 @@ The checks of ``bench.kernels`` (``bench.kernel_checks``, the same functions and
 their pass criteria: one step and one flush from the same state at ragged window positions (8, 6
 and 4 bits; on Hopper the Mosaic GPU step and flush where ``auto`` takes them), the Pallas dense
 steps over 8 tokens, and 64 tokens at ragged window positions through
-``make_method("leapquant", impl="pallas")`` against ``impl="reference"``. The normal suite
-deselects them (``conftest``); selected without a GPU, they are skipped.
+``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, and the split, fused
+and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and random
+heads at 8, 6 and 4 bits). The normal suite deselects them (``conftest``); selected without a
+GPU, they are skipped.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from bench.kernel_checks import (
-    check_single_ops, correctness_inputs, dense_failures, dense_step_rows, ragged_failures, ragged_method_row,
-    single_op_failures,
+    check_decoded_state, check_single_ops, correctness_inputs, decoded_state_failures, dense_failures,
+    dense_step_rows, ragged_failures, ragged_method_row, single_op_failures,
 )
 
 pytestmark = pytest.mark.gpu
@@ -44,3 +46,15 @@ def test_method_on_kernels_matches_reference_at_ragged_positions(bits, kda):
     seq, s0 = correctness_inputs(kda)
     row = ragged_method_row(seq, s0, "KDA" if kda else "GDN", bits)
     assert not ragged_failures(row), row
+
+
+@MODES
+@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("impl", ["split", "fused", "mosaic"])
+def test_flushes_meet_the_decoded_state_criterion(impl, bits, kda):
+    rows = check_decoded_state(lambda row: None, (bits,), (kda,), (impl,))
+    if rows[0].get("skipped"):
+        pytest.skip(rows[0]["skipped"])
+    assert len(rows) == 3
+    for row in rows:
+        assert row["passed"] and not decoded_state_failures(row), row

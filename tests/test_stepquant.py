@@ -314,6 +314,21 @@ def test_bad_input_is_refused_by_name(calibrated, tmp_path):
         cal.check_model(fingerprint="", layers=(0, 1), heads=H, dk=DK, dv=DV)
 
 
+def test_a_calibration_plans_the_names_asked_each_as_alone():
+    from models.calibrate_stepquant import calibrate_lifetime, calibrate_traces
+
+    traces = _traces(False)
+    kw = dict(every=8, samples=16, horizon=256, alloc_budgets={})
+    one, _ = calibrate_traces(traces, stepquant_budgets={"stepquant-4": 4}, **kw)
+    both, _ = calibrate_traces(traces, stepquant_budgets={"stepquant-6": 6, "stepquant-4": 4}, **kw)
+    assert one.names == ("stepquant-4",) and both.names == ("stepquant-6", "stepquant-4")
+    # a plan does not depend on the others made with it (runs that split the names agree)
+    assert one.plan("stepquant-4").to_json(one.layers) == both.plan("stepquant-4").to_json(both.layers)
+    for names, words in ((["int4"], "unknown method 'int4'"), ([], "no method to plan")):
+        with pytest.raises(ValueError, match=words):
+            calibrate_lifetime(None, None, None, None, names=names)
+
+
 # ----------------------------------------------------------------------------- the commands
 
 

@@ -261,6 +261,39 @@ def test_shipped_recall_checkpoint_recalls_at_a_short_length(folder):
     assert acc["fp32"]["256"] >= 1 - 2 / 256 and abs(acc["leapquant"]["256"] - acc["fp32"]["256"]) <= 2 / 256
 
 
+GDN = CHECKPOINTS / "recall-gdn"
+needs_recall_gdn = pytest.mark.skipif(not (GDN / "task.json").is_file(), reason="no recall-gdn checkpoint")
+
+
+@needs_recall_gdn
+def test_task_calibrates_the_lifetime_methods_on_the_training_rows():
+    """stepquant-4 and leapquant-alloc-4 without a calibration file: calibrated inside ``leapquant
+    task`` on 16 training rows of 2,048 tokens, then 16 rows of 256 tokens with 16 pairs. Measured
+    on the CPU: fp32, stepquant-4 and leapquant-alloc-4 all 1.0 (256 scored values); the bounds
+    leave two of them for fp32 and ten for the 4-bit states."""
+    code, out, err = run_cli(["task", str(GDN), "--task", "mqar", "--pairs", "16", "--lengths", "256", "--samples", "16",
+                           "--filler", "pairs", "--states", "stepquant-4,leapquant-alloc-4", "--json"])
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["stepquant_calibrated_here"] and not result["damp_calibrated_here"]
+    assert result["calibration_rows"] == [16, result["train_length"]] == [16, 2048]
+    acc = {label: row["256"] for label, row in result["results"].items()}
+    assert list(acc) == ["fp32", "stepquant-4", "leapquant-alloc-4"] and all(0 <= a <= 1 for a in acc.values())
+    assert acc["fp32"] >= 1 - 2 / 256
+    assert acc["stepquant-4"] >= 1 - 10 / 256 and acc["leapquant-alloc-4"] >= 1 - 10 / 256
+
+
+@needs_recall_gdn
+def test_task_refuses_a_lifetime_calibration_of_another_model(tmp_path):
+    plot = tmp_path / "acc.png"
+    other = CHECKPOINTS / "stdlib-gdn" / "stepquant-calibration.json"
+    code, out, err = run_cli(["task", str(GDN), "--task", "mqar", "--pairs", "16", "--lengths", "256", "--samples", "2",
+                           "--states", "int8,stepquant-4", "--stepquant-calibration", str(other), "--plot", str(plot)])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "lifetime calibration does not match this model" in err and "made on another model" in err
+    assert not plot.exists()
+
+
 def test_shipped_recall_checkpoints_match_their_fingerprints_and_transformers():
     from models import decode
     from models.checkpoint import load_model
