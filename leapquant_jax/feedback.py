@@ -2,8 +2,9 @@
 rounding residual, added back before the next rounding) and stochastic rounding (a step counter
 that seeds the rounding noise), as serving engines use for recurrent states.
 
-``METHODS`` maps each method name to a zero-argument constructor of its method (a ``runner.Runner``
-subclass like ``methods.PerStepMethod``):
+``METHODS`` maps each method name to a zero-argument constructor of its method (a
+``runner.PerStepRunner`` like ``methods.PerStepMethod``, whose ``requantize`` carries the extra
+state from step to step):
 
 * ``int8+ef``, ``int8+ef4``: INT8 codes (one scale per value column) with error feedback
   (sigma-delta). Reads (the output and the delta-rule correction) use ``deq(Q)`` only; at
@@ -119,16 +120,11 @@ def sequence_bits(seed: int, counter: Array, shape: tuple[int, ...]) -> Array:
 # ----------------------------------------------------------------------------- methods
 
 
-class _StatefulPerStep(PerStepRunner):
-    """Shared by the methods below: every token dequantizes, takes the dense fp32 delta-rule step
-    and re-quantizes through ``requantize``, which carries their extra state from step to step."""
-
-
 _RESIDUAL_FORMATS = {"fp16": lambda: FloatFormat("float16"), "int4": lambda: IntFormat(4)}
 
 
 @dataclasses.dataclass(frozen=True)
-class ErrorFeedbackMethod(_StatefulPerStep):
+class ErrorFeedbackMethod(PerStepRunner):
     """INT8 state (one scale per value column) with error feedback; the residual in
     ``residual_format`` (``fp16`` -> ``int8+ef``, ``int4`` -> ``int8+ef4``)."""
 
@@ -175,7 +171,7 @@ _SR_FORMATS = {"int8": lambda: IntFormat(8), "bf16": lambda: FloatFormat("bfloat
 
 
 @dataclasses.dataclass(frozen=True)
-class StochasticRoundingMethod(_StatefulPerStep):
+class StochasticRoundingMethod(PerStepRunner):
     """A per-step format (``int8``, ``bf16`` or ``fp8-tile``) re-quantized with stochastic
     rounding after every token; ``seed`` (static) seeds the noise.
 
