@@ -186,6 +186,15 @@ def targets(result: dict, lengths: list) -> list:
             ok = worst is not None and drops[worst] <= bound and len(drops) == len(done)
             out.append(f"**{'met' if ok else 'not met'}**: {label} within {bound:g} point(s) of fp32 at every length "
                        + (f"(largest loss {drops[worst]:+.1f} points at {worst})" if worst else "(not run)"))
+    # lifetime-aware LeapQuant against STEPQuant: alloc-4 ahead at every length, alloc-6 at least level
+    for ours, rival, strict in (("leapquant-alloc-4", "stepquant-4", True), ("leapquant-alloc-6", "stepquant-6", False)):
+        if ours in res and rival in res:
+            both = [n for n in done if n in res[ours] and n in res[rival]]
+            gaps = {n: 100 * (res[ours][n] - res[rival][n]) for n in both}
+            ok = len(both) == len(done) and all(g > 0 if strict else g >= 0 for g in gaps.values())
+            worst = min(gaps, key=gaps.get) if gaps else None
+            out.append(f"**{'met' if ok else 'not met'}**: {ours} {'above' if strict else 'at least'} {rival} at every "
+                       "length " + (f"(smallest margin {gaps[worst]:+.1f} points at {worst})" if worst else "(not run)"))
     return out
 
 
