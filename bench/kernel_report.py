@@ -84,6 +84,11 @@ def _cell(text, n=160):
     return str(text)[:n].replace("|", "/").replace("\n", " ")
 
 
+def _table(*columns: str) -> list[str]:
+    """A Markdown table's header row and separator row for ``columns``."""
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def decoded_state_markdown(rows) -> list[str]:
     """The decoded-state criterion's table (``bench.kernel_checks.decoded_state_row`` rows): per head
     kind the worst error ratio to the reference's, or ``cap`` and the error over the cap where the
@@ -92,8 +97,8 @@ def decoded_state_markdown(rows) -> list[str]:
            "Per head: err = mean |decode(checkpoint) - S| over the batch and the head's elements, S rebuilt in "
            "fp64; pass: err <= 1.01 x the reference flush's where that is >= 1e-4 mean |S|, else <= 1e-3 mean |S|; "
            "every output finite, codes in range.", "",
-           "| mode | bits | flush | inputs | batch | pass | worst ratio | per head kind: ratio (ref err) or cap |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           *_table("mode", "bits", "flush", "inputs", "batch", "pass", "worst ratio",
+                   "per head kind: ratio (ref err) or cap")]
     for r in rows:
         if r.get("skipped"):
             out.append(f"| {r['mode']} | {r['bits']} | {r['impl']} | - | - | skipped | - | {_cell(r['skipped'])} |")
@@ -114,7 +119,7 @@ def markdown(results) -> str:
     if "copy_bandwidth_Bps" in results:
         out += [f"Device-to-device copy: {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write).", ""]
     if results["correctness"]:
-        out += ["## Correctness (compiled kernels)", "", "| check | mode | o rel err | state rel err | other |", "| --- | --- | --- | --- | --- |"]
+        out += ["## Correctness (compiled kernels)", "", *_table("check", "mode", "o rel err", "state rel err", "other")]
         for r in results["correctness"]:
             extra = {k: v for k, v in r.items() if k not in ("check", "mode", "o_rel_err", "state_rel_err", "tokens")}
             ex = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
@@ -128,8 +133,7 @@ def markdown(results) -> str:
                 f"{r0['dk']}x{r0['dv']}, LeapQuant int8 against exact fp32)", "",
                 "Per head (alpha): final state relative error / output relative error over all tokens; "
                 "NaN marks a head with a non-finite output or state.", "",
-                "| mode | impl | all finite | s | " + " | ".join(f"a={a:.8g}" for a in EXTREME_DECAYS) + " |",
-                "| --- | --- | --- | --- | " + " | ".join("---" for _ in EXTREME_DECAYS) + " |"]
+                *_table("mode", "impl", "all finite", "s", *(f"a={a:.8g}" for a in EXTREME_DECAYS))]
         for r in results["long_decode"]:
             cells = [f"{h['state_rel_error']:.1e} / {h['output_rel_error']:.1e}" if h["finite"] else "NaN"
                      for h in r["heads"]]
@@ -138,8 +142,8 @@ def markdown(results) -> str:
         out.append("")
     if results["timings"]:
         out += ["## Timings (µs per token-step, medians)", "",
-                "| batch | mode | impl | µs/step | MB moved/step | GB/s | % copy BW | × vs FLA fp32 | × vs Pallas fp32 |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                *_table("batch", "mode", "impl", "µs/step", "MB moved/step", "GB/s", "% copy BW", "× vs FLA fp32",
+                        "× vs Pallas fp32")]
         for r in results["timings"]:
             if r.get("error"):
                 out.append(f"| {r['batch']} | {r['mode']} | {r['impl']} | error: {_cell(r['error'])} | | | | | |")
@@ -158,8 +162,8 @@ def markdown(results) -> str:
                 f"µs per step, mean over window positions 0..p-1, batch {lo[0]['batch']}, {lo[0]['heads']} heads, "
                 f"{lo[0]['dk']}x{lo[0]['dv']}"
                 + (" (interpret mode: not a timing)." if lo[0].get("interpret") else "."), "",
-                "| mode | options | µs/step | MB/step | GB/s | % copy BW | step µs (same batch) | step / load-only |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                *_table("mode", "options", "µs/step", "MB/step", "GB/s", "% copy BW", "step µs (same batch)",
+                        "step / load-only")]
         for r in lo:
             if r.get("error"):
                 out.append(f"| {r['mode']} | {r['options']} | error: {_cell(r['error'])} | | | | | |")
@@ -171,8 +175,8 @@ def markdown(results) -> str:
         out.append("")
     if results.get("split_flush_stages"):
         out += ["## Split flush stages (largest batch, µs per flush, every window full)", "",
-                "| mode | stage 1: reconstruct + S S^T Q0 | stage 2: fit in XLA | stage 3: residual, quantize, write |",
-                "| --- | --- | --- | --- |"]
+                *_table("mode", "stage 1: reconstruct + S S^T Q0", "stage 2: fit in XLA",
+                        "stage 3: residual, quantize, write")]
         for mode, st in results["split_flush_stages"].items():
             if "error" in st:
                 out.append(f"| {mode} | {st['error']} | | |")
@@ -182,7 +186,7 @@ def markdown(results) -> str:
     if results.get("other_bits"):
         bsz = results["other_bits"][0]["batch"]
         out += [f"## Other bit widths (batch {bsz}, µs per token-step; flush: per flush)", "",
-                "| bits | mode | what | µs | × vs FLA fp32 |", "| --- | --- | --- | --- | --- |"]
+                *_table("bits", "mode", "what", "µs", "× vs FLA fp32")]
         for r in results["other_bits"]:
             sp = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
             us = f"error: {_cell(r['error'])}" if r.get("error") else f"{r['us']:.1f}"
@@ -198,7 +202,7 @@ def markdown(results) -> str:
                 amort[(r["bits"], r["mode"])] = r
         if amort:
             out += [f"### Amortised per token-step vs FLA fp32 by bit width (batch {bsz}, p steps + flush)", "",
-                    "| bits | GDN µs | GDN × vs FLA fp32 | KDA µs | KDA × vs FLA fp32 |", "| --- | --- | --- | --- | --- |"]
+                    *_table("bits", "GDN µs", "GDN × vs FLA fp32", "KDA µs", "KDA × vs FLA fp32")]
             for bits in sorted({b for b, _ in amort if b is not None}, reverse=True):
                 cells = []
                 for mode in ("GDN", "KDA"):
@@ -209,14 +213,14 @@ def markdown(results) -> str:
             out.append("")
     if results["sweep"]:
         out += [f"## Variant sweep (batch {results['sweep'][0]['batch']}; the timings above use the fastest)", "",
-                "| kernel | mode | options | µs | error |", "| --- | --- | --- | --- | --- |"]
+                *_table("kernel", "mode", "options", "µs", "error")]
         for r in results["sweep"]:
             out.append(f"| {r['kernel']} | {r['mode']} | {r['options']} | {r['us']:.1f} | {_cell(r.get('error', ''))} |")
         out.append("")
     tg = targets(results)
     if tg:
         out += [f"## Targets (batch {tg[0]['batch']}, FLA fp32 timed in the same run)", "",
-                "| target | measured | wanted | met | short by |", "| --- | --- | --- | --- | --- |"]
+                *_table("target", "measured", "wanted", "met", "short by")]
         for t in tg:
             met = {True: "yes", False: "no", None: "not measured"}[t["met"]]
             short = f"{t['missing_factor']:.2f}×" if t["missing_factor"] else "-"

@@ -179,6 +179,15 @@ def cmd_memory(args) -> int:
 # ----------------------------------------------------------------------------- registration
 
 
+def _add_synthetic_size_options(p, *, tokens: int, tokens_help: str, note: str = "") -> None:
+    """``--tokens``, ``--heads``, ``--dk``, ``--dv``: the size of a synthetic head batch
+    (``SyntheticSpec``); ``note`` ends each help line (when the options apply)."""
+    p.add_argument("--tokens", type=int_at_least(1), default=tokens, help=tokens_help + note)
+    p.add_argument("--heads", type=int_at_least(1), default=4, help="heads per head batch" + note)
+    p.add_argument("--dk", type=int_at_least(1), default=128, help="key size" + note)
+    p.add_argument("--dv", type=int_at_least(1), default=128, help="value size" + note)
+
+
 def add_subcommands(sub) -> None:
     """Registers ``replay``, ``study`` (``errors``, ``freeze``, ``outliers``) and ``memory`` on an
     ``argparse`` subparsers object."""
@@ -194,11 +203,8 @@ def add_subcommands(sub) -> None:
 
     study = sub.add_parser("study", help="studies: errors, freeze, outliers").add_subparsers(dest="study", required=True)
     p = study.add_parser("errors", help="relative state error vs decoded tokens (Figure 3 in miniature)")
-    p.add_argument("--tokens", type=int_at_least(1), default=4096, help="tokens decoded (a multiple of --every)")
-    p.add_argument("--heads", type=int_at_least(1), default=4, help="heads per seed")
+    _add_synthetic_size_options(p, tokens=4096, tokens_help="tokens decoded (a multiple of --every)")
     p.add_argument("--seeds", type=int_at_least(1), default=2, help="independent head batches")
-    p.add_argument("--dk", type=int_at_least(1), default=128, help="key size")
-    p.add_argument("--dv", type=int_at_least(1), default=128, help="value size")
     p.add_argument("--every", type=int_at_least(1), default=128, help="tokens between measurements (a multiple of --window)")
     p.add_argument("--window", type=window_size, default=16, help="window p of the windowed methods")
     p.add_argument("--kda", action="store_true", help="per-channel decays (KDA) instead of scalar (GDN)")
@@ -213,10 +219,7 @@ def add_subcommands(sub) -> None:
 
     p = study.add_parser("outliers", help="peak/median of state, residual and smoothed residual (Figure 6)")
     p.add_argument("--trace", help="trace .npz; default: a synthetic long-memory head batch")
-    p.add_argument("--tokens", type=int_at_least(1), default=2048, help="synthetic tokens (without --trace)")
-    p.add_argument("--heads", type=int_at_least(1), default=4, help="synthetic heads (without --trace)")
-    p.add_argument("--dk", type=int_at_least(1), default=128, help="synthetic key size (without --trace)")
-    p.add_argument("--dv", type=int_at_least(1), default=128, help="synthetic value size (without --trace)")
+    _add_synthetic_size_options(p, tokens=2048, tokens_help="synthetic tokens", note=" (without --trace)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="synthetic seed (without --trace)")
     p.add_argument("--rank", type=int_at_least(0), default=4, help="Compensator Tokens r, at most min(dk, dv)")
     p.add_argument("--head", type=int_at_least(0), help="head to detail (default: most outlier-heavy)")

@@ -117,16 +117,14 @@ def _nested(x, kind=int) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class StepQuantPlan:
-    """``stepquant-*``'s plan. budget: nominal bits per value (an fp16 pivot counted as 8, as the
-    method counts it); candidates: the integer widths; pivots: fp16 units; bits ``[L][H][dk]`` in
-    ``{2, 4, 6, 8, 16}`` (one per head for GDN); impact ``[L][H][dk]``: the fit's row weights."""
+    """``stepquant-*``'s plan: a width per state row (per head for GDN)."""
 
     name: str
-    budget: float
-    candidates: tuple
-    pivots: int
-    bits: tuple
-    impact: tuple
+    budget: float  # nominal bits per value (an fp16 pivot counted as 8, as the method counts it)
+    candidates: tuple  # the integer widths
+    pivots: int  # fp16 units
+    bits: tuple  # [L][H][dk], each in {2, 4, 6, 8, 16}; one per head for GDN
+    impact: tuple  # [L][H][dk]: the fit's row weights
 
     kind = "stepquant"
 
@@ -160,14 +158,12 @@ class StepQuantPlan:
 
 @dataclasses.dataclass(frozen=True)
 class WidthPlan:
-    """``leapquant-alloc-*``'s plan. budget: the checkpoint bits per value it was solved for
-    (codes, scales and Compensator Tokens, as the pytree holds them); options: ``((bits, rank),
-    ...)``; choice ``[L][H]``: each head's option index."""
+    """``leapquant-alloc-*``'s plan: a residual width and a Compensator-Token rank per head."""
 
     name: str
-    budget: float
-    options: tuple
-    choice: tuple
+    budget: float  # checkpoint bits per value solved for (codes, scales, Compensator Tokens, as the pytree holds them)
+    options: tuple  # ((bits, rank), ...)
+    choice: tuple  # [L][H]: each head's option index
 
     kind = "leapquant-alloc"
 

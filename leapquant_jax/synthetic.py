@@ -17,32 +17,31 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class SyntheticSpec:
-    """Shape and statistics of a synthetic head batch.
-
-    tokens, heads, dk, dv: sizes; per_channel_decay: KDA-style ``g [.., dk]`` instead of GDN's
-    scalar; decay_range: per-token decays ``alpha`` drawn uniformly in this range;
-    beta_range: write strengths; outlier_keys / outlier_values: number of outlier channels;
-    key_outlier_bias: offset added to outlier key channels before normalising;
-    value_outlier_scale: factor on outlier value channels;
-    subspace: keys and values are drawn near a ``subspace``-dimensional subspace (real
-      heads write along few directions, so their states are close to low rank), with
-      isotropic ``noise`` on top; ``subspace=0`` draws them isotropically.
-    """
+class HeadBatchSize:
+    """The size of a synthetic head batch: ``tokens`` steps of ``heads`` heads, keys ``dk`` and
+    values ``dv`` wide (states ``[heads, dk, dv]``); dk = dv = 128 as in the released models."""
 
     tokens: int = 4096
     heads: int = 4
     dk: int = 128
     dv: int = 128
-    per_channel_decay: bool = False
-    decay_range: tuple[float, float] = (0.995, 0.9999)
-    beta_range: tuple[float, float] = (0.02, 0.2)
-    outlier_keys: int = 4
-    outlier_values: int = 4
-    key_outlier_bias: float = 2.0
-    value_outlier_scale: float = 8.0
-    subspace: int = 4
-    noise: float = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSpec(HeadBatchSize):
+    """Size (``HeadBatchSize``) and statistics of a synthetic head batch. Keys and values are drawn
+    near a ``subspace``-dimensional subspace because real heads write along few directions, so
+    their states are close to low rank."""
+
+    per_channel_decay: bool = False  # KDA-style g [.., dk] instead of GDN's scalar
+    decay_range: tuple[float, float] = (0.995, 0.9999)  # per-token decays alpha, drawn uniformly
+    beta_range: tuple[float, float] = (0.02, 0.2)  # write strengths, drawn uniformly
+    outlier_keys: int = 4  # key channels made outliers
+    outlier_values: int = 4  # value channels made outliers
+    key_outlier_bias: float = 2.0  # added to the outlier key channels before normalising
+    value_outlier_scale: float = 8.0  # factor on the outlier value channels
+    subspace: int = 4  # rank of the subspace keys and values lie near; 0: isotropic draws
+    noise: float = 0.3  # isotropic noise on top of the subspace draws
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
@@ -128,6 +127,7 @@ def synthetic_batch(seed: int, batch: int, spec: SyntheticSpec) -> dict[str, Arr
 __all__ = [
     "EXTREME_DECAYS",
     "FULLY_DECAYED_LOG_DECAY",
+    "HeadBatchSize",
     "SyntheticSpec",
     "extreme_decay_log_decays",
     "extreme_decay_sequence",

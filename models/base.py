@@ -93,8 +93,22 @@ class ConversionError(ValueError):
         super().__init__("\n".join(lines))
 
 
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A base for the architectures' frozen config dataclasses: what they derive alike."""
+    """A base for the architectures' frozen config dataclasses: the fields every decoder stack
+    has, first and in this order (``runtime_free_repr``, hence a model's fingerprint, lists them
+    so), and how the model runs (``RUNTIME_FIELDS``: keyword-only with defaults, so that a
+    subclass's required fields may follow them)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]  # LINEAR_ATTENTION or FULL_ATTENTION per layer
+    mlp_types: tuple[str, ...]  # "dense" or "moe" per layer
+    rms_norm_eps: float
+    # how the model runs, not what it is
+    compute: str = dataclasses.field(default=L.EXACT, kw_only=True)  # models.layers.COMPUTE_MODES
+    scan_layers: bool = dataclasses.field(default=False, kw_only=True)  # run the layers under lax.scan
 
     @property
     def num_layers(self) -> int:
@@ -203,7 +217,7 @@ def check_shapes(
 
 # Config fields that say how a model runs, not what it is: left out of the model's identity
 # (``runtime_free_repr``), so a calibration made on a model stays valid however it runs.
-RUNTIME_FIELDS = ("compute", "scan_layers")
+RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.kw_only)
 
 
 def runtime_free_repr(config: Any) -> str:

@@ -70,18 +70,13 @@ KV_A_NORM_EPS = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class KimiLinearConfig(DecoderConfig):
-    """Kimi-Linear text-decoder config (frozen: a static argument under ``jit``)."""
+    """Kimi-Linear text-decoder config (frozen: a static argument under ``jit``): the KDA, MLA and
+    MoE fields; the fields every decoder has, and how it runs, are ``DecoderConfig``'s."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]
-    mlp_types: tuple[str, ...]  # DENSE or MOE per layer
-    rms_norm_eps: float
     # KDA
-    kda_num_heads: int
-    kda_head_dim: int
-    kda_conv_kernel: int
+    kda_num_heads: int  # H: each KDA layer's state is [B, H, d, d]
+    kda_head_dim: int  # d
+    kda_conv_kernel: int  # taps of the short causal convolutions
     gate_lower_bound: Optional[float]
     # MLA
     num_attention_heads: int
@@ -107,9 +102,6 @@ class KimiLinearConfig(DecoderConfig):
     router_activation: str
     tie_word_embeddings: bool
     kv_a_norm_eps: float = KV_A_NORM_EPS
-    # how the model runs, not what it is (models.base.RUNTIME_FIELDS)
-    compute: str = L.EXACT
-    scan_layers: bool = False
 
     @property
     def kda_dim(self) -> int:

@@ -44,17 +44,12 @@ IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 @dataclasses.dataclass(frozen=True)
 class QwenHybridConfig(DecoderConfig):
-    """Qwen3-Next / Qwen3.5 text-decoder config (frozen: a static argument under ``jit``)."""
+    """Qwen3-Next / Qwen3.5 text-decoder config (frozen: a static argument under ``jit``): the
+    attention, GDN and MoE fields (``DecoderConfig`` holds those every decoder has, and the runtime)."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]
-    mlp_types: tuple[str, ...]  # "dense" or "moe" per layer
-    rms_norm_eps: float
     # full attention
     num_attention_heads: int
-    num_key_value_heads: int
+    num_key_value_heads: int  # GQA: divides num_attention_heads
     head_dim: int
     partial_rotary_factor: float
     rope_theta: float
@@ -73,9 +68,6 @@ class QwenHybridConfig(DecoderConfig):
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
     tie_word_embeddings: bool
-    # how the model runs, not what it is (models.base.RUNTIME_FIELDS)
-    compute: str = L.EXACT
-    scan_layers: bool = False
 
     @property
     def key_dim(self) -> int:

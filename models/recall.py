@@ -37,17 +37,15 @@ METRICS = ("copy_accuracy", "copy_nll", "recall_gain", "agreement_with_fp32")
 
 @dataclasses.dataclass(frozen=True)
 class RecallConfig:
-    """span: tokens planted and repeated (S); gap: tokens of other text between the copies (G);
-    batch: rows (B); skip: leading tokens of the second copy left unscored; prefill: leading tokens
-    of each row through the exact fp32 prefill (the rest one decode step each); seed: picks where
-    in the data the pieces of the rows come from."""
+    """The recall probe's rows: a span of text, a gap of other text, the span again, its second
+    copy scored."""
 
-    span: int = 64
-    gap: int = 1024
-    batch: int = 4
-    skip: int = 2
-    prefill: int = 0
-    seed: int = 0
+    span: int = 64  # S: tokens planted and repeated
+    gap: int = 1024  # G: tokens of other text between the copies
+    batch: int = 4  # B: rows
+    skip: int = 2  # leading tokens of the second copy left unscored
+    prefill: int = 0  # leading tokens of each row through the exact fp32 prefill (the rest: one decode step each)
+    seed: int = 0  # picks where in the data the pieces of the rows come from
 
     def __post_init__(self):
         for name, low in (("span", 1), ("gap", 0), ("batch", 1), ("skip", 0), ("prefill", 0), ("seed", 0)):

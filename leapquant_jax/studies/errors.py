@@ -23,7 +23,7 @@ from ..damp import DampMethod, calibrate
 from ..method_names import METHOD_LABELS, STUDY_METHODS
 from ..methods import WINDOWED_METHODS, make_method
 from ..quantizers import tree_bytes
-from ..synthetic import SyntheticSpec, synthetic_batch
+from ..synthetic import HeadBatchSize, SyntheticSpec, synthetic_batch
 from .memory import boundary_state, state_shapes
 
 # The studies' lineup (``STUDY_METHODS``, the default of `study errors`) and every label the
@@ -32,18 +32,13 @@ ALL_METHODS = METHOD_LABELS
 
 
 @dataclasses.dataclass(frozen=True)
-class ErrorStudyConfig:
-    """tokens, heads, seeds, dk, dv: problem size; every: tokens between measurements;
-    window: LeapQuant window for the windowed methods; kda: per-channel decays."""
+class ErrorStudyConfig(HeadBatchSize):
+    """The error study's settings: ``seeds`` head batches of one size (``HeadBatchSize``)."""
 
-    tokens: int = 4096
-    heads: int = 4
     seeds: int = 2
-    dk: int = 128
-    dv: int = 128
-    every: int = 128
-    window: int = 16
-    kda: bool = False
+    every: int = 128  # tokens between measurements
+    window: int = 16  # LeapQuant window p of the windowed methods
+    kda: bool = False  # per-channel decays (KDA) instead of scalar ones (GDN)
 
     def __post_init__(self):
         for name in ("tokens", "heads", "seeds", "dk", "dv", "every", "window"):

@@ -61,37 +61,30 @@ STATE_FORMAT = "leapquant-train-state"
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything that determines a run's trajectory (budget fields excepted: ``steps``,
-    ``minutes``, ``reserve_seconds``, ``save_every_minutes`` may change on resume).
+    """Everything that determines a run's trajectory; the budget fields (``BUDGET_FIELDS``) alone
+    may change on resume. With ``task`` the run trains on generated long-memory task rows alone
+    (``TaskMix``, no corpus), and the held-out evaluation is the loss and accuracy on
+    ``eval_windows`` rounded up to whole batches of held-out task rows."""
 
-    arch/size: ``models.training.model.hf_config`` arguments; seq_len/batch: tokens per row and
-    rows per step; peak_lr, warmup_steps, final_lr_fraction: the schedule; weight_decay,
-    clip_norm, b1, b2, eps: AdamW; seed: parameters and batches; eval_every/eval_windows:
-    periodic held-out loss on that many fixed windows; final_eval_windows: the final one;
-    recurrence/chunk: ``TrainingRecurrence``; recall: the synthetic recall mix; task: train on
-    generated long-memory task rows alone (``TaskMix``; no corpus; the held-out evaluation is
-    the loss and accuracy on ``eval_windows`` rounded up to whole batches of held-out task rows).
-    """
-
-    arch: str = "gdn"
+    arch: str = "gdn"  # models.training.model.hf_config's arch and size
     size: str = "ship"
-    seq_len: int = 2048
-    batch: int = 16
-    peak_lr: float = 2e-3
+    seq_len: int = 2048  # tokens per row
+    batch: int = 16  # rows per step
+    peak_lr: float = 2e-3  # the schedule (learning_rate): warm-up to peak_lr, cosine to final_lr_fraction x it
     warmup_steps: int = 100
     final_lr_fraction: float = 0.1
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    weight_decay: float = 0.1  # AdamW (decoupled decay, on the weight_decay_mask leaves)
+    clip_norm: float = 1.0  # global gradient norm clipped to this
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    seed: int = 0
-    eval_every: int = 100
-    eval_windows: int = 32
-    final_eval_windows: int = 128
-    recurrence: str = "chunked"
+    seed: int = 0  # parameters and batches
+    eval_every: int = 100  # steps between periodic held-out losses
+    eval_windows: int = 32  # fixed held-out windows of the periodic evaluation
+    final_eval_windows: int = 128  # and of the final one
+    recurrence: str = "chunked"  # TrainingRecurrence(recurrence, chunk)
     chunk: int = 64
-    recall: D.RecallSpec = D.RecallSpec()
+    recall: D.RecallSpec = D.RecallSpec()  # the synthetic recall mix
     task: Optional[TaskMix] = None
     # budget
     steps: Optional[int] = None
