@@ -32,8 +32,8 @@ pytestmark = pytest.mark.xdist_group("kernels")
 TOL = 1e-6
 
 
-def config(window=8, **options) -> LeapQuantConfig:
-    return make_method("fp32-w", window=window, impl="pallas", **options).config
+def config(window=8, impl="pallas") -> LeapQuantConfig:
+    return make_method("fp32-w", window=window, impl=impl).config
 
 
 def check_step(cfg, st, tok, **opts):
@@ -181,6 +181,20 @@ def test_what_the_kernels_take_and_refuse_by_name():
         assert "an fp32 residual with Compensator Tokens or smoothing" in why
     bf16 = LeapQuantConfig(residual_format="bf16", compensators=False, smoothing=False, window=8)
     assert "fp32 checkpoint (fp32-w) only" in support.unsupported_reason(bf16, windowed.init_state(bf16, 2, 2, 32, 32))
+
+
+def test_auto_on_a_gpu_takes_the_triton_step_and_split_flush_hopper_too(monkeypatch):
+    from bench.decode import build_method
+    from pallas_kernels import api
+
+    method = build_method("fp32-w")         # bench.decode's and bench.serve's state: impl auto
+    assert method.config.impl == "auto" and method.config == config(window=16, impl="auto")
+    st = method.init(2, 4, 128, 128, key_heads=2)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    for hopper in (False, True):
+        monkeypatch.setattr(api, "on_hopper", lambda: hopper)
+        assert dispatch.resolve("step", "auto", method.config, st) == "triton"
+        assert dispatch.resolve("flush", "auto", method.config, st) == "split"
 
 
 def test_byte_counts_read_an_fp32_tile_without_scales():
