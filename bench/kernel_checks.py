@@ -9,6 +9,9 @@ format rounds (the kernels round as the reference does, so they should add almos
 * ``dense_step_rows``: the Pallas fp32 and bf16 dense steps over 8 tokens.
 * ``ragged_method_row``: 64 tokens at ragged window positions through
   ``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, both against fp32.
+* ``check_fp32w``: ``fp32-w`` (an fp32 checkpoint, lossless) on the kernels: one step and one
+  flush against the reference, and 64 tokens at ragged window positions against
+  ``impl="reference"`` and the fp32 state (``fp32w_failures``: to reassociation, 1e-5).
 * ``fla_row``: FLA's fp32 kernel against the exact recurrence (needs torch and fla-core).
 * ``check_long_decode``: long decodes of the extreme-decay heads, finiteness and per-head errors.
 * ``check_decoded_state``: the flush judged by the decoded-state criterion of the NVlabs/kda
@@ -222,6 +225,75 @@ def ragged_failures(row) -> list[str]:
         out.append(f"output error vs fp32 {row['pallas_o_err_vs_fp32']:.4e} > 1.01 x the reference's {ref:.4e}")
     if not row["o_rel_err"] <= 0.25 * ref:
         out.append(f"output {row['o_rel_err']:.2e} from the reference's, over a quarter of its error {ref:.2e}")
+    return out
+
+
+FP32W_TOL = 1e-5      # fp32-w against the reference and the fp32 state: sums in another order only
+
+
+def check_fp32w(log, kda_modes=(False, True)) -> list[dict]:
+    """``fp32-w`` on the compiled kernels (what ``dispatch`` runs under ``impl="pallas"``), one row
+    per mode: one step from ragged positions 0, 5, 11, 15 of a 16-slot window and the flush of the
+    window it fills (``only_full``), against the reference from the same state (``o_rel_err``,
+    ``buffer_rel_err``, ``state_rel_err``: the rebuilt checkpoint; ``kept``: the three unflushed
+    checkpoints unchanged bit for bit); and ``ragged_decode`` of ``correctness_inputs`` (64
+    tokens) through ``make_method("fp32-w", impl="pallas")`` against ``impl="reference"`` and
+    the fp32 state (``method_*``)."""
+    rows = []
+    bsz, h, dk, dv = CHECK_BATCH, CHECK_HEADS, CHECK_DIM, CHECK_DIM
+    for kda in kda_modes:
+        config = make_method("fp32-w", window=16, impl="pallas").config
+        seq = random_sequence(jax.random.PRNGKey(11 + kda), bsz, 16, h, dk, dv, kda)
+        st = windowed.from_dense(config, random_state(jax.random.PRNGKey(5), bsz, h, dk, dv), per_channel_decay=kda)
+        for i in range(15):
+            _, st = windowed.step_reference(config, st, token_at(seq, i))
+        st = st.replace(pos=jnp.array([0, 5, 11, 15], jnp.int32))
+        tok = token_at(seq, 15)
+        o_r, n_r = windowed.step_reference(config, st, tok)
+        o_k, n_k = dispatch.leapquant_step(config, copy_tree(st), tok)
+        f_r = windowed.maybe_flush(config, n_r)
+        f_k = dispatch.leapquant_flush(config, copy_tree(n_r), only_full=True)
+        c_k = f_k.checkpoint.residual.values
+        buf_err = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer),
+                                                jax.tree_util.tree_leaves(n_r.buffer)))
+        seq64, s0 = correctness_inputs(kda)
+        offsets = jnp.array(RAGGED_OFFSETS, jnp.int32)
+        runs = {}
+        for impl in ("pallas", "reference", "fp32"):
+            m = make_method("fp32", impl="reference") if impl == "fp32" else make_method("fp32-w", window=16,
+                                                                                         impl=impl)
+            start = m.from_dense(s0, per_channel_decay=kda)
+            o, s = jax.jit(lambda st, seq, m=m: ragged_decode(m, st, seq, offsets))(start, seq64)
+            runs[impl] = (o, m.to_dense(s))
+        (o_p, s_p), (o_ref, s_ref), (o_32, s_32) = runs["pallas"], runs["reference"], runs["fp32"]
+        row = dict(check="fp32-w one step + one flush vs reference (same state); 64 ragged tokens vs reference, fp32",
+                   mode="KDA" if kda else "GDN",
+                   step_impl=str(dispatch.resolve("step", "pallas", config, st)),
+                   flush_impl=str(dispatch.resolve("flush", "pallas", config, n_r)),
+                   o_rel_err=rel(o_k, o_r), buffer_rel_err=buf_err,
+                   state_rel_err=rel(c_k[3], f_r.checkpoint.residual.values[3]),
+                   kept=bool(jnp.array_equal(c_k[:3], n_r.checkpoint.residual.values[:3])),
+                   method_o_rel_err=rel(o_p, o_ref), method_state_rel_err=rel(s_p, s_ref),
+                   method_o_err_vs_fp32=rel(o_p, o_32), method_state_err_vs_fp32=rel(s_p, s_32),
+                   finite=all(bool(jnp.all(jnp.isfinite(x))) for x in (o_k, c_k, o_p)))
+        rows.append(row)
+        log(row)
+    return rows
+
+
+def fp32w_failures(row) -> list[str]:
+    """What a ``check_fp32w`` row misses: finite; the Triton step and split flush ran; every error
+    below ``FP32W_TOL`` (fp32 sums in another order: no rounding anywhere); the unflushed
+    checkpoints unchanged."""
+    out = [] if row["finite"] else ["non-finite output or checkpoint"]
+    if (row["step_impl"], row["flush_impl"]) != ("triton", "split"):
+        out.append(f"ran the step on {row['step_impl']} and the flush on {row['flush_impl']}, not triton and split")
+    for key in ("o_rel_err", "buffer_rel_err", "state_rel_err", "method_o_rel_err", "method_state_rel_err",
+                "method_o_err_vs_fp32", "method_state_err_vs_fp32"):
+        if not row[key] < FP32W_TOL:
+            out.append(f"{key} {row[key]:.2e} >= {FP32W_TOL}")
+    if not row["kept"]:
+        out.append("a checkpoint whose window was not full changed in the flush")
     return out
 
 

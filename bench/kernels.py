@@ -9,7 +9,8 @@
 In this order:
 
 1. Correctness of the compiled kernels on one step and one flush from the same state (ragged
-   positions), against ``windowed``'s reference; then each flush of ``--decoded-state-impls`` at
+   positions), against ``windowed``'s reference, and ``fp32-w`` on its kernels
+   (``kernel_checks.check_fp32w``); then each flush of ``--decoded-state-impls`` at
    every ``--check-bits`` under the decoded-state criterion of the NVlabs/kda flush requests
    (``kernel_checks.check_decoded_state``: per head kind, the decoded state's error within 1% of
    the reference flush's, on structured, second-window and random heads).
@@ -68,7 +69,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 from bench.fla import fla_fns, time_copy  # noqa: E402
 from bench.harness import environment, git_commit, on_gpu  # noqa: E402
 from bench.kernel_checks import (  # noqa: E402
-    CRITERION_BATCH, FLUSH_IMPLS, check_correctness, check_decoded_state, check_long_decode, check_single_ops,
+    CRITERION_BATCH, FLUSH_IMPLS, check_correctness, check_decoded_state, check_fp32w, check_long_decode,
+    check_single_ops,
 )
 from bench.kernel_report import markdown, targets  # noqa: E402
 from bench.kernel_timing import (  # noqa: E402
@@ -144,6 +146,7 @@ def main(argv=None):
     if args.correctness != "none":
         results["correctness"] = check_single_ops(log, tuple(args.check_bits), kda_modes,
                                                   flush_impls=tuple(args.check_flush_impls))
+        results["correctness"] += check_fp32w(log, kda_modes)
         save()
         if args.decoded_state_impls:
             results["decoded_state"] = check_decoded_state(log, tuple(args.check_bits), kda_modes,

@@ -16,9 +16,10 @@ dense step, ``(dk, dv, chunk)`` for the chunk scan, ``(dk, chunk)`` for KDA's pa
 
 The ops below run what ``resolve`` chose, with the reference's signatures. A flush of the full
 windows only, under ``"auto"`` or ``"pallas"``, runs the fused flush when fewer than
-``MIN_FULL_FRACTION`` of the batch's windows are full (it reads nothing for the others, where the
-whole-batch flushes cost the same whatever the positions). A kernel's ``custom_jvp`` and its
-reference derivative are wired by the core module that calls it (``chunked``).
+``MIN_FULL_FRACTION`` of the batch's windows are full and it takes the state (it reads nothing
+for the others, where the whole-batch flushes cost the same whatever the positions). A kernel's
+``custom_jvp`` and its reference derivative are wired by the core module that calls it
+(``chunked``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def resolve(op: str, impl: str, *operands) -> Impl:
     return Impl.REFERENCE
 
 
+def takes(op: str, impl: Impl, *operands) -> bool:
+    """Whether the kernel of ``op`` on ``impl`` takes ``operands`` (its reason is ``None``)."""
+    api, broken = load_kernels()
+    return broken is None and api.unsupported_reason(op, impl, *operands) is None
+
+
 def kernel(op: str, impl: Impl):
     """The kernel entry point of ``op`` on ``impl`` (not the reference), from ``pallas_kernels.api``."""
     api, broken = load_kernels()
@@ -115,7 +122,7 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if not only_full:
         return run(config, state, only_full=False)
     full = state.pos >= config.window
-    if request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION:
+    if request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION and takes("flush", Impl.FUSED, config, state):
         many = jnp.mean(full.astype(jnp.float32)) >= MIN_FULL_FRACTION[chosen][state.per_channel_decay]
         state = _at_most_once(many, lambda s: run(config, s, only_full=True), state)
         return _at_most_once(jnp.any(full) & ~many, lambda s: kernel("flush", Impl.FUSED)(config, s, only_full=True),
@@ -147,4 +154,4 @@ def dense_step(values: jax.Array, token: Token, *, impl: str = AUTO) -> tuple[ja
 
 
 __all__ = ["MIN_FULL_FRACTION", "dense_step", "kernel", "leapquant_flush", "leapquant_step", "load_kernels",
-           "resolve"]
+           "resolve", "takes"]

@@ -19,15 +19,18 @@ make the method lossy (pass ``record_dtype`` to study that). Per head of ``128 x
 key head, against the fp32 state's 64 KiB. A step reads the checkpoint and the records and writes
 one record; a flush reads them once more and writes the checkpoint.
 
-Kernels: none yet, so ``impl`` ``"auto"`` and ``"reference"`` both give ``impl="reference"`` (the
-dispatch then runs ``windowed``'s reference without asking the kernels), and ``"pallas"`` is
-refused by name. A step kernel is LeapQuant's step reading an fp32 ``S0`` tile instead of codes,
-scales and Compensator Tokens; its flush is the split flush's reconstruct stage alone.
+Kernels (``impl``, through ``dispatch`` as LeapQuant's): ``"auto"`` (default; the kernels on a
+GPU, the reference elsewhere), ``"reference"``, ``"pallas"`` or ``"triton"`` (the kernels, an
+error naming why where they cannot run). The step is LeapQuant's Triton step reading the fp32
+``S0`` tile in place of codes, scales and Compensator Tokens; the flush is the split flush's
+first stage alone, ``S_p`` written over the checkpoint (``pallas_kernels.leapquant_flush``). The
+Mosaic GPU kernels read integer codes only: ``"mosaic"`` is refused, and ``auto`` takes Triton on
+Hopper too. ``pallas_kernels.support.unsupported_reason`` says which states the kernels take.
 """
 
 from __future__ import annotations
 
-from .impls import AUTO, REQUESTS, Impl
+from .impls import AUTO, PALLAS, Impl
 from .state import LeapQuantConfig
 
 NAME = "fp32-w"
@@ -35,24 +38,24 @@ NAME = "fp32-w"
 FIXED = dict(residual_format="fp32", compensators=False, smoothing=False)
 # The options it takes (``make_method("fp32-w", ...)``); the rest of ``LeapQuantConfig`` is fixed.
 OPTIONS = ("window", "record_dtype", "impl")
+# The requests it takes: its kernels are the Triton step and split flush (``"triton"`` names both).
+IMPLS = (AUTO, PALLAS, Impl.REFERENCE, Impl.TRITON)
 
 
 def fp32w_config(**options) -> LeapQuantConfig:
     """The ``LeapQuantConfig`` of ``fp32-w``: ``window`` (records per window ``p``, default 16),
-    ``record_dtype`` (default ``float32``) and ``impl`` (``auto`` or ``reference``); ``None`` keeps
-    a default. Raises ``ValueError`` naming any other option, or a kernel request."""
+    ``record_dtype`` (default ``float32``) and ``impl`` (one of ``IMPLS``, default ``auto``);
+    ``None`` keeps a default. Raises ``ValueError`` naming any other option or request."""
     given = {k: v for k, v in options.items() if v is not None}
     others = sorted(set(given) - set(OPTIONS))
     if others:
         raise ValueError(f"method {NAME!r} keeps its checkpoint in fp32 as it is and takes only {list(OPTIONS)}, "
                          f"got {others}")
-    impl = given.pop("impl", AUTO)
-    if impl not in REQUESTS:
-        raise ValueError(f"impl must be one of {REQUESTS}, got {impl!r}")
-    if impl not in (AUTO, Impl.REFERENCE):
-        raise ValueError(f"method {NAME!r} has no Pallas kernels yet: impl={impl!r} cannot run it; "
-                         "pass impl='auto' or 'reference'")
-    return LeapQuantConfig(**{**FIXED, "record_dtype": "float32", **given, "impl": "reference"})
+    impl = given.get("impl", AUTO)
+    if impl not in IMPLS:
+        raise ValueError(f"method {NAME!r} runs on the reference or the Triton step and split flush: impl={impl!r} "
+                         f"cannot run it; pass one of {[str(i) for i in IMPLS]}")
+    return LeapQuantConfig(**{**FIXED, "record_dtype": "float32", **given})
 
 
-__all__ = ["FIXED", "NAME", "OPTIONS", "fp32w_config"]
+__all__ = ["FIXED", "IMPLS", "NAME", "OPTIONS", "fp32w_config"]

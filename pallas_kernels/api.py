@@ -17,7 +17,8 @@ Entry points take the reference's arguments: the step ``(config, state, token) -
 the flush ``(config, state, *, only_full) -> state``, the dense step ``(values, token) -> (o,
 values)``, the chunk kernels their references' (``leapquant_jax.chunk_ops``) with ``precision=``.
 The LeapQuant kernels' reasons start with ``support.unsupported_reason`` (what every LeapQuant kernel
-needs), so the step and the flush leave the reference together. A Mosaic GPU kernel compiled needs a
+needs), so the step and the flush leave the reference together; an fp32 checkpoint (``fp32-w``)
+runs on the Triton step and split flush, the others refuse it by name. A Mosaic GPU kernel compiled needs a
 Hopper GPU; interpreted (no GPU) it runs anywhere.
 """
 
@@ -47,7 +48,7 @@ KERNELS = {
     ("step", Impl.TRITON): (leapquant_step.leapquant_step, support.unsupported_reason),
     ("step", Impl.MOSAIC): (mosaic_step.leapquant_step, _leapquant_mosaic(mosaic_step.unsupported_reason)),
     ("flush", Impl.SPLIT): (leapquant_flush.flush_split, support.unsupported_reason),
-    ("flush", Impl.FUSED): (leapquant_flush.flush_fused, support.unsupported_reason),
+    ("flush", Impl.FUSED): (leapquant_flush.flush_fused, leapquant_flush.fused_unsupported_reason),
     ("flush", Impl.MOSAIC): (mosaic_flush.leapquant_flush, _leapquant_mosaic(mosaic_flush.unsupported_reason)),
     ("dense_step", Impl.TRITON): (dense_step.dense_step, dense_step.unsupported_reason),
     ("dense_step", Impl.MOSAIC): (mosaic_dense.dense_step,

@@ -18,6 +18,10 @@ Two flushes, one contract (``leapquant_jax.dispatch`` chooses between them):
 * ``flush_fused``: one program per (sequence, head) does it all with the fp32 tile in registers.
   Why: it reads nothing for a sequence whose window is not full, so few full windows cost little.
 
+An fp32 checkpoint (``fp32-w``, ``shared.FP32_TILE``; no Compensator Tokens, no smoothing):
+``flush_split`` is stage 1 alone, ``S_p`` written over the checkpoint in place in IEEE fp32 (no
+fit, no rounding); ``flush_fused`` refuses it (``fused_unsupported_reason``).
+
 Decays are log-space sums masked before ``exp`` (a fully decayed head gives zeros, not NaN). The
 fit starts from the seeded Gaussian (or the warm start: the old ``K``, a zero row topped up) and
 orthonormalises with the reference's CholeskyQR2. Smoothing ``c_i = sqrt(mean_j |R_ij|)`` floored
@@ -42,12 +46,13 @@ from leapquant_jax import windowed
 from leapquant_jax.compensators import (
     FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, random_start,
 )
-from leapquant_jax.quantizers import IntTensor, packed_rows, qmax_for_bits
+from leapquant_jax.quantizers import FloatTensor, IntTensor, packed_rows, qmax_for_bits
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
 from .shared import (
-    cholesky_qr_round, load_code_parts, num_parts, scale_cols_to_unit_max, window_decay_part,
+    FP32_TILE, cholesky_qr_round, load_code_parts, num_parts, scale_cols_to_unit_max, tile_bits, tile_rows,
+    window_decay_part,
 )
 from .support import unsupported_reason
 
@@ -127,9 +132,10 @@ def _part_slices(bits, dk):
     return [pl.ds(i * n, n) for i in range(num_parts(bits))]
 
 
-def _input_refs(it, smoothing, rank):
-    """pos, start, codes, scale, smooth (or None), K, U (or None), buffer k, u, g."""
-    head = [next(it) for _ in range(4)]
+def _input_refs(it, smoothing, rank, scaled=True):
+    """pos, start, codes, scale, smooth (or None), K, U (or None), buffer k, u, g; ``scale`` None
+    unless ``scaled`` (an fp32 checkpoint's ``codes`` are its values)."""
+    head = [next(it) for _ in range(3)] + [next(it) if scaled else None]
     smooth = next(it) if smoothing else None
     comps = (next(it), next(it)) if rank else (None, None)
     return (*head, smooth, *comps, next(it), next(it), next(it))
@@ -235,7 +241,7 @@ def _rebuild_parts(ins, pos, *, bits, rank, window, dk, per_channel, smoothing, 
         return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=f32)
 
     codes = load_code_parts(codes_ref, bits, dk)
-    scale = scale_ref[...]
+    scale = None if scale_ref is None else scale_ref[...]
     live = jnp.arange(window) < pos
     bu = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                # [p, BV]
     if not per_channel:
@@ -246,7 +252,7 @@ def _rebuild_parts(ins, pos, *, bits, rank, window, dk, per_channel, smoothing, 
             D0, d = window_decay_part(bg_ref, live, sl, True)                   # [n], [p, n]
         kd = load(bk_ref.at[:, sl], mask=live[:, None], other=0.0).astype(f32)  # [p, n]
         kd = kd * (d if per_channel else d[:, None])
-        s = codes[i] * scale[None, :]
+        s = codes[i] if scale is None else codes[i] * scale[None, :]
         if smoothing:
             s = smooth_ref[sl][:, None] * s
         for c in range(rank):
@@ -279,7 +285,7 @@ def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, w
     """Split flush, stage 1: ``S[:, block]`` in fp32 and this block's part of the first round of
     subspace iteration, ``(S_b S_b^T Q_0)^T`` (``[r, dk]``; ``Y = S S^T Q_0`` sums the blocks)."""
     it = iter(refs)
-    ins = _input_refs(it, smoothing, rank)
+    ins = _input_refs(it, smoothing, rank, scaled=bits != FP32_TILE)
     s_out = next(it)
     y_out = next(it) if rank else None
 
@@ -351,6 +357,11 @@ def _checkpoint_io(config, state):
     return outs, out_specs, spec
 
 
+def _flushed_pos(config, state, only_full):
+    """``pos`` after a flush: 0 for every sequence, or with ``only_full`` for the full windows."""
+    return jnp.where(state.pos >= config.window, 0, state.pos) if only_full else jnp.zeros_like(state.pos)
+
+
 def _new_state(config, state, res, only_full):
     """The flushed state from the kernel's checkpoint outputs ``res`` (the buffer as it was)."""
     res = list(res)
@@ -359,7 +370,7 @@ def _new_state(config, state, res, only_full):
     smooth = res.pop(0) if config.smoothing else ckpt.smooth
     comp_k, comp_u = (res.pop(0), res.pop(0)) if config.effective_rank else (ckpt.comp_k, ckpt.comp_u)
     dk = state.shape[2]
-    pos = jnp.where(state.pos >= config.window, 0, state.pos) if only_full else jnp.zeros_like(state.pos)
+    pos = _flushed_pos(config, state, only_full)
     return LeapQuantState(
         checkpoint=Checkpoint(residual=IntTensor(codes=codes, scale=scale, bits=config.bits, dk=dk), smooth=smooth,
                               comp_k=comp_k, comp_u=comp_u),
@@ -374,9 +385,15 @@ def _inputs(config, state, spec_k, spec_v, start, spec_keys):
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
     p, r = config.window, config.effective_rank
-    args = [state.pos.astype(jnp.int32), start, ckpt.residual.codes, ckpt.residual.scale]
+    bits = tile_bits(config)
+    args = [state.pos.astype(jnp.int32), start]
     specs = [pl.BlockSpec((None,), lambda i, j, *_: (i,)), pl.BlockSpec(start.shape, lambda *_: (0, 0)),
-             spec_v(packed_rows(dk, config.bits)), spec_v()]
+             spec_v(tile_rows(dk, bits))]
+    if bits == FP32_TILE:
+        args.append(ckpt.residual.values)
+    else:
+        args += [ckpt.residual.codes, ckpt.residual.scale]
+        specs.append(spec_v())
     if config.smoothing:
         args.append(ckpt.smooth); specs.append(spec_k())
     if r:
@@ -399,7 +416,18 @@ def _check(config, state):
 
 
 def _name(config, state, stage):
-    return f"leapquant_flush_{stage}_{'kda' if state.per_channel_decay else 'gdn'}_int{config.bits}"
+    bits = tile_bits(config)
+    return f"leapquant_flush_{stage}_{'kda' if state.per_channel_decay else 'gdn'}_" \
+        f"{'fp32' if bits == FP32_TILE else f'int{bits}'}"
+
+
+def fused_unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
+    """Why ``flush_fused`` cannot take ``config`` and ``state``: ``support.unsupported_reason``,
+    or an fp32 checkpoint (``fp32-w``), whose flush is the split flush's first stage alone."""
+    why = unsupported_reason(config, state)
+    if why is None and tile_bits(config) == FP32_TILE:
+        why = "the fused flush fits and quantizes; an fp32 checkpoint (fp32-w) is rebuilt by the split flush alone"
+    return why
 
 
 def _per_head_flush(config, state, kernel, stage, *, only_full, num_warps, interpret, **options):
@@ -437,7 +465,9 @@ def flush_fused(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bo
                 interpret: bool | None = None) -> LeapQuantState:
     """The fused flush: one kernel, one program per (sequence, head) (``leapquant_flush``'s
     contract, module docstring). ``num_warps``: 8 for GDN, 4 for KDA by default."""
-    _check(config, state)
+    why = fused_unsupported_reason(config, state)
+    if why is not None:
+        raise ValueError(f"leapquant_flush kernel cannot run: {why}")
     interpret = default_interpret() if interpret is None else interpret
     return _per_head_flush(config, state, _fused_kernel, "fused", only_full=only_full, interpret=interpret,
                            num_warps=num_warps or (4 if state.per_channel_decay else 8))
@@ -454,6 +484,9 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
     the value blocks' parts of the first round's ``(S S^T Q_0)^T`` (``nvb = dv / block_v``).
 
     Blocks of sequences skipped by ``only_full`` are left unwritten (their values are unspecified).
+    An fp32 checkpoint (``fp32-w``): ``S`` is written over it in place (each program reads its
+    block before writing it), so a skipped sequence's ``S`` is its checkpoint; the records' dot
+    runs in IEEE fp32 (``F32_F32_F32``): the flush rounds nothing beyond fp32 sums.
     """
     interpret = default_interpret() if interpret is None else interpret
     bsz, h, dk, dv = state.shape
@@ -476,12 +509,17 @@ def split_reconstruct(config, state, *, only_full, block_v=None, interpret=None)
     if r:
         shapes.append(jax.ShapeDtypeStruct((bsz, h, dv // bv, r, dk), f32))
         out_specs.append(pl.BlockSpec((None, None, None, r, dk), lambda i, j, c: (i, j, c, 0, 0)))
-    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    fp32 = tile_bits(config) == FP32_TILE
+    if interpret:
+        precision = jax.lax.Precision.HIGHEST
+    else:
+        precision = jax.lax.DotAlgorithmPreset.F32_F32_F32 if fp32 else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     kernel = functools.partial(
-        _reconstruct_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=state.per_channel_decay,
+        _reconstruct_kernel, bits=tile_bits(config), rank=r, window=p, dk=dk, per_channel=state.per_channel_decay,
         smoothing=config.smoothing, warm_start=config.warm_start, only_full=only_full, precision=precision)
     res = pl.pallas_call(
         kernel, grid=(bsz, h, dv // bv), in_specs=specs, out_specs=out_specs, out_shape=shapes,
+        input_output_aliases={2: 0} if fp32 else {},
         compiler_params=compiler_params(num_warps=4), interpret=interpret, name=_name(config, state, "reconstruct"),
     )(*args)
     return res[0], (res[1] if r else None)
@@ -520,8 +558,13 @@ def flush_split(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bo
                 num_warps: int | None = None, interpret: bool | None = None) -> LeapQuantState:
     """The split flush: the three stages above (``leapquant_flush``'s contract, module docstring).
     ``block_v``: value columns per program of stage 1 (``default_reconstruct_block``);
-    ``num_warps``: of stage 3 (8 by default)."""
+    ``num_warps``: of stage 3 (8 by default). An fp32 checkpoint (``fp32-w``): stage 1 alone,
+    ``S_p`` kept as the next checkpoint as it is (``split_reconstruct``: no fit, no rounding)."""
     _check(config, state)
+    if tile_bits(config) == FP32_TILE:
+        dense, _ = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
+        return state.replace(checkpoint=state.checkpoint.replace(residual=FloatTensor(values=dense)),
+                             pos=_flushed_pos(config, state, only_full))
     dense, first_y = split_reconstruct(config, state, only_full=only_full, block_v=block_v, interpret=interpret)
     comp_k, comp_u = split_fit(config, dense, first_y) if config.effective_rank else (None, None)
     return split_quantize(config, state, dense, comp_k, comp_u, only_full=only_full, num_warps=num_warps,
@@ -534,15 +577,18 @@ def flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: bool, im
     checkpoint (the fused count); ``impl="split"`` adds the fp32 state written once and read twice
     (``12 dk dv``, two more reads per further fit round), stage 1's parts of ``Y`` and the factors.
     ``group``: value heads per key head (GVA), whose shared key records count ``1 / group`` per
-    value head. An ``int`` when ``group`` divides them."""
+    value head. An ``int`` when ``group`` divides them. An fp32 checkpoint (``fp32-w``): the
+    fused count, its split flush being stage 1 writing the checkpoint in place."""
     e = jnp.dtype(config.record_dtype).itemsize
     r = config.effective_rank
-    ckpt = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
+    bits = tile_bits(config)
+    ckpt = dk * dv * bits // 8 + (4 * dv if bits != FP32_TILE else 0) + (4 * dk if config.smoothing else 0)
+    ckpt += 2 * r * (dk + dv)
     keys = e * config.window * dk
     records = e * config.window * (dv + (dk if per_channel else 1)) + (keys // group if keys % group == 0
                                                                         else keys / group)
     n = 2 * ckpt + records + 4 * r * dk + 4
-    if impl == "split":
+    if impl == "split" and bits != FP32_TILE:
         # S written once, read by U = S^T K^T and stage 3 (two more reads per extra fit round),
         # stage 1's parts of Y written and read (one per value block of the default width), the
         # factors written and read
@@ -561,5 +607,5 @@ def leapquant_flush_reference(config: LeapQuantConfig, state: LeapQuantState, *,
     return windowed.flush_reference(config, state)
 
 
-__all__ = ["default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split", "leapquant_flush_reference",
-           "split_fit", "split_quantize", "split_reconstruct"]
+__all__ = ["default_reconstruct_block", "flush_bytes", "flush_fused", "flush_split", "fused_unsupported_reason",
+           "leapquant_flush_reference", "split_fit", "split_quantize", "split_reconstruct"]

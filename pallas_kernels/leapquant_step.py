@@ -28,6 +28,9 @@ products across threads. Rounding: fp32 but for the digit split (about ``2**-23 
 element); the record is rounded to the record dtype when stored, the token's own output uses its
 fp32 ``k``, ``u``, ``g`` (as the reference).
 
+An fp32 checkpoint (``fp32-w``; ``shared.FP32_TILE``): the tile ``[dk, BV]`` is ``S0`` itself
+(``Z`` above, one part, ``scale`` 1), read with ``"lanes"``; no Compensator Tokens, no smoothing.
+
 Defaults, each the fastest measured (H200, batch 512; docs/performance.md): ``default_reduce``,
 ``default_num_warps``, the whole code part per chunk, ``BV = dv``, one head per program.
 Bytes per step and value head: ``step_bytes``. Tested with JAX 0.10.2 (interpret mode, CPU) and
@@ -42,13 +45,12 @@ import jax
 import jax.numpy as jnp
 
 from leapquant_jax import windowed
-from leapquant_jax.quantizers import packed_rows
 from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from ._compat import compiler_params, default_interpret, load, pl
-from .shared import (DIGIT_BITS, DIGIT_SCALE_FLOOR, DIGITS, code_planes, combine_digits, int8_digits, num_parts, unpack_codes,
-                     window_decays)
+from .shared import (DIGIT_BITS, DIGIT_SCALE_FLOOR, DIGITS, FP32_TILE, code_planes, combine_digits, int8_digits,
+                     num_parts, tile_bits, tile_rows, unpack_codes, window_decays)
 from .support import check_token, unsupported_reason
 
 f32 = jnp.float32
@@ -113,13 +115,15 @@ def undigit_cols(acc, v):
 
 def step_operands(config: LeapQuantConfig, state: LeapQuantState, token: Token) -> tuple[list, int]:
     """The step's operands in the order its kernels take them (this one and ``load_only``'s):
-    ``pos``; the token's ``q, w, b, v, g, beta`` (fp32); the codes and scales; the smoothing
-    scales where ``config.smoothing``; the Compensator Tokens ``k, u`` where the rank is not 0;
-    the records ``k, u, g`` (outputs 1 to 3 alias them). Returns ``(operands, index of the
-    first record)``."""
+    ``pos``; the token's ``q, w, b, v, g, beta`` (fp32); the codes and scales (an fp32 checkpoint:
+    its values alone); the smoothing scales where ``config.smoothing``; the Compensator Tokens
+    ``k, u`` where the rank is not 0; the records ``k, u, g`` (outputs 1 to 3 alias them).
+    Returns ``(operands, index of the first record)``."""
     ckpt, buf = state.checkpoint, state.buffer
+    res = ckpt.residual
+    tile = [res.values] if tile_bits(config) == FP32_TILE else [res.codes, res.scale]
     args = [state.pos.astype(jnp.int32), token.q.astype(f32), token.w.astype(f32), token.b.astype(f32),
-            token.v.astype(f32), token.g.astype(f32), token.beta.astype(f32), ckpt.residual.codes, ckpt.residual.scale]
+            token.v.astype(f32), token.g.astype(f32), token.beta.astype(f32), *tile]
     if config.smoothing:
         args.append(ckpt.smooth)
     if config.effective_rank:
@@ -127,12 +131,14 @@ def step_operands(config: LeapQuantConfig, state: LeapQuantState, token: Token) 
     return args + [buf.k, buf.u, buf.g], len(args)
 
 
-def step_refs(refs, *, smoothing: bool, rank: int) -> tuple:
+def step_refs(refs, *, smoothing: bool, rank: int, scaled: bool = True) -> tuple:
     """A step kernel's refs (``step_operands``, then the outputs ``o`` and the records ``k, u, g``)
     by name: ``(pos, q, w, b, v, g, beta, codes, scale, smooth, comp_k, comp_u, k, u, g, o, k_out,
-    u_out, g_out)``, ``smooth`` and the Compensator Tokens ``None`` where the step has none."""
+    u_out, g_out)``, ``smooth`` and the Compensator Tokens ``None`` where the step has none, and
+    ``scale`` ``None`` unless ``scaled`` (an fp32 checkpoint's ``codes`` are its values)."""
     it = iter(refs)
-    head = tuple(next(it) for _ in range(9))
+    head = tuple(next(it) for _ in range(8))
+    head += (next(it) if scaled else None,)
     smooth = next(it) if smoothing else None
     comp = (next(it), next(it)) if rank else (None, None)
     return head + (smooth,) + comp + tuple(it)
@@ -141,7 +147,8 @@ def step_refs(refs, *, smoothing: bool, rank: int) -> tuple:
 def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtype, chunk, use_dot, dot_cols, heads,
                  group, key_block):
     (pos_ref, q_ref, w_ref, b_ref, v_ref, g_ref, beta_ref, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref,
-     bk_ref, bu_ref, bg_ref, o_ref, bk_out, bu_out, bg_out) = step_refs(refs, smoothing=smoothing, rank=rank)
+     bk_ref, bu_ref, bg_ref, o_ref, bk_out, bu_out, bg_out) = step_refs(refs, smoothing=smoothing, rank=rank,
+                                                                         scaled=bits != FP32_TILE)
 
     parts = num_parts(bits)
     n = dk // parts                                   # key rows per code part
@@ -205,7 +212,9 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
         """The value-side inputs, added to ``vs``."""
         a = at(t)
         vs.update(ub=load(bu_ref.at[a(every, every)], mask=live[:, None], other=0.0),       # [p, BV]
-                  scale=scale_ref[a(every)], v=v_ref[a(every)], beta=beta_ref[a()])
+                  v=v_ref[a(every)], beta=beta_ref[a()])
+        if scale_ref is not None:
+            vs["scale"] = scale_ref[a(every)]
         if comp_tile:
             vs["cu"] = cu_ref[a(every, every)]                                             # [r, BV]
         elif rank:
@@ -322,7 +331,6 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
         acc1, acc2, kx1, kx2, c1, c2, kq = carry
         if not per_channel:
             kx1, kx2 = vs["d"] * kx1, vs["d"] * kx2
-        scale = vs["scale"]
         ub = vs["ub"].astype(f32)                                                     # [p, BV]
         if use_dot:
             (_, back1), (_, back2) = scales
@@ -332,8 +340,10 @@ def _step_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, rec_dtyp
                 z1, z2 = vs["D0"] * z1, (vs["D0"] * vs["a_new"]) * z2
         else:
             z1, z2 = jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
-        r1 = scale * z1 + jnp.sum(kx1[:, None] * ub, axis=0)
-        r2 = scale * z2 + jnp.sum(kx2[:, None] * ub, axis=0)
+        if "scale" in vs:       # integer codes: one scale per value column; an fp32 tile is its values
+            z1, z2 = vs["scale"] * z1, vs["scale"] * z2
+        r1 = z1 + jnp.sum(kx1[:, None] * ub, axis=0)
+        r2 = z2 + jnp.sum(kx2[:, None] * ub, axis=0)
         if comp_tile:
             cu = vs["cu"].astype(f32)                                                  # [r, BV]
             r1 = r1 + jnp.sum(c1[:, None] * cu, axis=0)
@@ -423,7 +433,11 @@ def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
 
 def default_num_warps(per_channel: bool, bits: int = 8, reduce: str = "dot") -> int:
     """Warps per program, the fastest measured for ``reduce`` (docs/performance.md): GDN 2, but 1
-    with ``dot_cols`` at 4 bits; KDA 1 at 8 bits, 2 at 4 and 4 at 6 (one warp spills at 6 and 4 bits)."""
+    with ``dot_cols`` at 4 bits; KDA 1 at 8 bits, 2 at 4 and 4 at 6 (one warp spills at 6 and 4 bits).
+    An fp32 tile (``FP32_TILE``): 8, so that its ``dk x BV`` fp32 values (4x the int8 codes' bytes)
+    spread over 64 registers a thread at 128 x 128."""
+    if bits == FP32_TILE:
+        return 8
     if not per_channel:
         return 1 if (reduce, bits) == ("dot_cols", 4) else 2
     return {8: 1, 4: 2, 6: 4}[bits]
@@ -440,8 +454,9 @@ DOT_COLS_FASTER = frozenset({(False, 8), (False, 4), (True, 6), (True, 4)})
 def default_reduce(chunk: int, per_channel: bool = False, bits: int = 8) -> str:
     """The int8 tensor cores where a chunk is a whole int8 mma deep, else ``lanes``: ``dot_cols``
     where it is the faster orientation (``DOT_COLS_FASTER``, each at its ``default_num_warps``),
-    ``dot`` elsewhere. Both give the same outputs."""
-    if chunk < MIN_DOT_ROWS:
+    ``dot`` elsewhere. Both give the same outputs. An fp32 tile (``FP32_TILE``) has no int8
+    digits: ``lanes``, exact fp32 products."""
+    if chunk < MIN_DOT_ROWS or bits == FP32_TILE:
         return "lanes"
     return "dot_cols" if (per_channel, bits) in DOT_COLS_FASTER else "dot"
 
@@ -458,9 +473,10 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     updated in place when the caller's ``jit`` donates the state (or it is dead after the call
     inside one); otherwise XLA copies it first. Returns ``(o [B, H, dv] fp32, state with pos + 1)``.
     ``reduce``: how the code reads are summed, ``"dot"`` or ``"dot_cols"`` (int8 digits on the
-    tensor cores as the left or the right operand; need ``chunk >= 32``) or ``"lanes"`` (fp32
-    products summed across threads); the default (``default_reduce``) takes the faster dot where
-    it can. ``heads_per_program``: consecutive heads of one sequence per
+    tensor cores as the left or the right operand; need ``chunk >= 32`` and integer codes) or
+    ``"lanes"`` (fp32 products summed across threads; the one way for an fp32 checkpoint,
+    ``fp32-w``); the default (``default_reduce``) takes the faster dot where it can.
+    ``heads_per_program``: consecutive heads of one sequence per
     program (a power of two dividing ``H``; default 1), their code and key-side loads issued
     together before any head is computed; with GVA (``H = n Hk``) it must divide ``n`` or be a
     multiple of it, so that a program's heads read whole key heads.
@@ -475,9 +491,10 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     bv = default_block_v(dv) if block_v is None else block_v
     if dv % bv or bv & (bv - 1) or bv < 16:
         raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dv}")
-    ch = default_chunk(dk, config.bits, state.per_channel_decay) if chunk is None else chunk
-    if (dk // num_parts(config.bits)) % ch or ch & (ch - 1) or ch < 16:
-        raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {dk // num_parts(config.bits)} rows of a code part")
+    bits = tile_bits(config)
+    ch = default_chunk(dk, bits, state.per_channel_decay) if chunk is None else chunk
+    if (dk // num_parts(bits)) % ch or ch & (ch - 1) or ch < 16:
+        raise ValueError(f"chunk={ch} must be a power of two >= 16 dividing the {dk // num_parts(bits)} rows of a code part")
     hp = heads_per_program
     if not isinstance(hp, int) or hp < 1 or hp & (hp - 1) or h % hp:
         raise ValueError(f"heads_per_program={hp!r} must be a power of two dividing the {h} heads")
@@ -486,17 +503,19 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
         raise ValueError(f"heads_per_program={hp} must divide or be a multiple of the {group} value heads per key "
                          f"head ({h} value heads, {state.key_heads} key heads)")
     kb = max(hp // group, 1)                           # key heads per program
-    reduce = default_reduce(ch, state.per_channel_decay, config.bits) if reduce is None else reduce
+    reduce = default_reduce(ch, state.per_channel_decay, bits) if reduce is None else reduce
     if num_warps is None:
-        num_warps = default_num_warps(state.per_channel_decay, config.bits, reduce)
+        num_warps = default_num_warps(state.per_channel_decay, bits, reduce)
     if reduce not in REDUCES:
         raise ValueError(f"reduce={reduce!r}: expected one of {REDUCES}")
+    if reduce != "lanes" and bits == FP32_TILE:
+        raise ValueError(f"reduce={reduce!r} reads int8 codes; an fp32 checkpoint (fp32-w) is read with 'lanes'")
     if reduce != "lanes" and ch < MIN_DOT_ROWS:
         raise ValueError(f"reduce={reduce!r} needs chunk >= {MIN_DOT_ROWS} (the int8 mma depth), got chunk={ch}")
     ckpt, buf = state.checkpoint, state.buffer
     per_channel = state.per_channel_decay
     p, r = config.window, config.effective_rank
-    rows = packed_rows(dk, config.bits)
+    rows = tile_rows(dk, bits)
 
     hb = None if hp == 1 else hp          # the head axis of a block: squeezed for one head
     kbb = None if kb == 1 else kb
@@ -514,7 +533,9 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     args, first_buf = step_operands(config, state, token)
     specs = [pl.BlockSpec((None,), lambda i, j, c: (i,)), vec_k, key_vec, vec_k, vec_v,
              vec_k if per_channel else scalar, scalar,
-             pl.BlockSpec((None, hb, rows, bv), lambda i, j, c: (i, j, 0, c)), vec_v]
+             pl.BlockSpec((None, hb, rows, bv), lambda i, j, c: (i, j, 0, c))]
+    if bits != FP32_TILE:
+        specs.append(vec_v)         # the column scales
     if config.smoothing:
         specs.append(vec_k)
     if r:
@@ -526,7 +547,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     specs += [k_spec, u_spec, g_spec]
 
     kernel = functools.partial(
-        _step_kernel, bits=config.bits, rank=r, window=p, dk=dk, per_channel=per_channel,
+        _step_kernel, bits=bits, rank=r, window=p, dk=dk, per_channel=per_channel,
         smoothing=config.smoothing, rec_dtype=config.record_dtype, chunk=ch, use_dot=reduce != "lanes",
         dot_cols=reduce == "dot_cols",
         heads=hp, group=group, key_block=kb)
@@ -540,7 +561,7 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
         input_output_aliases={first_buf: 1, first_buf + 1: 2, first_buf + 2: 3},
         compiler_params=compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"leapquant_step_{'kda' if per_channel else 'gdn'}_int{config.bits}",
+        name=f"leapquant_step_{'kda' if per_channel else 'gdn'}_{'fp32' if bits == FP32_TILE else f'int{bits}'}",
     )(*args)
     new = LeapQuantState(checkpoint=ckpt, buffer=WindowBuffer(k=bk, u=bu, g=bg), pos=state.pos + 1)
     return o, new
@@ -554,7 +575,9 @@ def step_bytes(config: LeapQuantConfig, dk: int, dv: int, pos: int, per_channel:
     e = jnp.dtype(config.record_dtype).itemsize
     gl = dk if per_channel else 1
     r = config.effective_rank
-    n = dk * dv * config.bits // 8 + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
+    bits = tile_bits(config)
+    n = dk * dv * bits // 8 + (4 * dv if bits != FP32_TILE else 0)          # the tile and its column scales
+    n += (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
     n += pos * e * (dv + gl)
     n += 4 * (2 * dk + dv + 2) + (4 * (dk - 1) if per_channel else 0)
     n += e * (dv + gl) + 4 * dv + 4

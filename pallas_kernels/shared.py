@@ -1,5 +1,6 @@
 """Kernel helpers the decode step and the window flushes share: the packed residual codes' planar
-layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``), the window's
+layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``; an fp32 checkpoint
+tile, ``fp32-w``'s, is read through them as ``FP32_TILE`` "bits": ``tile_bits``), the window's
 log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on
 the tensor cores (``DIGIT_BITS``, ``int8_digits``, ``combine_digits``); CholeskyQR2 on columns held as pieces
 (``scale_cols_to_unit_max``, ``cholesky_qr_round``: the fused and Mosaic GPU flushes). Used
@@ -10,17 +11,32 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from leapquant_jax.compensators import NORMAL_TINY, gram_shift, unrolled_cholesky
-from leapquant_jax.quantizers import code_parts
+from leapquant_jax.quantizers import code_parts, packed_rows
 
 from ._compat import load, pl
 
 f32 = jnp.float32
 
+# The ``bits`` the kernels give a checkpoint kept in fp32 as it is (``residual_format="fp32"``,
+# ``fp32-w``): one part of ``dk`` rows, read as it is, no column scales.
+FP32_TILE = 32
+
+
+def tile_bits(config) -> int:
+    """The checkpoint tile's ``bits`` for the kernels: ``FP32_TILE`` for an fp32 residual, else
+    ``config.bits`` (integer codes)."""
+    return FP32_TILE if config.residual_format == "fp32" else config.bits
+
 
 def num_parts(bits: int) -> int:
-    """Key-row parts the packed codes split into: 1 (8 bits), 2 (4 bits), 4 (6 bits)
+    """Key-row parts the packed codes split into: 1 (8 bits, an fp32 tile), 2 (4 bits), 4 (6 bits)
     (``quantizers.code_parts``, the reference's layout)."""
-    return code_parts(bits)
+    return 1 if bits == FP32_TILE else code_parts(bits)
+
+
+def tile_rows(dk: int, bits: int) -> int:
+    """Rows of the checkpoint tile ``[rows, dv]``: ``quantizers.packed_rows``, ``dk`` for an fp32 tile."""
+    return dk if bits == FP32_TILE else packed_rows(dk, bits)
 
 
 def code_planes(codes_ref, bits: int, n: int, start=0, rows: int | None = None, at=lambda *idx: idx):
@@ -37,8 +53,9 @@ def code_planes(codes_ref, bits: int, n: int, start=0, rows: int | None = None, 
 
 
 def unpack_codes(planes, bits: int, dtype=f32):
-    """Signed codes ``[rows, BV]`` of ``dtype`` per key-row part from ``code_planes``' bytes."""
-    if bits == 8:
+    """Signed codes ``[rows, BV]`` of ``dtype`` per key-row part from ``code_planes``' bytes (an
+    fp32 tile's values as they are)."""
+    if bits in (8, FP32_TILE):
         return [planes[0].astype(dtype)]
     if bits == 4:
         p = planes[0].astype(jnp.int32)
@@ -143,6 +160,6 @@ def cholesky_qr_round(cols, rank, sqrt=jnp.sqrt, zero_unless=_zero_unless):
     return out
 
 
-__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "cholesky_qr_round", "code_planes", "combine_digits",
-           "int8_digits", "load_code_parts", "num_parts", "scale_cols_to_unit_max", "unpack_codes", "window_decay_part",
-           "window_decays"]
+__all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "FP32_TILE", "cholesky_qr_round", "code_planes",
+           "combine_digits", "int8_digits", "load_code_parts", "num_parts", "scale_cols_to_unit_max", "tile_bits", "tile_rows",
+           "unpack_codes", "window_decay_part", "window_decays"]

@@ -2,16 +2,19 @@
 flush kernel's first condition: ``api`` gives it to ``leapquant_jax.dispatch``, and the kernels
 check it themselves before a launch) and ``check_token``, the token's shapes against the state.
 
-The kernels take integer residuals at 8, 6 or 4 bits (no ``residual_format`` override), the
-subspace fit (the exact SVD fit stays in the reference), ``dk`` and ``dv`` in ``HEAD_SIZES`` (``dk``
-a multiple of 64 at 6 bits and of 32 at 4 bits: code planes of at least 16 rows, a Triton dot's
-least size), a power-of-two window up to ``MAX_WINDOW`` and at most ``MAX_RANK`` Compensator Tokens
-(the fit's Cholesky factor is unrolled up to there). The buffer may keep its key records per key
-head (GVA: ``k [B, Hk, p, dk]``, ``Hk`` dividing ``H``)."""
+The kernels take integer residuals at 8, 6 or 4 bits, or ``fp32-w``'s checkpoint: an fp32
+residual (``residual_format="fp32"``, a ``FloatTensor``) without Compensator Tokens or smoothing,
+read as it is and only rebuilt by the flush (no other ``residual_format``); the subspace fit (the
+exact SVD fit stays in the reference), ``dk`` and ``dv`` in ``HEAD_SIZES`` (``dk`` a multiple of 64
+at 6 bits and of 32 at 4 bits: code planes of at least 16 rows, a Triton dot's least size), a
+power-of-two window up to ``MAX_WINDOW`` and at most ``MAX_RANK`` Compensator Tokens (the fit's
+Cholesky factor is unrolled up to there). The buffer may keep its key records per key head (GVA:
+``k [B, Hk, p, dk]``, ``Hk`` dividing ``H``). Which kernels take the fp32 checkpoint: the Triton
+step and split flush (``leapquant_step``, ``leapquant_flush``), each saying so itself."""
 
 from __future__ import annotations
 
-from leapquant_jax.quantizers import IntTensor
+from leapquant_jax.quantizers import FloatTensor, IntTensor
 from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState
 
@@ -24,9 +27,14 @@ MAX_RANK = 8
 
 def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
     """Why the Pallas kernels cannot take ``config`` and ``state``; ``None`` when they can."""
-    if config.residual_format is not None:
-        return f"residual_format={config.residual_format!r}: the kernels read integer residuals only"
-    if config.bits not in (8, 6, 4):
+    fp32 = config.residual_format == "fp32"
+    if config.residual_format is not None and not fp32:
+        return (f"residual_format={config.residual_format!r}: the kernels read integer residuals or an fp32 "
+                "checkpoint (fp32-w) only")
+    if fp32 and (config.effective_rank or config.smoothing):
+        return ("an fp32 residual with Compensator Tokens or smoothing: the kernels take an fp32 checkpoint as "
+                "fp32-w keeps it, without them (its flush only rebuilds the state)")
+    if not fp32 and config.bits not in (8, 6, 4):
         return f"bits={config.bits}: the kernels take 8, 6 or 4"
     if config.fit != "subspace":
         return f"fit={config.fit!r}: the kernels fit Compensator Tokens by subspace iteration only"
@@ -35,7 +43,10 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     if config.effective_rank > MAX_RANK:
         return f"rank={config.effective_rank}: the kernels take at most {MAX_RANK} Compensator Tokens"
     ckpt, buf = state.checkpoint, state.buffer
-    if not isinstance(ckpt.residual, IntTensor) or ckpt.residual.bits != config.bits:
+    if fp32:
+        if not isinstance(ckpt.residual, FloatTensor) or ckpt.residual.values.dtype != "float32":
+            return "the state's residual is not an fp32 tensor (residual_format='fp32')"
+    elif not isinstance(ckpt.residual, IntTensor) or ckpt.residual.bits != config.bits:
         return "the state's residual is not an integer tensor of the config's bits"
     if buf.k.ndim != 4 or buf.u.ndim != 4:
         return f"the window buffer must be [B, Hk, p, dk] / [B, H, p, dv], got {buf.k.shape} / {buf.u.shape}"
@@ -48,9 +59,11 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
         return f"the buffer holds {p} slots but window={config.window}"
     if dk not in HEAD_SIZES or dv not in HEAD_SIZES:
         return f"head sizes dk={dk}, dv={dv}: the kernels take {HEAD_SIZES}"
-    if config.bits == 6 and dk % 64:
+    if fp32 and ckpt.residual.values.shape != (b, h, dk, dv):
+        return f"the fp32 checkpoint must be [B, H, dk, dv] = {(b, h, dk, dv)}, got {ckpt.residual.values.shape}"
+    if not fp32 and config.bits == 6 and dk % 64:
         return f"dk={dk} at 6 bits: each of the four code planes must be at least 16 rows"
-    if config.bits == 4 and dk % 32:
+    if not fp32 and config.bits == 4 and dk % 32:
         return f"dk={dk} at 4 bits: each code plane must be at least 16 rows"
     if buf.g.shape not in ((b, h, p), (b, h, p, dk)):
         return f"buffer log-decays must be [B, H, p] or [B, H, p, dk], got {buf.g.shape}"

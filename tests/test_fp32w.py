@@ -95,15 +95,19 @@ def test_the_flush_stores_the_reconstructed_state_unrounded():
     assert rel(flushed.checkpoint.residual.values, dense) < 1e-6
 
 
-def test_impl_auto_runs_the_reference_and_a_kernel_request_is_refused_by_name():
+def test_impl_auto_runs_the_reference_off_a_gpu_and_the_mosaic_kernels_are_refused_by_name():
     state = FP32W.init(1, 2, 16, 16)
-    for impl in (None, "auto", "reference"):
+    for impl in (None, "auto"):
         method = make_method("fp32-w", impl=impl)
-        assert method.config.impl == "reference" and method == FP32W
+        assert method.config.impl == "auto" and method == FP32W
+        # no GPU here: auto is the reference (the kernels: tests/test_fp32w_kernels.py)
         assert dispatch.resolve("step", method.config.impl, method.config, state) == "reference"
         assert dispatch.resolve("flush", method.config.impl, method.config, state) == "reference"
-    for impl in ("pallas", "triton", "mosaic"):
-        with pytest.raises(ValueError, match=f"method 'fp32-w' has no Pallas kernels yet: impl='{impl}'"):
+    for impl in ("pallas", "triton", "reference"):
+        assert make_method("fp32-w", impl=impl).config.impl == impl
+    for impl in ("mosaic", "split", "fused"):
+        with pytest.raises(ValueError, match=f"method 'fp32-w' runs on the reference or the Triton step and split "
+                                             f"flush: impl='{impl}' cannot run it"):
             make_method("fp32-w", impl=impl)
     with pytest.raises(ValueError, match=r"method 'fp32-w' .* takes only \['window', 'record_dtype', 'impl'\], "
                                          r"got \['bits', 'rank'\]"):
@@ -126,8 +130,8 @@ def test_eval_and_generate_take_the_name():
 
     methods = methods_for_labels(["fp32-w"], {"window": 8})
     assert list(methods) == ["fp32", "fp32-w"] and methods["fp32-w"].config.window == 8
-    with pytest.raises(ValueError, match="'fp32-w' has no Pallas kernels"):
-        methods_for_labels(["fp32-w"], {"impl": "pallas"})
+    with pytest.raises(ValueError, match="'fp32-w' runs on the reference or the Triton step"):
+        methods_for_labels(["fp32-w"], {"impl": "mosaic"})
     parser = ArgumentParser(prog="x")
     add_method_options(parser, flag="--state", default="fp32")
     assert method_from_args(parser.parse_args(["--state", "fp32-w"])) == FP32W

@@ -6,7 +6,7 @@ and 4 bits; on Hopper the Mosaic GPU step and flush where ``auto`` takes them), 
 steps over 8 tokens, and 64 tokens at ragged window positions through
 ``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, and the split, fused
 and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and random
-heads at 8, 6 and 4 bits). The normal suite deselects them (``conftest``); selected without a
+heads at 8, 6 and 4 bits), and ``fp32-w`` on its kernels (``-k fp32w``). The normal suite deselects them (``conftest``); selected without a
 GPU, they are skipped.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from bench.kernel_checks import (
-    check_decoded_state, check_single_ops, correctness_inputs, decoded_state_failures, dense_failures,
-    dense_step_rows, ragged_failures, ragged_method_row, single_op_failures,
+    check_decoded_state, check_fp32w, check_single_ops, correctness_inputs, decoded_state_failures, dense_failures,
+    dense_step_rows, fp32w_failures, ragged_failures, ragged_method_row, single_op_failures,
 )
 
 pytestmark = pytest.mark.gpu
@@ -58,3 +58,11 @@ def test_flushes_meet_the_decoded_state_criterion(impl, bits, kda):
     assert len(rows) == 3
     for row in rows:
         assert row["passed"] and not decoded_state_failures(row), row
+
+
+@MODES
+def test_fp32w_kernels_match_reference_and_the_fp32_state(kda):
+    rows = check_fp32w(lambda row: None, (kda,))
+    assert len(rows) == 1
+    for row in rows:
+        assert not fp32w_failures(row), row
