@@ -11,6 +11,10 @@ from leapquant_jax.impls import Impl
 from leapquant_jax.recurrence import recurrent_scan
 from helpers import rel
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("chunked")
+
 # fp32 round-off: the cases below measured 2e-7 to 6e-7 relative (strong decays included).
 TOL = 2e-6
 

@@ -17,6 +17,10 @@ from pallas_kernels.load_only import load_only_step
 
 from helpers import copy_tree, live_state, lower_to_triton, random_sequence, random_state, token_at
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("load_only")
+
 
 def numpy_load_only(config, st, tok):
     """The load-only kernel's reduction (its docstring) and records, in float64 numpy."""

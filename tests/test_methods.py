@@ -10,6 +10,10 @@ from leapquant_jax.methods import WINDOWED_METHODS
 from leapquant_jax.recurrence import recurrent_scan
 from helpers import random_inputs, rel
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("methods")
+
 
 def _method(name):
     return make_method(name, impl="reference") if name.endswith("-w") or name == "leapquant" else make_method(name)

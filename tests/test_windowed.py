@@ -12,6 +12,10 @@ from leapquant_jax.state import LeapQuantConfig
 from leapquant_jax import windowed
 from helpers import random_inputs, rel
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("windowed")
+
 IDENTITY = dict(residual_format="fp32", record_dtype="float32", impl="reference")
 
 
