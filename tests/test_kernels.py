@@ -177,11 +177,13 @@ def test_step_kernel_two_heads_per_program_lowers_to_triton(bits, kda):
 
 
 def test_step_kernel_rejects_bad_heads_per_program():
+    # shapes only (the checks run as under jit, at trace time)
     config = LeapQuantConfig(bits=8, window=4)
-    st, tok = live_state(config, jax.random.PRNGKey(6), 1, 2, 64, 64, False, pos=[1])
+    st = state_shapes(config, 1, 2, 64, 64)
+    tok = jax.eval_shape(lambda: token_at(random_sequence(jax.random.PRNGKey(6), 1, 1, 2, 64, 64, False), 0))
     for hp in (0, 3, 4):
         with pytest.raises(ValueError, match="heads_per_program"):
-            leapquant_step(config, st, tok, heads_per_program=hp, interpret=INTERPRET)
+            traced(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=INTERPRET), st, tok)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
