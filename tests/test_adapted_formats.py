@@ -18,6 +18,10 @@ from leapquant_jax.quantizers import IntFormat, tree_bytes, unpack_codes
 from leapquant_jax.recurrence import recurrent_scan
 from helpers import random_inputs, rel
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("adapted_formats")
+
 NAMES = ["quarot", "quarot-b6", "quarot-b4", "kvquant", "kvquant-b6", "kvquant-b4",
          "turboquant", "turboquant-b6", "turboquant-b4"]
 

@@ -1,5 +1,7 @@
 """The chunkwise-parallel delta rule against the token-serial fp32 recurrence."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,10 @@ from leapquant_jax.chunked import chunk_delta_rule, unit_lower_inverse
 from leapquant_jax.impls import Impl
 from leapquant_jax.recurrence import recurrent_scan
 from helpers import rel
+
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("chunked")
 
 # fp32 round-off: the cases below measured 2e-7 to 6e-7 relative (strong decays included).
 TOL = 2e-6
@@ -72,26 +78,36 @@ def test_chunked_matches_recurrence(kda, tokens, chunk, group, dk, dv, key_heads
         assert rel(s[b], s_row[0]) < TOL
 
 
-@pytest.mark.parametrize("inter", ["serial", "associative"])
-@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_gradients_match_recurrence(kda, inter):
-    """Gradients w.r.t. every input and the initial state, through a fully decayed head, an
-    alpha = 0.99999 head, GVA and padding (T = 70 in chunks of 16, three chunks per group)."""
+def _gradients(kda, fn):
+    """Gradients w.r.t. the inputs and the initial state of ``sum(o * wo) + sum(s * ws)`` for
+    ``(o, s) = fn(x, s0)``, on the gradient tests' inputs (a fully decayed head, an alpha = 0.99999
+    head, GVA, T = 70); returns ``(x, (gx, gs))``."""
     x = _inputs(3 + kda, batch=2, tokens=70, heads=4, dk=16, dv=8, kda=kda, key_heads=2)
     rng = np.random.default_rng(9)
     s0 = jnp.asarray(rng.standard_normal((2, 4, 16, 8)) * 0.3, jnp.float32)
     wo = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
     ws = jnp.asarray(rng.standard_normal(s0.shape), jnp.float32)
 
-    def grad(fn):
-        def loss(x, s0):
-            o, s = fn(x, s0)
-            return jnp.sum(o * wo) + jnp.sum(s * ws)
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+    def loss(x, s0):
+        o, s = fn(x, s0)
+        return jnp.sum(o * wo) + jnp.sum(s * ws)
+    return x, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, s0)
 
-    gx, gs = grad(lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=16, group=3,
-                                                                inter=inter))(x, s0)
-    rx, rs = grad(lambda x, s0: recurrent_scan(s0, **x))(x, s0)
+
+@functools.cache
+def _recurrence_gradients(kda):
+    """The token-serial recurrence's ``_gradients``, once per decay kind (both ``inter`` cases)."""
+    return _gradients(kda, lambda x, s0: recurrent_scan(s0, **x))[1]
+
+
+@pytest.mark.parametrize("inter", ["serial", "associative"])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_gradients_match_recurrence(kda, inter):
+    """Gradients w.r.t. every input and the initial state, through a fully decayed head, an
+    alpha = 0.99999 head, GVA and padding (T = 70 in chunks of 16, three chunks per group)."""
+    x, (gx, gs) = _gradients(kda, lambda x, s0: chunk_delta_rule(**x, initial_state=s0, chunk=16, group=3,
+                                                                 inter=inter))
+    rx, rs = _recurrence_gradients(kda)
     for name in x:
         assert bool(jnp.all(jnp.isfinite(gx[name]))), name
         assert rel(gx[name], rx[name]) < 1e-5, name

@@ -14,6 +14,10 @@ from leapquant_jax.recurrence import delta_rule_token, recurrent_scan, recurrent
 from leapquant_jax.tile_formats import FORMATS, Fp8TileFormat, e4m3_stochastic_round
 from helpers import random_inputs, rel
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("feedback")
+
 NAMES = list(FORMATS) + list(METHODS)
 E4M3_GRID = np.unique(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
 E4M3_GRID = E4M3_GRID[np.isfinite(E4M3_GRID)]

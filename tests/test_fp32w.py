@@ -23,6 +23,10 @@ from leapquant_jax.recurrence import delta_rule_token
 from leapquant_jax.state import LeapQuantState
 from leapquant_jax.studies.memory import MemoryQuery, measure_memory, method_memory
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("fp32w")
+
 TOL = 1e-6
 
 

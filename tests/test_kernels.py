@@ -38,6 +38,7 @@ from pallas_kernels import mosaic_step
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
                      random_state, rel, token_at)
+from kernel_helpers import check_writes_nothing_past_the_window, state_shapes, traced
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
 # one xdist worker compiles them once (conftest.py: --dist loadgroup).
@@ -168,7 +169,7 @@ def test_step_kernel_two_heads_per_program(opts, kda):
 @pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True)])
 def test_step_kernel_two_heads_per_program_lowers_to_triton(bits, kda):
     config = LeapQuantConfig(bits=bits, window=8)
-    st = windowed.init_state(config, 2, 2, 64, 64, kda)
+    st = state_shapes(config, 2, 2, 64, 64, kda)
     tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
     for opts in (dict(), dict(chunk=16, reduce="lanes")):
         f = functools.partial(leapquant_step, config, heads_per_program=2, interpret=False, **opts)
@@ -176,11 +177,13 @@ def test_step_kernel_two_heads_per_program_lowers_to_triton(bits, kda):
 
 
 def test_step_kernel_rejects_bad_heads_per_program():
+    # shapes only (the checks run as under jit, at trace time)
     config = LeapQuantConfig(bits=8, window=4)
-    st, tok = live_state(config, jax.random.PRNGKey(6), 1, 2, 64, 64, False, pos=[1])
+    st = state_shapes(config, 1, 2, 64, 64)
+    tok = jax.eval_shape(lambda: token_at(random_sequence(jax.random.PRNGKey(6), 1, 1, 2, 64, 64, False), 0))
     for hp in (0, 3, 4):
         with pytest.raises(ValueError, match="heads_per_program"):
-            leapquant_step(config, st, tok, heads_per_program=hp, interpret=INTERPRET)
+            traced(functools.partial(leapquant_step, config, heads_per_program=hp, interpret=INTERPRET), st, tok)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -249,11 +252,7 @@ def test_step_kernel_never_writes_past_the_window():
     # out of bounds, and the other sequences are unaffected.
     config = LeapQuantConfig(bits=8, window=4)
     st, tok = live_state(config, jax.random.PRNGKey(6), 2, 1, 64, 64, False, pos=[4, 2])
-    o_r, n_r = leapquant_step_reference(config, st, tok)
-    o_k, n_k = leapquant_step(config, copy_tree(st), tok, interpret=INTERPRET)
-    assert rel(o_k[1], o_r[1]) < 1e-5
-    for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(st.buffer)):
-        np.testing.assert_array_equal(a[0], b[0])
+    check_writes_nothing_past_the_window(config, st, tok, functools.partial(leapquant_step, interpret=INTERPRET))
 
 
 def test_step_kernel_rejects_mismatched_token_and_bad_options():
@@ -382,13 +381,13 @@ def test_method_pallas_matches_reference_through_flushes(kda, key_heads):
 )
 def test_unsupported_reason_names_the_limit(options, dk, words):
     config = LeapQuantConfig(**options)
-    st = windowed.init_state(config, 1, 1, dk, 64)
+    st = state_shapes(config, 1, 1, dk, 64)
     why = support.unsupported_reason(config, st)
     assert why is not None and words in why
     m = make_method("leapquant", impl="pallas", **options)
     seq = random_sequence(jax.random.PRNGKey(0), 1, 1, 1, dk, 64, False)
     with pytest.raises(ValueError, match="cannot run"):
-        m.step(m.init(1, 1, dk, 64), **{n: x[:, 0] for n, x in seq.items()})
+        traced(lambda s: m.step(s, **{n: x[:, 0] for n, x in seq.items()}), jax.eval_shape(lambda: m.init(1, 1, dk, 64)))
 
 
 def test_byte_counts_share_key_bytes_within_a_key_group():
@@ -414,13 +413,13 @@ def test_supported_configs_have_no_reason():
     for bits in (8, 6, 4):
         for kda in (False, True):
             config = LeapQuantConfig(bits=bits)
-            assert support.unsupported_reason(config, windowed.init_state(config, 2, 2, 64, 128, kda)) is None
+            assert support.unsupported_reason(config, state_shapes(config, 2, 2, 64, 128, kda)) is None
 
 
 @pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
 def test_kernels_lower_to_triton(bits, kda):
     config = LeapQuantConfig(bits=bits, window=8)
-    st = windowed.init_state(config, 2, 2, 64, 64, kda)
+    st = state_shapes(config, 2, 2, 64, 64, kda)
     tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
 
     lower_to_triton(functools.partial(leapquant_step, config, interpret=False), st, tok)
@@ -437,7 +436,7 @@ def test_kernels_with_shared_key_records_lower_to_triton(kda):
     # GVA: the key side's index maps (one key head per program, and two value heads of one key
     # head in a program) and the flushes' key-record specs lower as the one-head kernels do
     config = LeapQuantConfig(bits=8, window=8)
-    st = windowed.init_state(config, 2, 4, 64, 64, kda, key_heads=2)
+    st = state_shapes(config, 2, 4, 64, 64, kda, key_heads=2)
     tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 4, 64, 64, kda), 0, key_heads=2)
 
     for hp in (1, 2, 4):
@@ -528,11 +527,7 @@ def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
         assert np.all(np.isfinite(o_k))
     # pos == p breaks the step's precondition: that sequence writes nothing, the others are unaffected.
     st, tok = live_state(config, jax.random.PRNGKey(9), 2, 4, 128, 128, kda, pos=[8, 3])
-    o_r, _ = leapquant_step_reference(config, st, tok)
-    o_k, n_k = mosaic_step.leapquant_step(config, copy_tree(st), tok)
-    assert rel(o_k[1], o_r[1]) < 1e-5
-    for a, b in zip(jax.tree_util.tree_leaves(n_k.buffer), jax.tree_util.tree_leaves(st.buffer)):
-        np.testing.assert_array_equal(a[0], b[0])
+    check_writes_nothing_past_the_window(config, st, tok, mosaic_step.leapquant_step)
 
 
 def test_the_mosaic_step_through_dispatch():
@@ -553,7 +548,7 @@ def test_mosaic_step_lowers_for_cuda(kda):
     from jax import export
 
     config = LeapQuantConfig(bits=8, window=16)
-    st = windowed.init_state(config, 4, 4, 128, 128, key_heads=2, per_channel_decay=kda)
+    st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
     tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
                            g=jnp.zeros((4, 4, 128) if kda else (4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
@@ -565,8 +560,9 @@ def test_mosaic_step_lowers_for_cuda(kda):
 
 
 def test_mosaic_step_rejects_what_it_cannot_run():
+    # shapes only (the checks run as under jit, at trace time)
     def state(config, dk=128, dv=128, kda=False, bsz=2, h=4):
-        return windowed.init_state(config, bsz, h, dk, dv, per_channel_decay=kda)
+        return state_shapes(config, bsz, h, dk, dv, kda)
 
     c8 = LeapQuantConfig(bits=8, window=8)
     for config, st, match in [
@@ -579,7 +575,7 @@ def test_mosaic_step_rejects_what_it_cannot_run():
     ]:
         assert mosaic_step.unsupported_reason(config, st) is not None
         with pytest.raises(ValueError, match=match):
-            mosaic_step.leapquant_step(config, st, delta_rule_token(
+            traced(functools.partial(mosaic_step.leapquant_step, config), st, delta_rule_token(
                 q=jnp.zeros(st.shape[:2] + (st.shape[2],)), k=jnp.zeros(st.shape[:2] + (st.shape[2],)),
                 v=jnp.zeros(st.shape[:2] + (st.shape[3],)), g=jnp.zeros(st.shape[:2]), beta=jnp.zeros(st.shape[:2])))
     # KDA's log-decays travel with each head's tiles: any B H, any window the others allow.
@@ -589,12 +585,13 @@ def test_mosaic_step_rejects_what_it_cannot_run():
     st = state(c8)
     tok = delta_rule_token(q=jnp.zeros((2, 4, 128)), k=jnp.zeros((2, 4, 128)), v=jnp.zeros((2, 4, 128)),
                            g=jnp.zeros((2, 4)), beta=jnp.zeros((2, 4)))
+    step = functools.partial(mosaic_step.leapquant_step, c8)
     with pytest.raises(ValueError, match="chunk=24"):
-        mosaic_step.leapquant_step(c8, st, tok, dot="fma", chunk=24)
+        traced(functools.partial(step, dot="fma", chunk=24), st, tok)
     for dot in ("rows", "wgmma"):
         with pytest.raises(ValueError, match="only dot='fma'"):
-            mosaic_step.leapquant_step(c8, st, tok, dot=dot, chunk=32)
+            traced(functools.partial(step, dot=dot, chunk=32), st, tok)
     with pytest.raises(ValueError, match="dot='tensor'"):
-        mosaic_step.leapquant_step(c8, st, tok, dot="tensor")
+        traced(functools.partial(step, dot="tensor"), st, tok)
     with pytest.raises(ValueError, match="token.v"):
-        mosaic_step.leapquant_step(c8, st, tok.replace(v=jnp.zeros((2, 4, 64))))
+        traced(step, st, tok.replace(v=jnp.zeros((2, 4, 64))))

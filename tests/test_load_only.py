@@ -10,12 +10,16 @@ import numpy as np
 import pytest
 
 from bench.kernel_timing import LOAD_ONLY_VARIANTS
-from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.leapquant_step import step_bytes
 from pallas_kernels.load_only import load_only_step
 
-from helpers import copy_tree, live_state, lower_to_triton, random_sequence, random_state, token_at
+from helpers import copy_tree, live_state, lower_to_triton, random_sequence, token_at
+from kernel_helpers import state_shapes, traced
+
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("load_only")
 
 
 def numpy_load_only(config, st, tok):
@@ -67,7 +71,7 @@ def test_load_only_kernel_moves_step_bytes(kda):
     # written, the token read as fp32) are step_bytes at every window position.
     config = LeapQuantConfig(bits=8, window=4)
     bsz, h, dk, dv = 2, 2, 32, 32
-    st = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), bsz, h, dk, dv), per_channel_decay=kda)
+    st = state_shapes(config, bsz, h, dk, dv, kda)                             # dtypes and sizes only
     ck, buf = st.checkpoint, st.buffer
 
     def per_head(x):
@@ -81,20 +85,22 @@ def test_load_only_kernel_moves_step_bytes(kda):
 
 
 def test_load_only_kernel_rejects_bad_chunks_and_shared_key_records():
+    # shapes only (the checks run as under jit, at trace time)
     config = LeapQuantConfig(bits=8, window=4)
-    st, tok = live_state(config, jax.random.PRNGKey(5), 1, 2, 32, 32, False, [1])
+    seq = random_sequence(jax.random.PRNGKey(5), 1, 1, 2, 32, 32, False)
+    tok = jax.eval_shape(lambda: token_at(seq, 0))
     with pytest.raises(ValueError, match="chunk=12"):
-        load_only_step(config, copy_tree(st), tok, chunk=12, interpret=True)
-    gva, tok = live_state(config, jax.random.PRNGKey(5), 1, 2, 32, 32, False, [1], key_heads=1)
+        traced(functools.partial(load_only_step, config, chunk=12, interpret=True), state_shapes(config, 1, 2, 32, 32), tok)
+    gva, tok = state_shapes(config, 1, 2, 32, 32, key_heads=1), jax.eval_shape(lambda: token_at(seq, 0, key_heads=1))
     with pytest.raises(ValueError, match="one key record per value head"):
-        load_only_step(config, gva, tok, interpret=True)
+        traced(functools.partial(load_only_step, config, interpret=True), gva, tok)
 
 
 @pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
 def test_load_only_kernel_lowers_to_triton(bits, kda):
     config = LeapQuantConfig(bits=bits, window=16)
-    st = windowed.init_state(config, 2, 2, 128, 128, kda)
-    tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 128, 128, kda), 0)
+    st = state_shapes(config, 2, 2, 128, 128, kda)
+    tok = jax.eval_shape(lambda: token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 128, 128, kda), 0))
     for opts in LOAD_ONLY_VARIANTS:
         f = functools.partial(load_only_step, config, interpret=False, **opts)
         lower_to_triton(f, st, tok)

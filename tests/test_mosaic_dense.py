@@ -19,6 +19,10 @@ from pallas_kernels.dense_step import dense_step_reference
 
 from helpers import random_sequence, random_state, rel, token_at
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("mosaic_dense")
+
 
 def check_steps(kda, dtype, bsz, h, dv, steps=2, seed=0, **opts):
     """``steps`` kernel steps in a row; each against the reference's update of the kernel's own

@@ -8,6 +8,8 @@ one step of the reference's, the decoded state's error against the exact state a
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import numpy as np
@@ -18,6 +20,7 @@ from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import mosaic_flush
 
 from helpers import check_flush, copy_tree, expanded_state, live_state
+from kernel_helpers import state_shapes, traced
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
 # one xdist worker compiles them once (conftest.py: --dist loadgroup).
@@ -112,7 +115,7 @@ def test_the_mosaic_flush_through_dispatch():
     chex.assert_trees_all_equal(a, b)
     c6 = LeapQuantConfig(bits=6, window=8)
     with pytest.raises(ValueError, match="8-bit"):
-        dispatch.leapquant_flush(c6, windowed.init_state(c6, 1, 2, 128, 128), impl="mosaic")
+        traced(functools.partial(dispatch.leapquant_flush, c6, impl="mosaic"), state_shapes(c6, 1, 2, 128, 128))
 
 
 def test_mosaic_flush_fully_decayed_heads_and_zero_state():
@@ -135,7 +138,7 @@ def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes):
     from jax import export
 
     config = LeapQuantConfig(bits=8, window=16)
-    st = windowed.init_state(config, 4, 4, 128, 128, per_channel_decay=kda, key_heads=2)
+    st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
     f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, stages=stages, unroll=unroll,
                                                        sum_lanes=sum_lanes, interpret=False))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
@@ -157,7 +160,7 @@ def test_mosaic_flush_tensor_core_reconstruction(kda):
     st, _ = live_state(config, jax.random.PRNGKey(60 + kda), 3, 2, 128, 128, kda, pos=[16, 11, 0], key_heads=1)
     check_flush(config, st, flush=mosaic(programs=2, recon="wgmma"))
     for cfg in (config, LeapQuantConfig(bits=8, window=32)):
-        st = windowed.init_state(cfg, 2, 2, 128, 128, per_channel_decay=kda)
+        st = state_shapes(cfg, 2, 2, 128, 128, kda)
         f = jax.jit(lambda s, cfg=cfg: mosaic_flush.leapquant_flush(cfg, s, recon="wgmma", interpret=False))
         shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
         assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
@@ -179,8 +182,9 @@ def test_mosaic_flush_takes_the_tensor_cores_where_they_can_run():
 
 
 def test_mosaic_flush_rejects_what_it_cannot_run():
+    # shapes only (the checks run as under jit, at trace time)
     def state(config, dk=128, dv=128):
-        return windowed.init_state(config, 2, 2, dk, dv)
+        return state_shapes(config, 2, 2, dk, dv)
 
     c8 = LeapQuantConfig(bits=8, window=8)
     for config, st, match in [
@@ -191,17 +195,18 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
     ]:
         assert mosaic_flush.unsupported_reason(config, st) is not None
         with pytest.raises(ValueError, match=match):
-            mosaic_flush.leapquant_flush(config, st)
-    st = windowed.init_state(c8, 8, 2, 128, 128)
+            traced(functools.partial(mosaic_flush.leapquant_flush, config), st)
+    st = state_shapes(c8, 8, 2, 128, 128)
     for opts, match in [(dict(chunk=24), "chunk=24"), (dict(chunk=8), "sum_lanes=8"),
                         (dict(sum_lanes=16), "sum_lanes=16"), (dict(stages=0), "stages=0"),
                         (dict(programs=0), "programs=0"),
                         (dict(stages=8, programs=1), "shared memory"), (dict(recon="mma"), "recon='mma'")]:
         with pytest.raises(ValueError, match=match):
-            mosaic_flush.leapquant_flush(c8, st, **opts)
+            traced(functools.partial(mosaic_flush.leapquant_flush, c8, **opts), st)
     for config in (LeapQuantConfig(bits=8, window=16, record_dtype="bfloat16"), LeapQuantConfig(bits=8, window=8)):
         with pytest.raises(ValueError, match="float16 records"):
-            mosaic_flush.leapquant_flush(config, windowed.init_state(config, 2, 2, 128, 128), recon="wgmma")
+            traced(functools.partial(mosaic_flush.leapquant_flush, config, recon="wgmma"),
+                   state_shapes(config, 2, 2, 128, 128))
 
 
 def test_mosaic_flush_bytes_read_the_checkpoint_once():

@@ -8,6 +8,10 @@ from hypothesis.extra import numpy as hnp
 
 from leapquant_jax.quantizers import FloatFormat, Fp8Format, IntFormat, get_format, pack_codes, packed_rows, tree_bytes, unpack_codes
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("quantizers")
+
 finite = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False, width=32)
 states = hnp.arrays(np.float32, st.tuples(st.sampled_from([4, 8, 12]), st.integers(1, 6)), elements=finite)
 

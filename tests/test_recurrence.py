@@ -6,6 +6,10 @@ import pytest
 from leapquant_jax.recurrence import delta_rule_token, linear_attention_token, recurrent_scan, recurrent_step, recurrent_step_general
 from helpers import numpy_reference, random_inputs, rel
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("recurrence")
+
 
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("key_heads", [None, 1])
@@ -18,8 +22,16 @@ def test_fp32_scan_matches_numpy_reference(kda, key_heads):
     assert rel(s, s_ref) < 1e-5
 
 
+def zero_inputs(heads, *, batch=2, tokens=3, dk=16, dv=16):
+    """All-zero inputs ``[B, T, H, ...]``: the shape checks read no values (nothing to compile)."""
+    z = lambda *shape: np.zeros(shape, np.float32)   # noqa: E731
+    return dict(q=z(batch, tokens, heads, dk), k=z(batch, tokens, heads, dk), v=z(batch, tokens, heads, dv),
+                g=z(batch, tokens, heads), beta=z(batch, tokens, heads))
+
+
 def test_step_equals_scan():
-    x = random_inputs(2, tokens=5)
+    # the first 5 tokens of the scan tests' inputs (one input spec to compile)
+    x = {n: v[:, :5] for n, v in random_inputs(2, batch=2, tokens=37, heads=2, dk=12, dv=10).items()}
     o, s = recurrent_scan(None, **x)
     state = jnp.zeros_like(s)
     for t in range(5):
@@ -58,19 +70,19 @@ def test_gva_maps_value_head_to_key_head_by_integer_division():
     ],
 )
 def test_bad_shapes_name_the_tensor(change, match):
-    x = random_inputs(0, tokens=3, heads=2)
+    x = zero_inputs(2)
     with pytest.raises(ValueError, match=match):
         recurrent_scan(None, **change(x))
 
 
 def test_mismatched_heads_are_rejected():
-    x = random_inputs(0, tokens=3, heads=3)
+    x = zero_inputs(3)
     x = dict(x, q=x["q"][:, :, :2], k=x["k"][:, :, :2])
     with pytest.raises(ValueError, match="does not divide"):
         recurrent_scan(None, **x)
 
 
 def test_integer_inputs_are_rejected():
-    x = random_inputs(0, tokens=3)
+    x = zero_inputs(2)
     with pytest.raises(TypeError, match="beta must be a floating-point"):
         delta_rule_token(**{n: v[:, 0] for n, v in dict(x, beta=jnp.ones(x["beta"].shape, jnp.int32)).items()})

@@ -22,6 +22,10 @@ from leapquant_jax.state import LeapQuantConfig
 from leapquant_jax.studies.stability import extreme_decay_check
 from leapquant_jax.synthetic import EXTREME_DECAYS, extreme_decay_log_decays, extreme_decay_sequence
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("stability")
+
 EMULATED_SHIFT = 1e-9   # below fp32 rounding of a Gram entry (~6e-8 relative): the margin a GPU can lose
 
 

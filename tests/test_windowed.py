@@ -12,13 +12,29 @@ from leapquant_jax.state import LeapQuantConfig
 from leapquant_jax import windowed
 from helpers import random_inputs, rel
 
+# Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
+# them once (conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("windowed")
+
 IDENTITY = dict(residual_format="fp32", record_dtype="float32", impl="reference")
+
+
+def draw(kda, *, batch, tokens, heads, dv, key_heads=None):
+    """The first sequences, tokens, heads and value columns of one draw ``[3, 1000, 4, ...]`` of
+    16 x 16 heads per decay kind: most tests here take their inputs from it (each new input spec
+    compiles the generator again); ``key_heads`` (GVA) keeps that many heads of q and k."""
+    x = random_inputs(7, batch=3, tokens=1000, heads=4, dk=16, dv=16, kda=kda)
+    x = {n: v[:batch, :tokens, :heads] for n, v in x.items()}
+    x["v"] = x["v"][..., :dv]
+    if key_heads is not None:
+        x["q"], x["k"] = x["q"][:, :, :key_heads], x["k"][:, :, :key_heads]
+    return x
 
 
 @pytest.mark.parametrize("kda", [False, True])
 def test_identity_format_matches_dense_over_1000_tokens_with_ragged_boundaries(kda):
     """Quantization off: window boundaries (anywhere, per sequence) change nothing but round-off."""
-    x = random_inputs(7, batch=3, tokens=1000, heads=2, dk=16, dv=8, kda=kda)
+    x = draw(kda, batch=3, tokens=1000, heads=2, dv=8)
     method = make_method("leapquant", window=7, fit="svd", **IDENTITY)
     # Offset each sequence's window phase with a prefill of a different length.
     lengths = jnp.array([0, 3, 11])
@@ -36,7 +52,7 @@ def test_identity_format_matches_dense_over_1000_tokens_with_ragged_boundaries(k
 
 @pytest.mark.parametrize("window", [1, 4, 16])
 def test_identity_windows_with_compensators_and_smoothing(window):
-    x = random_inputs(8, tokens=70, heads=2, dk=16, dv=16, key_heads=1)
+    x = draw(False, batch=2, tokens=70, heads=2, dv=16, key_heads=1)
     o_ref, s_ref = recurrent_scan(None, **x)
     method = make_method("leapquant", window=window, rank=3, fit="subspace", **IDENTITY)
     o, state = jax.jit(lambda a: method.decode(method.init(2, 2, 16, 16), **a))(x)
@@ -46,7 +62,7 @@ def test_identity_windows_with_compensators_and_smoothing(window):
 
 def test_step_reads_match_the_state_it_represents():
     """u and o from eq. 10 equal reads of the reconstructed dense state, mid-window."""
-    x = random_inputs(3, tokens=5, heads=2, dk=16, dv=8, kda=True)
+    x = draw(True, batch=2, tokens=5, heads=2, dv=8)
     cfg = LeapQuantConfig(bits=6, window=8, impl="reference")
     method = make_method("leapquant", bits=6, window=8, impl="reference")
     dense0 = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 16, 8))
@@ -82,7 +98,7 @@ def test_fully_decayed_zero_and_zero_column_states_flush_finite():
     dense = jnp.zeros((3, 2, 16, 8)).at[2, :, :, :4].set(jax.random.normal(jax.random.PRNGKey(0), (2, 16, 4)))
     method = make_method("leapquant", bits=4, window=4, impl="reference")
     state = method.from_dense(dense)
-    x = random_inputs(2, batch=3, tokens=9, heads=2, dk=16, dv=8)
+    x = draw(False, batch=3, tokens=9, heads=2, dv=8)
     x["g"] = x["g"].at[0].set(-1e4)             # sequence 0: fully decayed every token
     x["v"] = x["v"].at[1].set(0.0)              # sequence 1: stays exactly zero
     o, state = jax.jit(lambda s, a: method.decode(s, **a))(state, x)
@@ -192,7 +208,7 @@ def test_shared_key_records_equal_expanded_keys(kda, key_heads):
     """Keys stored once per key head give the numbers of keys stored once per value head, bit for
     bit: ragged window positions, several flushes, 8-bit codes, prefill and decode."""
     h, p = 4, 8
-    x = random_inputs(21 + kda + key_heads, batch=3, tokens=45, heads=h, dk=16, dv=16, kda=kda, key_heads=key_heads)
+    x = draw(kda, batch=3, tokens=45, heads=h, dv=16, key_heads=key_heads)
     method = make_method("leapquant", window=p, impl="reference")
     lengths = jnp.array([0, 3, 11])
     run = jax.jit(lambda a, ln: method.prefill(**{n: v[:, :11] for n, v in a.items()}, lengths=ln))
@@ -223,7 +239,7 @@ def test_shared_key_records_equal_expanded_keys(kda, key_heads):
 
 def test_shared_key_records_step_by_step_from_a_dense_state():
     # method.step with k per key head, from a rounded dense state, across a flush (window 4)
-    x = random_inputs(31, batch=2, tokens=9, heads=4, dk=16, dv=8, key_heads=2)
+    x = draw(False, batch=2, tokens=9, heads=4, dv=8, key_heads=2)
     method = make_method("leapquant", bits=6, window=4, rank=2, impl="reference")
     dense0 = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 16, 8))
     shared, expanded = method.from_dense(dense0, key_heads=2), method.from_dense(dense0)
