@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 # The suite runs from a source checkout without installing it too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,12 +19,43 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
+# One persistent compilation cache for the run, shared by the xdist workers (and the child
+# processes some tests start): a program compiled once (the conftest drops the in-memory ones
+# after each module) is read back instead of compiled again. Every program is cached, however
+# fast its compile. The cache holds XLA's executables as compiled: the programs and their
+# rounding are those of a compile. A JAX_COMPILATION_CACHE_DIR given by the caller is used as it is.
+CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _use_compilation_cache(config):
+    """The controller (or a run without xdist) makes the cache's folder and exports it; a worker
+    reads it from the environment it inherits."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = config._leapquant_cache = tempfile.mkdtemp(prefix="jax-cache-")
+        os.environ.update(CACHE_ENV)
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1)))
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                          int(os.environ.get("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", 0)))
+
+
+def pytest_unconfigure(config):
+    """Removes the cache folder this run made."""
+    folder = getattr(config, "_leapquant_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+
 def pytest_configure(config):
     """Under ``-n`` without a ``--dist`` of its own, schedules by ``xdist_group`` (``--dist
     loadgroup``): a grouped module runs on one worker, so its module-scoped fixtures run once.
     A worker reads the command line again rather than the controller's choice, so it is told
     here too. Plain ``pytest``, without pytest-xdist, only learns the marker's name."""
     config.addinivalue_line("markers", "xdist_group(name): tests that one pytest-xdist worker runs together")
+    _use_compilation_cache(config)
     given = list(config.invocation_params.args) + os.environ.get("PYTEST_ADDOPTS", "").split()
     if any(arg == "--dist" or arg.startswith("--dist=") for arg in given):
         return

@@ -8,7 +8,8 @@
 * ``numpy_reference``: the dense delta rule in float64 NumPy, an oracle independent of JAX.
 * ``lower_to_triton``: a kernel lowered for CUDA on the CPU (Triton IR, no GPU).
 * ``heldout_ids``, ``heldout_ids_file``: a shipped checkpoint's held-out snippet, as ids or an ``.npy``.
-* ``run_cli``, ``check_refused_by_name``: ``leapquant`` run in-process, its output captured.
+* ``run_cli``, ``calibrate_then_eval``, ``check_refused_by_name``: ``leapquant`` run in-process,
+  its output captured.
 """
 
 from __future__ import annotations
@@ -153,6 +154,18 @@ def run_cli(argv) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def calibrate_then_eval(command, checkpoint, data, out: Path, calibrate_options, eval_options) -> tuple[dict, dict]:
+    """``leapquant command checkpoint --data data --out out *calibrate_options --json``, then
+    ``leapquant eval checkpoint --data data *eval_options --json``: both must exit 0. Returns the
+    calibration's report and the evaluation's ``methods``."""
+    code, text, err = run_cli([command, checkpoint, "--data", data, "--out", out, *calibrate_options, "--json"])
+    assert code == 0, err
+    report = json.loads(text)
+    code, text, err = run_cli(["eval", checkpoint, "--data", data, *eval_options, "--json"])
+    assert code == 0, err
+    return report, json.loads(text)["methods"]
+
+
 def check_refused_by_name(argv, names: dict, words, *, eval_data, unwritten: Path) -> None:
     """``leapquant argv``, each ``"{name}"`` item filled from ``names`` (an ``eval`` given ``--data
     eval_data --context 32`` too), is refused: exit code 2, nothing on stdout, each of ``words`` on
@@ -167,6 +180,6 @@ def check_refused_by_name(argv, names: dict, words, *, eval_data, unwritten: Pat
     assert not unwritten.exists()
 
 
-__all__ = ["GDN_CHECKPOINT", "check_flush", "check_refused_by_name", "copy_tree", "expanded_state", "heldout_ids",
-           "heldout_ids_file", "jax", "jnp", "live_state", "lower_to_triton", "numpy_reference", "random_inputs",
-           "random_sequence", "random_state", "rel", "run_cli", "token_at"]
+__all__ = ["GDN_CHECKPOINT", "calibrate_then_eval", "check_flush", "check_refused_by_name", "copy_tree",
+           "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp", "live_state", "lower_to_triton",
+           "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "run_cli", "token_at"]

@@ -129,22 +129,22 @@ def rewrite_checkpoint(src: Path, dst: Path, *, edit=None, config_edit=None) -> 
     return dst
 
 
-def check_converter_names_bad_tensors(hf_dir: Path, tmp_path: Path, *, missing: str, unexpected: str) -> None:
+def check_converter_names_damage(hf_dir: Path, tmp_path: Path, *, missing: str, unexpected: str, reshape: dict,
+                                 shown: str) -> None:
     """Converting a copy of ``hf_dir`` without tensor ``missing``, then one with an extra tensor
-    ``unexpected``, fails naming each (``convert_damaged``: nothing written)."""
+    ``unexpected``, fails naming each; converting one whose tensors ``reshape`` maps by name to a
+    new array (``reshape[name](old)``) fails naming every one of them, the message showing
+    ``shown``. Nothing is written (``convert_damaged``)."""
     for kind, name, edit in (("missing", missing, lambda t: t.pop(missing)),
-                             ("unexpected", unexpected, lambda t: t.__setitem__(unexpected, np.zeros((3,), np.float32)))):
+                             ("unexpected", unexpected, lambda t: t.__setitem__(unexpected, np.zeros((3,), np.float32))),
+                             ("mis-shaped", None, lambda t: t.update({n: f(t[n]) for n, f in reshape.items()}))):
         folder = tmp_path / kind
         folder.mkdir()
         msg = convert_damaged(hf_dir, folder, edit)
-        assert kind in msg and name in msg, msg
-
-
-def check_converter_names_mis_shaped(hf_dir: Path, tmp_path: Path, reshape: dict, shown: str) -> None:
-    """Converting a copy of ``hf_dir`` whose tensors ``reshape`` maps by name to a new array
-    (``reshape[name](old)``) fails naming every one of them, and the message shows ``shown``."""
-    msg = convert_damaged(hf_dir, tmp_path, lambda t: t.update({n: f(t[n]) for n, f in reshape.items()}))
-    assert all(name in msg for name in reshape) and shown in msg, msg
+        if name is None:
+            assert all(n in msg for n in reshape) and shown in msg, msg
+        else:
+            assert kind in msg and name in msg, msg
 
 
 def convert_damaged(hf_dir: Path, tmp_path: Path, edit) -> str:

@@ -16,7 +16,8 @@ from leapquant_jax.damp import (DampCalibration, DampCalibrationError, DampMetho
                                 dequantize_rows, persistence, quantize_rows, select_channels)
 from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.recurrence import delta_rule_token, recurrent_step_general
-from helpers import check_refused_by_name, heldout_ids_file, numpy_reference, random_inputs, rel, run_cli
+from helpers import (calibrate_then_eval, check_refused_by_name, heldout_ids_file, numpy_reference, random_inputs,
+                     rel, run_cli)
 
 # The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("damp")
@@ -213,17 +214,12 @@ def snippet_npy(tmp_path_factory):
 
 def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
     cal = tmp_path / "cal.json"
-    code, out, err = run_cli(["calibrate-damp", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--out", cal,
-                           "--rows", 2, "--tokens", 48, "--channels", 8, "--json"])
-    assert code == 0, err
-    report = json.loads(out)
+    report, m = calibrate_then_eval("calibrate-damp", CKPTS / "stdlib-gdn", snippet_npy, cal,
+                                    ["--rows", 2, "--tokens", 48, "--channels", 8],
+                                    ["--context", 48, "--states", "int8,damp", "--damp-calibration", cal])
     assert report["bits_per_value"] == bits_per_value(128, 128, 8) and report["layers"] == [0, 1, 2, 4, 5, 6]
     loaded = DampCalibration.load(str(cal))
     assert loaded.k_hi == 8 and json.loads(cal.read_text())["calibration"]["rows"] == 2
-    code, out, err = run_cli(["eval", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--context", 48, "--states",
-                           "int8,damp", "--damp-calibration", cal, "--json"])
-    assert code == 0, err
-    m = json.loads(out)["methods"]
     # fp16 rows and a Hadamard-rotated INT8 rest: closer to fp32 than per-step INT8 on its state
     mean_err = {k: np.mean(list(m[k]["state_rel_error"].values())) for k in ("damp", "int8")}
     assert 0 < mean_err["damp"] < mean_err["int8"]

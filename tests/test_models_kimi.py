@@ -234,17 +234,13 @@ def test_param_specs_are_the_released_names(tiny):
     assert kimi_linear.param_specs(tiny.config) == on_disk
 
 
-def test_converter_names_a_missing_and_an_unexpected_tensor_and_writes_nothing(tiny, tmp_path):
-    mh.check_converter_names_bad_tensors(tiny.hf_dir, tmp_path, missing="model.layers.2.self_attn.k_conv1d.weight",
-                                         unexpected="model.layers.0.self_attn.surprise.weight")
-
-
-def test_converter_names_every_mis_shaped_tensor(tiny, tmp_path):
-    mh.check_converter_names_mis_shaped(tiny.hf_dir, tmp_path, {
-        "model.layers.0.self_attn.dt_bias": lambda x: x[:-1],
-        "model.layers.3.block_sparse_moe.experts.1.w2.weight": lambda x: x.T.copy(),
-        "model.layers.1.self_attn.kv_b_proj.weight": lambda x: x[:, :-2],
-    }, shown="(63,)")
+def test_converter_names_missing_unexpected_and_mis_shaped_tensors_and_writes_nothing(tiny, tmp_path):
+    mh.check_converter_names_damage(tiny.hf_dir, tmp_path, missing="model.layers.2.self_attn.k_conv1d.weight",
+                                    unexpected="model.layers.0.self_attn.surprise.weight", reshape={
+                                        "model.layers.0.self_attn.dt_bias": lambda x: x[:-1],
+                                        "model.layers.3.block_sparse_moe.experts.1.w2.weight": lambda x: x.T.copy(),
+                                        "model.layers.1.self_attn.kv_b_proj.weight": lambda x: x[:, :-2],
+                                    }, shown="(63,)")
 
 
 # ----------------------------------------------------------------------------- KDA maths

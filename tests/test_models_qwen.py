@@ -166,16 +166,12 @@ def next_tiny(tmp_path_factory):
     return Tiny("qwen3_next", tmp_path_factory.mktemp("next_conv"))
 
 
-def test_converter_names_a_missing_and_an_unexpected_tensor_and_writes_nothing(next_tiny, tmp_path):
-    mh.check_converter_names_bad_tensors(next_tiny.hf_dir, tmp_path, missing="model.layers.2.linear_attn.A_log",
-                                         unexpected="model.layers.0.linear_attn.surprise.weight")
-
-
-def test_converter_names_every_mis_shaped_tensor(next_tiny, tmp_path):
-    mh.check_converter_names_mis_shaped(next_tiny.hf_dir, tmp_path, {
-        "model.layers.1.self_attn.q_proj.weight": lambda x: x[:-1],
-        "model.layers.2.mlp.experts.1.down_proj.weight": lambda x: x.T.copy(),
-    }, shown="(255, 64)")
+def test_converter_names_missing_unexpected_and_mis_shaped_tensors_and_writes_nothing(next_tiny, tmp_path):
+    mh.check_converter_names_damage(next_tiny.hf_dir, tmp_path, missing="model.layers.2.linear_attn.A_log",
+                                    unexpected="model.layers.0.linear_attn.surprise.weight", reshape={
+                                        "model.layers.1.self_attn.q_proj.weight": lambda x: x[:-1],
+                                        "model.layers.2.mlp.experts.1.down_proj.weight": lambda x: x.T.copy(),
+                                    }, shown="(255, 64)")
 
 
 def test_converter_refuses_to_overwrite(next_tiny, tmp_path):

@@ -20,7 +20,7 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.stepquant import (Layout, StepQuantMethod, fit, impact_weights, pack_2bit, stepquant_plan,
                                      unpack_2bit)
 from leapquant_jax.traces import Trace, save_trace
-from helpers import check_refused_by_name, heldout_ids_file, numpy_reference, random_inputs, rel, run_cli
+from helpers import calibrate_then_eval, check_refused_by_name, heldout_ids_file, numpy_reference, random_inputs, rel
 
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("stepquant")
@@ -355,18 +355,14 @@ def test_shipped_calibrations_belong_to_their_checkpoints(name):
 
 def test_calibrate_then_eval_on_a_shipped_checkpoint(tmp_path, snippet_npy):
     cal = tmp_path / "cal.json"
-    code, out, err = run_cli(["calibrate-stepquant", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--out", cal,
-                           "--rows", 2, "--tokens", 48, "--samples", 8, "--json"])
-    assert code == 0, err
-    report = json.loads(out)
+    report, m = calibrate_then_eval("calibrate-stepquant", CKPTS / "stdlib-gdn", snippet_npy, cal,
+                                    ["--rows", 2, "--tokens", 48, "--samples", 8],
+                                    ["--context", 48, "--states", "stepquant-4,leapquant-alloc-4",
+                                     "--stepquant-calibration", cal])
     assert report["layers"] == [0, 1, 2, 4, 5, 6] and report["architecture"] == "gdn"
     assert report["plans"]["leapquant-alloc-4"]["budget"] == default_budget(4, 128, 128) == 6.0
     loaded = LifetimeCalibration.load(str(cal))
     assert json.loads(cal.read_text())["calibration"]["rows"] == 2 and loaded.model
-    code, out, err = run_cli(["eval", CKPTS / "stdlib-gdn", "--data", snippet_npy, "--context", 32, "--states",
-                           "stepquant-4,leapquant-alloc-4", "--stepquant-calibration", cal, "--json"])
-    assert code == 0, err
-    m = json.loads(out)["methods"]
     assert all(np.isfinite(m[k]["perplexity"]) and m[k]["kl_to_fp32"] >= 0 for k in m)
 
 
