@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers as L
-from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, ConversionError, DecoderArchitecture, DecoderConfig,
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, DecoderArchitecture, DecoderConfig,
                          LayerParts, check_shapes, finish_cache, run_recurrence)
 from models.kimi_layers import kda_log_decay, kda_lower_bound_log_decay, route_sigmoid_grouped
 from models.moe import expert_specs, group_experts, routed_experts, swiglu_specs
@@ -380,7 +380,7 @@ def param_specs(config: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
 def convert(tensors: Mapping[str, np.ndarray], config: KimiLinearConfig) -> dict:
     """HF tensors (any accepted naming, see the module docstring) -> params pytree.
 
-    Raises ``ConversionError`` naming every missing, unexpected or mis-shaped tensor (by the
+    Raises ``models.base.ConversionError`` naming every missing, unexpected or mis-shaped tensor (by the
     name the file uses). Layouts fixed here: ``A_log -> [H]``, conv weights ``[P, Kc]``, expert
     weights stacked as ``w1``/``w3 [E, D, I]`` and ``w2 [E, I, D]`` (input-major, the layout
     ``lax.ragged_dot`` takes); every other weight keeps torch's ``[out, in]``.
@@ -638,17 +638,13 @@ PARTS = LayerParts(norm=L.rms_norm, linear_key="kda", linear_mixer=kda_layer, at
 ARCH = DecoderArchitecture(model_types=(KIMI_LINEAR,), parts=PARTS,
                            config_from_hf=config_from_hf, param_specs=param_specs, convert=convert,
                            init_cache=init_cache, tensor_parallel_layout=tensor_parallel_layout)
-# The whole model (contract in ``models/base.py``): ``run_decoder_stack`` with ``PARTS``.
-forward = ARCH.forward
 
 __all__ = [
     "ARCH",
-    "ConversionError",
     "KimiLinearConfig",
     "config_from_hf",
     "convert",
     "PARTS",
-    "forward",
     "init_cache",
     "kda_inputs",
     "kda_layer",

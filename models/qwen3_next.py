@@ -26,7 +26,7 @@ import numpy as np
 
 from leapquant_jax.recurrence import expand_heads
 from models import layers as L
-from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, STACKED_SECTIONS, ConversionError, DecoderArchitecture,
+from models.base import (FULL_ATTENTION, LINEAR_ATTENTION, STACKED_SECTIONS, DecoderArchitecture,
                          DecoderConfig, LayerParts, check_shapes, finish_cache, run_recurrence)
 from models.moe import expert_specs, group_experts, routed_experts, swiglu_specs
 
@@ -303,7 +303,7 @@ def convert(tensors: Mapping[str, np.ndarray], config: QwenHybridConfig) -> dict
 
     Accepts the Qwen3-Next interleaved or Qwen3.5 flat GDN projections, the ``model.`` or
     ``model.language_model.`` prefix, per-expert or fused expert weights, and ignores vision and
-    MTP tensors. Raises ``ConversionError`` naming every missing/unexpected/mis-shaped tensor.
+    MTP tensors. Raises ``models.base.ConversionError`` naming every missing/unexpected/mis-shaped tensor.
     """
     layout = _layout(config, tensors)
     specs, optional = _specs_for(config, layout)
@@ -540,18 +540,14 @@ PARTS = LayerParts(norm=L.rms_norm_zero_centred, linear_key="gdn", linear_mixer=
 ARCH = DecoderArchitecture(model_types=("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), parts=PARTS,
                            config_from_hf=config_from_hf, param_specs=param_specs, convert=convert,
                            init_cache=init_cache, tensor_parallel_layout=tensor_parallel_layout)
-# The whole model (contract in ``models/base.py``): ``run_decoder_stack`` with ``PARTS``.
-forward = ARCH.forward
 
 __all__ = [
     "ARCH",
-    "ConversionError",
     "QwenHybridConfig",
     "attention_layer",
     "config_from_hf",
     "convert",
     "PARTS",
-    "forward",
     "gdn_layer",
     "gdn_output",
     "gdn_projections",
