@@ -434,10 +434,9 @@ def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
 def default_num_warps(per_channel: bool, bits: int = 8, reduce: str = "dot") -> int:
     """Warps per program, the fastest measured for ``reduce`` (docs/performance.md): GDN 2, but 1
     with ``dot_cols`` at 4 bits; KDA 1 at 8 bits, 2 at 4 and 4 at 6 (one warp spills at 6 and 4 bits).
-    An fp32 tile (``FP32_TILE``): 8, so that its ``dk x BV`` fp32 values (4x the int8 codes' bytes)
-    spread over 64 registers a thread at 128 x 128."""
+    An fp32 tile (``FP32_TILE``, ``fp32-w``): 4, the fastest measured of 2 to 16."""
     if bits == FP32_TILE:
-        return 8
+        return 4
     if not per_channel:
         return 1 if (reduce, bits) == ("dot_cols", 4) else 2
     return {8: 1, 4: 2, 6: 4}[bits]
