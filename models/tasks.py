@@ -162,59 +162,114 @@ class TaskSpec:
         return cls(**d)
 
 
-def _keys_and_filler(key: Array, spec: TaskSpec, n: int):
-    """``n`` distinct keys (the row's own) and a filler row ``[T]`` (see the module docstring)."""
-    v, t = spec.vocab, spec.length
+# One compiled generator serves every row length up to a power of two, every pair count, gap,
+# span, filler and depth of a vocabulary, and every batch up to a power of two: these settings are
+# data (``_row_settings``) and the rows are made at the padded sizes, then cut. jax.random's
+# threefry draws element ``i`` of a 1-D draw from counter ``i`` (``jax_threefry_partitionable``,
+# on by default), so a padded draw begins with the unpadded one, and a shuffle of ``n`` items
+# padded with items that sort last begins with the shuffle of the ``n``: the rows are those of a
+# generator compiled for each exact size. Short rows and small batches share the smallest
+# program: a row costs far less to make than a program to compile.
+MIN_LENGTH_BUCKET = 32
+MIN_BATCH_BUCKET = 32
+
+
+def _bucket(n: int, least: int) -> int:
+    """The power of two at least ``n`` and ``least``."""
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+def _shuffle_rounds(n: int) -> int:
+    """Sorting rounds of ``jax.random.permutation`` for ``n`` items."""
+    return int(np.ceil(3 * np.log(max(1, n)) / np.log(np.iinfo(np.uint32).max)))
+
+
+def _padded_permutation(key: Array, n: Array, rounds: Array, capacity: int) -> Array:
+    """``jax.random.permutation(key, n)`` for a traced ``n`` (``rounds = _shuffle_rounds(n)``),
+    followed by ``n, ..., capacity - 1``: each round sorts by the same random keys, the
+    positions from ``n`` on last."""
+    x = jnp.arange(capacity)
+    pad = (x >= n).astype(jnp.int32)                    # by position: the pads stay at the end
+    for r in range(_shuffle_rounds(capacity)):
+        key, subkey = jax.random.split(key)
+        bits = jax.random.bits(subkey, (capacity,), jnp.uint32)
+        _, _, shuffled = jax.lax.sort((pad, bits, x), num_keys=2, is_stable=True)
+        x = jnp.where(r < rounds, shuffled, x)
+    return x
+
+
+def _keys_and_filler(key: Array, p: dict, n, *, vocab: TaskVocab, length: int):
+    """Distinct key ids in random order, the first ``n`` the row's own, and a filler row
+    ``[length]`` (see the module docstring), valid up to ``p["length"]``."""
+    v, t = vocab, length
     k_perm, k_noise, k_dkeys, k_dvalues = jax.random.split(key, 4)
     perm = jax.random.permutation(k_perm, v.keys)
     ids = v.filler_start + jax.random.randint(k_noise, (t,), 0, v.fillers)
-    if spec.filler == "pairs":
-        slots = t // 2
-        dkeys = v.key_start + perm[n + jax.random.randint(k_dkeys, (slots,), 0, v.keys - n)]   # never the row's keys
-        dvalues = v.value_start + jax.random.randint(k_dvalues, (slots,), 0, v.values)
-        ids = ids.at[: 2 * slots].set(jnp.stack([dkeys, dvalues], axis=1).reshape(-1))
-    return v.key_start + perm[:n], ids
+    slots = t // 2
+    dkeys = v.key_start + perm[n + jax.random.randint(k_dkeys, (slots,), 0, v.keys - n)]   # never the row's keys
+    dvalues = v.value_start + jax.random.randint(k_dvalues, (slots,), 0, v.values)
+    grid = jnp.arange(t) < 2 * (p["length"] // 2)
+    ids = jnp.where(p["pairs_filler"] & grid, jnp.stack([dkeys, dvalues], axis=1).reshape(-1), ids)
+    return v.key_start + perm, ids
 
 
-def _mqar_row(key: Array, spec: TaskSpec):
-    v, n, t = spec.vocab, spec.pairs, spec.length
+def _mqar_row(key: Array, p: dict, *, vocab: TaskVocab, length: int):
+    v, t, n = vocab, length, p["pairs"]
+    cap = min(v.keys, t // 4)                           # pairs a row of `length` tokens can hold
+    lane = jnp.arange(cap)
     k_keys, k_values, k_slots, k_order = jax.random.split(key, 4)
-    keys, ids = _keys_and_filler(k_keys, spec, n)
-    values = v.value_start + jax.random.randint(k_values, (n,), 0, v.values)
-    ids = ids.at[: 2 * n].set(jnp.stack([keys, values], axis=1).reshape(-1))
-    start = 2 * n + spec.gap
-    slots = ((t - start) if spec.span is None else spec.span) // 2             # non-overlapping query slots
-    pos = start + 2 * jnp.sort(jax.random.choice(k_slots, slots, (n,), replace=False))   # [N] query key positions
-    order = jax.random.permutation(k_order, n)                               # which pair each slot asks
-    ids = ids.at[pos].set(keys[order]).at[pos + 1].set(values[order])
+    keys, ids = _keys_and_filler(k_keys, p, n, vocab=v, length=t)
+    keys = keys[:cap]
+    values = v.value_start + jax.random.randint(k_values, (cap,), 0, v.values)
+    pairs = jnp.pad(jnp.stack([keys, values], axis=1).reshape(-1), (0, t - 2 * cap))
+    ids = jnp.where(jnp.arange(t) < 2 * n, pairs, ids)
+    drawn = _padded_permutation(k_slots, p["slots"], p["slot_rounds"], t // 2)[:cap]   # query slots
+    pos = p["start"] + 2 * jnp.sort(jnp.where(lane < n, drawn, t))                     # [cap] query key positions
+    pos = jnp.where(lane < n, pos, t)                   # a lane past the pairs writes nothing
+    order = _padded_permutation(k_order, n, p["order_rounds"], cap)                     # which pair each slot asks
+    ids = ids.at[pos].set(keys[order], mode="drop").at[pos + 1].set(values[order], mode="drop")
+    ids = jnp.where(jnp.arange(t) < p["length"], ids, 0)
     targets = jnp.concatenate([ids[1:], jnp.zeros((1,), ids.dtype)])
-    mask = jnp.zeros((t,), bool).at[pos].set(True)
+    mask = jnp.zeros((t,), bool).at[pos].set(True, mode="drop")
     return ids, targets, mask
 
 
-def _needle_row(key: Array, spec: TaskSpec):
-    v, t = spec.vocab, spec.length
+def _needle_row(key: Array, p: dict, *, vocab: TaskVocab, length: int):
+    v, t, end = vocab, length, p["length"]
     k_key, k_value, k_depth = jax.random.split(key, 3)
-    needle, ids = _keys_and_filler(k_key, spec, 1)
+    needle, ids = _keys_and_filler(k_key, p, 1, vocab=v, length=t)
     needle = needle[0]
     value = v.value_start + jax.random.randint(k_value, (), 0, v.values)
-    depth = jax.random.uniform(k_depth) if spec.depth is None else jnp.float32(spec.depth)
-    if spec.filler == "pairs":   # on the even grid: the pair in a slot, the query at the last slot's key
-        query = 2 * ((t - 1) // 2)
-        pos = 2 * jnp.round(depth * (query // 2 - 1)).astype(jnp.int32)
-    else:                        # the query is the last token
-        query = t - 1
-        pos = jnp.round(depth * (t - 3)).astype(jnp.int32)                   # the pair at pos, pos + 1 <= t - 2
+    depth = jnp.where(p["random_depth"], jax.random.uniform(k_depth), p["depth"])
+    # distractor pairs: on the even grid, the pair in a slot, the query at the last slot's key;
+    # noise: the query is the last token, the pair at pos, pos + 1 <= end - 2
+    grid_query = 2 * ((end - 1) // 2)
+    query = jnp.where(p["pairs_filler"], grid_query, end - 1)
+    pos = jnp.where(p["pairs_filler"], 2 * jnp.round(depth * (grid_query // 2 - 1)).astype(jnp.int32),
+                    jnp.round(depth * (end - 3)).astype(jnp.int32))
     ids = ids.at[pos].set(needle).at[pos + 1].set(value).at[query].set(needle)
-    targets = jnp.concatenate([ids[1:], value[None]]).at[query].set(value)
+    targets = jnp.concatenate([ids[1:], value[None]])
+    targets = jnp.where(jnp.arange(t) == end - 1, value, targets).at[query].set(value)
     mask = jnp.zeros((t,), bool).at[query].set(True)
     return ids, targets, mask
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "batch"))
-def _generate(key: Array, *, spec: TaskSpec, batch: int):
-    row = _mqar_row if spec.task == "mqar" else _needle_row
-    ids, targets, mask = jax.vmap(functools.partial(row, spec=spec))(jax.random.split(key, batch))
+def _row_settings(spec: TaskSpec) -> dict:
+    """What the compiled generator takes as data: length, pairs, the query region (start, slots
+    and the rounds of its shuffle), the filler and the needle's depth."""
+    n, t = spec.pairs, spec.length
+    start = 2 * n + spec.gap
+    slots = ((t - start) if spec.span is None else spec.span) // 2
+    return {"length": np.int32(t), "pairs": np.int32(n), "start": np.int32(start), "slots": np.int32(slots),
+            "slot_rounds": np.int32(_shuffle_rounds(slots)), "order_rounds": np.int32(_shuffle_rounds(n)),
+            "pairs_filler": np.bool_(spec.filler == "pairs"), "random_depth": np.bool_(spec.depth is None),
+            "depth": np.float32(0.0 if spec.depth is None else spec.depth)}
+
+
+@functools.partial(jax.jit, static_argnames=("task", "vocab", "length", "batch"))
+def _generate(key: Array, settings: dict, *, task: str, vocab: TaskVocab, length: int, batch: int):
+    row = _mqar_row if task == "mqar" else _needle_row
+    ids, targets, mask = jax.vmap(lambda k: row(k, settings, vocab=vocab, length=length))(jax.random.split(key, batch))
     return ids.astype(jnp.int32), targets.astype(jnp.int32), mask
 
 
@@ -239,8 +294,11 @@ def generate(key, spec: TaskSpec, batch: int) -> TaskBatch:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     if isinstance(key, (int, np.integer)):
         key = jax.random.PRNGKey(int(key))
-    ids, targets, mask = jax.device_get(_generate(key, spec=spec, batch=int(batch)))
-    return TaskBatch(ids=np.asarray(ids), targets=np.asarray(targets), mask=np.asarray(mask))
+    b, t = int(batch), spec.length
+    out = _generate(key, _row_settings(spec), task=spec.task, vocab=spec.vocab, length=_bucket(t, MIN_LENGTH_BUCKET),
+                    batch=_bucket(b, MIN_BATCH_BUCKET))
+    ids, targets, mask = (np.ascontiguousarray(np.asarray(x)[:b, :t]) for x in jax.device_get(out))
+    return TaskBatch(ids=ids, targets=targets, mask=mask)
 
 
 __all__ = ["FILLERS", "FIRST_ID", "TASKS", "TaskBatch", "TaskSpec", "TaskVocab", "generate"]
