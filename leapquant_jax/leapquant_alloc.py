@@ -126,6 +126,17 @@ class GroupLayout:
         return [len(h) for h in self.heads]
 
 
+@functools.lru_cache(maxsize=None)
+def _zero_head(config: LeapQuantConfig, dk: int, dv: int, per_channel_decay: bool):
+    """One head's all-zero live stream (``windowed.init_state`` at ``[1, 1]``), its leaves on the
+    host. Every head's checkpoint is encoded from its own state alone (the fit's seeded start is
+    the same for every head), so the zero stream of ``[B, H]`` heads is this one broadcast: one
+    encoding per option instead of one per group shape, run op by op. Computed eagerly even
+    under a trace (it is cached for every later call)."""
+    with jax.ensure_compile_time_eval():
+        return jax.device_get(windowed.init_state(config, 1, 1, dk, dv, per_channel_decay))
+
+
 def _take(x: Array, index: np.ndarray) -> Array:
     return jnp.take(x, jnp.asarray(index), axis=1)
 
@@ -180,8 +191,12 @@ class AllocMethod(PlanMethod, Runner):
         check_dims(batch, heads, dk, dv)
         resolve_key_heads(heads, key_heads)
         layout = self.layout(heads, dk, dv, need_plan=False)
-        return AllocState(groups=tuple(m.init(batch, n, dk, dv, per_channel_decay)
-                                       for m, n in zip(self._methods(layout), layout.sizes)))
+        groups = []
+        for config, n in zip(self.configs(layout), layout.sizes):
+            config.check_head_size(dk, dv)
+            head = _zero_head(config, dk, dv, bool(per_channel_decay))
+            groups.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, n)[:x.ndim] + x.shape[2:]), head))
+        return AllocState(groups=tuple(groups))
 
     def from_dense(self, state: Array, *, per_channel_decay: bool = False,
                    key_heads: Optional[int] = None) -> AllocState:
@@ -235,14 +250,29 @@ class AllocMethod(PlanMethod, Runner):
 def flush_energy(stats: LayerStatistics, option: tuple) -> np.ndarray:
     """``[H, dk]``: the mean over calibration states of each key row's squared flush error,
     ``sum_j (decode(encode(S)) - S)_ij^2``, at ``option = (bits, rank)``."""
-    return np.asarray(_flush_energy(jnp.asarray(stats.samples), LeapQuantConfig(bits=option[0], rank=option[1])),
-                      np.float64)
+    return flush_energies(stats, (option,))[0]
+
+
+def flush_energies(stats: LayerStatistics, options) -> np.ndarray:
+    """``[options, H, dk]``: ``flush_energy`` at each of ``options``. The options of one rank run
+    as one compiled program: their Compensator Token fits are the same computation, which the
+    compiler makes once."""
+    samples = jnp.asarray(stats.samples)
+    out = {}
+    for rank in dict.fromkeys(rank for _, rank in options):
+        same = tuple(o for o in options if o[1] == rank)
+        energies = _flush_energies(samples, tuple(LeapQuantConfig(bits=bits, rank=rank) for bits, _ in same))
+        out.update(zip(same, energies))
+    return np.stack([np.asarray(out[o], np.float64) for o in options])
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _flush_energy(s: Array, config: LeapQuantConfig) -> Array:
-    err = windowed.decode_checkpoint(config, windowed.encode_checkpoint(config, s)) - s
-    return jnp.mean(jnp.sum(jnp.square(err), axis=-1), axis=0)
+def _flush_energies(s: Array, configs: tuple) -> tuple:
+    def energy(config):
+        err = windowed.decode_checkpoint(config, windowed.encode_checkpoint(config, s)) - s
+        return jnp.mean(jnp.sum(jnp.square(err), axis=-1), axis=0)
+
+    return tuple(energy(c) for c in configs)
 
 
 def width_plan(stats: dict, bits: Optional[int] = None, *, budget: Optional[float] = None, name: Optional[str] = None,
@@ -268,8 +298,8 @@ def width_plan(stats: dict, bits: Optional[int] = None, *, budget: Optional[floa
         raise ValueError(f"budget {budget:g} bits per value is below the smallest width's: a {cheap[0]}-bit residual "
                          f"with {cheap[1]} Compensator Tokens takes {per_value.min():.4g} bits per value (codes, "
                          "scales and tokens of the checkpoint)")
-    cost = np.concatenate([np.stack([np.sum(stats[x].row_lifetime * flush_energy(stats[x], o), axis=-1)
-                                     for o in options], axis=-1) for x in layers])          # [L H, options]
+    energy = {x: flush_energies(stats[x], options) for x in layers}                              # [options, H, dk]
+    cost = np.concatenate([np.sum(stats[x].row_lifetime * energy[x], axis=-1).T for x in layers])   # [L H, options]
     total = int(np.floor(budget * cost.shape[0] * dk * dv / 8 + 1e-6))
     choice = allocate(cost, nbytes, total)
     per_layer = np.split(choice, len(layers))
@@ -280,4 +310,4 @@ def width_plan(stats: dict, bits: Optional[int] = None, *, budget: Optional[floa
 
 
 __all__ = ["AllocMethod", "AllocState", "DEFAULT_OPTIONS", "GroupLayout", "NAMES", "RANKS", "WIDTHS", "check_options",
-           "default_budget", "flush_energy", "option_bytes", "width_plan"]
+           "default_budget", "flush_energies", "flush_energy", "option_bytes", "width_plan"]

@@ -409,3 +409,23 @@ def test_the_zero_state_is_the_fit_of_zeros(arch):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_grouped_zero_state_is_each_groups_own():
+    from leapquant_jax import windowed
+
+    # a group with Compensator Tokens (their fit starts from a seeded draw) and one without
+    plan = WidthPlan(name="leapquant-alloc-4", budget=99.0, options=((4, 2), (8, 0)), choice=((0, 1, 1, 0),))
+    cal = LifetimeCalibration(architecture="gdn", layers=(0,), heads=H, dk=DK, dv=DV, horizon=64, plans=(plan,))
+    method = make_method("leapquant-alloc-4", calibration=cal, window=8).for_layer(0)
+    layout = method.layout(H, DK, DV)
+    assert layout.sizes == [2, 2]
+    for per_channel_decay in (True, False):
+        traced = jax.jit(lambda: method.init(3, H, DK, DV, per_channel_decay))()    # first made under a trace
+        state = method.init(3, H, DK, DV, per_channel_decay)
+        for got, again, config, n in zip(state.groups, traced.groups, method.configs(layout), layout.sizes):
+            want = windowed.init_state(config, 3, n, DK, DV, per_channel_decay)
+            assert jax.tree.structure(got) == jax.tree.structure(want) == jax.tree.structure(again)
+            for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(again)):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                assert np.array_equal(np.asarray(a), np.asarray(b)) and np.array_equal(np.asarray(c), np.asarray(b))
