@@ -30,6 +30,9 @@ import pytest
 pytestmark = pytest.mark.xdist_group("sharding")
 
 ROOT = Path(__file__).resolve().parents[1]
+# The child's programs run a few tokens once: LLVM's optimisations cost more than they save. The
+# partitioner's collectives are chosen before the backend, at every level.
+XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 CHILD = r'''
 import json
@@ -41,17 +44,17 @@ from models.sharding import constrain_cache, make_mesh
 from bench.inputs import rel
 from bench.sharded_check import tiny as tiny_model
 
-def tiny(arch):
-    return tiny_model(arch, heads=8, key_heads=8)
-
+# three layers: two linear-attention layers (a scanned block of two in the kernel runs) and attention
+models = {arch: tiny_model(arch, heads=8, key_heads=8, layers=3) for arch in ("gdn", "kda")}
 out = {"devices": len(jax.devices()), "runs": []}
 ids = np.random.default_rng(0).integers(1, 64, (8, 10))
+refs = {}        # unsharded logits per (arch, method), shared with the kernel runs below
 for arch in ("gdn", "kda"):
-    a, cfg, params = tiny(arch)
-    fp32 = score(a, params, cfg, ids, method=make_method("fp32"))[0]
+    a, cfg, params = models[arch]
+    fp32 = refs[arch, "fp32"] = score(a, params, cfg, ids, method=make_method("fp32"))[0]
     for name in ("fp32", "leapquant"):
         m = make_method(name, window=4) if name == "leapquant" else make_method(name)
-        ref = fp32 if name == "fp32" else score(a, params, cfg, ids, method=m)[0]
+        ref = refs[arch, name] = fp32 if name == "fp32" else score(a, params, cfg, ids, method=m)[0]
         # 2x4 splits heads and sequences, 8x1 sequences alone (fp32's only: LeapQuant's state splits
         # as fp32's); the logits on model-only meshes are checked with the collectives below
         for shape in ((2, 4), (8, 1)) if name == "fp32" else ((2, 4),):
@@ -68,32 +71,31 @@ for arch in ("gdn", "kda"):
                 run["state_shards"] = [[list(x.shape), list(x.sharding.shard_shape(x.shape))]
                                        for x in jax.tree.leaves(state)]
             out["runs"].append(run)
-# the kernels per shard: Pallas (interpret mode here) under shard_map, scanned layers
+# the kernels per shard: Pallas (interpret mode here) under shard_map, scanned layers, against the
+# unsharded reference runs above (the same ids)
 import dataclasses
 from models.base import scan_params
 mesh = make_mesh(2, 4)
 for arch, name in (("gdn", "fp32"), ("kda", "leapquant")):
-    a, cfg, params = tiny(arch)
-    ref_m = make_method(name, window=4) if name == "leapquant" else make_method(name)
+    a, cfg, params = models[arch]
     ker_m = make_method(name, window=4, impl="pallas") if name == "leapquant" else make_method(name, impl="pallas")
-    ref = score(a, params, cfg, ids[:, :6], method=ref_m)[0]
+    ref, fp32 = refs[arch, name], refs[arch, "fp32"]
     scfg = dataclasses.replace(cfg, scan_layers=True)
-    got = score(a, scan_params(params, cfg), scfg, ids[:, :6], method=ker_m, mesh=mesh)[0]
-    fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
+    got = score(a, scan_params(params, cfg), scfg, ids, method=ker_m, mesh=mesh)[0]
     out["runs"].append({"arch": arch, "method": name + "-pallas", "mesh": [2, 4], "to_unsharded": rel(got, ref),
                         "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)})
 # GVA: 8 value heads over 4 key heads; LeapQuant's key records [B, 4, p, dk] split over the model
 # axis with the value heads, one key head and its two value heads per device
-a, cfg, params = tiny_model("gdn", heads=8, key_heads=4)
-fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
-ref = score(a, params, cfg, ids[:, :6], method=make_method("leapquant", window=4, impl="reference"))[0]
+a, cfg, params = tiny_model("gdn", heads=8, key_heads=4, layers=3)
+fp32 = score(a, params, cfg, ids, method=make_method("fp32"))[0]
+ref = score(a, params, cfg, ids, method=make_method("leapquant", window=4, impl="reference"))[0]
 for impl in ("reference", "pallas"):
     m = make_method("leapquant", window=4, impl=impl)
-    got = score(a, params, cfg, ids[:, :6], method=m, mesh=mesh)[0]
+    got = score(a, params, cfg, ids, method=m, mesh=mesh)[0]
     run = {"arch": "gdn-gva", "method": "leapquant" + ("-pallas" if impl == "pallas" else ""), "mesh": [2, 4],
            "to_unsharded": rel(got, ref), "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)}
     if impl == "reference":
-        cache = jax.jit(lambda: constrain_cache(a.init_cache(cfg, batch=8, max_len=6, method=m), mesh))()
+        cache = jax.jit(lambda: constrain_cache(a.init_cache(cfg, batch=8, max_len=10, method=m), mesh))()
         state = cache["layers"][0]["state"]
         run["state_shards"] = [[list(x.shape), list(x.sharding.shard_shape(x.shape))]
                                for x in jax.tree.leaves(state)]
@@ -142,8 +144,9 @@ print("STEPS " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def child() -> dict:
-    """Both scripts in one child process (one JAX start): ``{"RUNS": ..., "STEPS": ...}``."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    """Both scripts in one child process (one JAX start): ``{"RUNS": ..., "STEPS": ...}``. It compiles
+    at XLA's lowest optimisation level (``XLA_FLAGS``), the sharded and unsharded programs alike."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {XLA_FLAGS}", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, "-c", CHILD + COLLECTIVES_CHILD], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1200)
