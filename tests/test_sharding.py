@@ -26,13 +26,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import child_xla_flags
+
 # The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("sharding")
 
 ROOT = Path(__file__).resolve().parents[1]
-# The child's programs run a few tokens once: LLVM's optimisations cost more than they save. The
-# partitioner's collectives are chosen before the backend, at every level.
-XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 CHILD = r'''
 import json
@@ -144,9 +143,11 @@ print("STEPS " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def child() -> dict:
-    """Both scripts in one child process (one JAX start): ``{"RUNS": ..., "STEPS": ...}``. It compiles
-    at XLA's lowest optimisation level (``XLA_FLAGS``), the sharded and unsharded programs alike."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {XLA_FLAGS}", JAX_PLATFORMS="cpu",
+    """Both scripts in one child process (one JAX start): ``{"RUNS": ..., "STEPS": ...}``. The child's
+    XLA favours compile time (``helpers.child_xla_flags``), for its sharded and unsharded programs
+    alike; the partitioner places the collectives before XLA's backend runs."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {child_xla_flags()}",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, "-c", CHILD + COLLECTIVES_CHILD], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1200)
