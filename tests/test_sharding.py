@@ -1,12 +1,14 @@
 """Decoding over a device mesh (``models.sharding``) on 8 forced CPU devices: for both architectures
-(tiny configs with 8 heads), the fp32 state on the meshes 2x4 and 8x1 and the LeapQuant state
-on 2x4, the sharded logits equal the unsharded ones (fp32: to round-off; LeapQuant: a
-different summation order can move a code across a rounding boundary, so the sharded logits must be
-as close to fp32's as the unsharded ones), greedy tokens are the same, and every state leaf is
-split by head. The Pallas kernels (interpret mode) run per shard with the layers scanned, on the
-2x4 mesh (the dense fp32 step on GDN, the LeapQuant step and flush on KDA). A GDN model with GVA (8
-value heads over 4 key heads) checks that LeapQuant's key records, kept per key head, split over
-the model axis with the value heads that read them (reference and kernels on the 2x4 mesh).
+(tiny configs with 8 heads, two linear-attention layers and an attention layer), the fp32 state
+on the meshes 2x4 and 8x1 and the LeapQuant state on 2x4, the sharded logits equal the unsharded
+ones (fp32: to round-off; LeapQuant: a different summation order can move a code across a
+rounding boundary, so the sharded logits must be as close to fp32's as the unsharded ones),
+greedy tokens are the same, and every state leaf is split by head. The Pallas kernels (interpret
+mode) run per shard with the layers scanned (the two linear-attention layers as one block), on
+the 2x4 mesh (the dense fp32 step on GDN, the LeapQuant step and flush on KDA), against the same
+unsharded reference runs. A GDN model with GVA (8 value heads over 4 key heads) checks that
+LeapQuant's key records, kept per key head, split over the model axis with the value heads that
+read them (reference and kernels on the 2x4 mesh).
 
 The collectives of one compiled decode step (``bench.sharded_check.step_collectives``) of
 ``bench.decode``'s ``tiny-tp`` (Qwen3.5's layers, the fused GDN projection grouped per shard) and
