@@ -10,6 +10,7 @@
 * ``heldout_ids``, ``heldout_ids_file``: a shipped checkpoint's held-out snippet, as ids or an ``.npy``.
 * ``run_cli``, ``calibrate_then_eval``, ``check_refused_by_name``: ``leapquant`` run in-process,
   its output captured.
+* ``child_xla_flags``: ``XLA_FLAGS`` for the child processes some tests start (compile-bound).
 """
 
 from __future__ import annotations
@@ -180,6 +181,28 @@ def check_refused_by_name(argv, names: dict, words, *, eval_data, unwritten: Pat
     assert not unwritten.exists()
 
 
-__all__ = ["GDN_CHECKPOINT", "calibrate_then_eval", "check_flush", "check_refused_by_name", "copy_tree",
-           "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp", "live_state", "lower_to_triton",
-           "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "run_cli", "token_at"]
+# XLA options for a child process that compiles many small programs and runs each briefly: the
+# backend's lowest optimisation level, and XLA:CPU's elemental emitters in place of its fusion
+# emitters (about half the compile time on such programs). Every program of the child (and of the
+# processes of one mesh) is compiled alike, so the runs a test compares stay comparable.
+CHILD_XLA_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+@functools.lru_cache(maxsize=None)
+def child_xla_flags() -> str:
+    """``XLA_FLAGS`` text of the ``CHILD_XLA_OPTIONS`` this JAX's XLA knows: each is tried on a
+    trivial compile first (an unknown flag in ``XLA_FLAGS`` would abort the child)."""
+    known = []
+    for name, value in CHILD_XLA_OPTIONS.items():
+        try:
+            jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options={name: value})
+        except jax.errors.JaxRuntimeError:      # "No such compile option"
+            continue
+        known.append(f"--{name}={str(value).lower()}")
+    return " ".join(known)
+
+
+__all__ = ["CHILD_XLA_OPTIONS", "GDN_CHECKPOINT", "calibrate_then_eval", "check_flush", "check_refused_by_name",
+           "child_xla_flags", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp",
+           "live_state", "lower_to_triton", "numpy_reference", "random_inputs", "random_sequence", "random_state",
+           "rel", "run_cli", "token_at"]
