@@ -29,6 +29,7 @@ import numpy as np
 
 from bench.inputs import rel
 from leapquant_jax import make_method
+from models.base import FULL_ATTENTION, LINEAR_ATTENTION
 from models.checkpoint import architecture_for_config
 from models.decode import score, to_device
 from models.sharding import make_mesh
@@ -38,10 +39,16 @@ MESHES = ((1, 1), (1, 2), (2, 1))
 COLLECTIVE_MESHES = ((2, 1), (1, 2), (1, 4), (1, 8), (2, 4))
 
 
-def tiny(arch: str, heads: int = 4, key_heads: int = 2):
+def tiny(arch: str, heads: int = 4, key_heads: int = 2, layers: int = 4):
     """``(arch, config, params)`` of a tiny random model with ``heads`` linear-attention value heads
-    (GDN: ``key_heads`` key heads) and as many attention heads (GDN: ``key_heads`` KV heads)."""
+    (GDN: ``key_heads`` key heads) and as many attention heads (GDN: ``key_heads`` KV heads), and
+    ``layers`` layers: linear attention, the last one softmax attention (4: the tiny size's 3:1)."""
     cj = hf_config(arch, vocab_size=64, eos_token_id=0, size="tiny")
+    types = [LINEAR_ATTENTION] * (layers - 1) + [FULL_ATTENTION]
+    cj.update(num_hidden_layers=layers, layer_types=types)
+    if arch == "kda":
+        cj.update(mlp_layer_types=["dense"] * layers)
+        cj["linear_attn_config"].update(kda_layers=list(range(1, layers)), full_attn_layers=[layers])
     if arch == "gdn":
         cj.update(linear_num_value_heads=heads, linear_num_key_heads=key_heads, num_attention_heads=heads,
                   num_key_value_heads=key_heads)

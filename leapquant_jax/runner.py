@@ -159,7 +159,8 @@ class PerStepRunner(Runner):
         checked, and the state keeps no keys)."""
         check_dims(batch, heads, dk, dv)
         resolve_key_heads(heads, key_heads)
-        return self.from_dense(jnp.zeros((batch, heads, dk, dv), jnp.float32))
+        # opaque zeros: under jit, XLA would otherwise fold their quantization at compile time
+        return self.from_dense(jax.lax.optimization_barrier(jnp.zeros((batch, heads, dk, dv), jnp.float32)))
 
     def records_held(self, state) -> Array:
         return jnp.zeros((state.shape[0],), jnp.int32)

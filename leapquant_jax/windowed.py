@@ -228,8 +228,9 @@ def init_state(config: LeapQuantConfig, batch: int, heads: int, dk: int, dv: int
                *, key_heads: Optional[int] = None) -> LeapQuantState:
     """An all-zero live stream for ``[batch, heads]`` heads of ``dk x dv``, its key records kept
     for ``key_heads`` key heads (dividing ``heads``; ``None`` means ``heads``)."""
-    return from_dense(config, jnp.zeros((batch, heads, dk, dv), jnp.float32), per_channel_decay=per_channel_decay,
-                      key_heads=key_heads)
+    # opaque zeros: under jit, XLA would otherwise fold their checkpoint's encoding at compile time
+    zero = jax.lax.optimization_barrier(jnp.zeros((batch, heads, dk, dv), jnp.float32))
+    return from_dense(config, zero, per_channel_decay=per_channel_decay, key_heads=key_heads)
 
 
 def from_dense(config: LeapQuantConfig, state: Array, *, per_channel_decay: bool = False,

@@ -1,8 +1,11 @@
 """Shared test inputs and checks, defined once for every test module.
 
 * ``random_inputs``: synthetic heads of ``leapquant_jax.synthetic`` (long memory, outlier channels).
+* ``numpy_inputs``: random heads drawn in NumPy (nothing to compile), with a fully decayed head, a
+  head at alpha = 0.99999 and strong tokens.
 * ``random_sequence``, ``random_state``, ``token_at``, ``copy_tree``, ``rel``: the kernel benchmarks'
-  decode inputs and error measure (``bench.inputs``), so a test and a benchmark draw alike.
+  decode inputs and error measure (``bench.inputs``), so a test and a benchmark draw alike; the
+  two generators draw at one pool shape and are cut to the shape asked (``POOL``).
 * ``live_state``, ``expanded_state``, ``check_flush``: LeapQuant streams at ragged window
   positions and a flush kernel checked against the reference.
 * ``numpy_reference``: the dense delta rule in float64 NumPy, an oracle independent of JAX.
@@ -10,6 +13,7 @@
 * ``heldout_ids``, ``heldout_ids_file``: a shipped checkpoint's held-out snippet, as ids or an ``.npy``.
 * ``run_cli``, ``calibrate_then_eval``, ``check_refused_by_name``: ``leapquant`` run in-process,
   its output captured.
+* ``child_xla_flags``: ``XLA_FLAGS`` for the child processes some tests start (compile-bound).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.inputs import copy_tree, random_sequence, random_state, rel, token_at
+from bench import inputs
+from bench.inputs import copy_tree, rel, token_at
 from leapquant_jax import windowed
 from leapquant_jax.synthetic import SyntheticSpec, synthetic_batch
 from leapquant_jax import dispatch
@@ -43,6 +48,61 @@ def random_inputs(seed, *, batch=2, tokens=64, heads=2, dk=16, dv=16, kda=False,
         x["q"] = x["q"][:, :, :key_heads]
         x["k"] = x["k"][:, :, :key_heads]
     return x
+
+
+# The most sequences, tokens and heads the tests draw. ``random_sequence`` and ``random_state`` draw
+# with ``bench.inputs``' generators at this size (larger where asked) and cut the draw in NumPy:
+# their generators compile once per head size instead of once per shape, and the cut has the
+# statistics of a draw at its own shape (entries are independent across sequences, tokens and heads).
+POOL = (8, 33, 8)
+
+
+def _cut(x, *sizes):
+    """The leading ``sizes`` of ``x``: cut in NumPy (nothing to compile), or in JAX while traced."""
+    index = tuple(slice(n) for n in sizes)
+    try:
+        return jnp.asarray(np.asarray(x)[index])
+    except jax.errors.TracerArrayConversionError:       # under jax.eval_shape or jit
+        return x[index]
+
+
+def random_sequence(key, bsz, t, h, dk, dv, kda, *, log_decay=None):
+    """``bench.inputs.random_sequence``'s inputs ``[B, T, H, ...]``, drawn at the ``POOL`` size."""
+    size = [max(n, m) for n, m in zip((bsz, t, h), POOL)]
+    seq = {n: _cut(x, bsz, t, h) for n, x in inputs.random_sequence(key, *size, dk, dv, kda).items()}
+    if log_decay is not None:
+        seq["g"] = jnp.asarray(np.full(seq["g"].shape, log_decay, np.float32))
+    return seq
+
+
+def random_state(key, bsz, h, dk, dv):
+    """``bench.inputs.random_state``'s dense state ``[B, H, dk, dv]``, drawn at the ``POOL`` size."""
+    size = [max(n, m) for n, m in zip((bsz, h), POOL[::2])]
+    return _cut(inputs.random_state(key, *size, dk, dv), bsz, h)
+
+
+def numpy_inputs(seed, *, batch, tokens, heads, dk, dv, kda, key_heads=None):
+    """Fresh ``[B, T, H, ...]`` inputs (NumPy, so no compile): L2-normalised keys and queries
+    (``q`` scaled by ``dk**-0.5``), decays in (0.9, 0.999), beta in (0.05, 0.95); head 0 fully
+    decayed (log-decay -1e4), head 1 at alpha = 0.99999, and scattered strong tokens
+    (log-decay -30) elsewhere; ``key_heads`` < heads gives GVA."""
+    rng = np.random.default_rng(seed)
+    hk = key_heads or heads
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    g = np.log(rng.uniform(0.9, 0.999, (batch, tokens, heads) + ((dk,) if kda else ())))
+    g[:, :, 0] = -1.0e4
+    g[:, :, 1] = np.log(0.99999)
+    strong = rng.random(g.shape[:3]) < 0.05
+    strong[:, :, :2] = False
+    g[strong] = -30.0
+    x = dict(q=unit((batch, tokens, hk, dk)) * dk ** -0.5, k=unit((batch, tokens, hk, dk)),
+             v=rng.standard_normal((batch, tokens, heads, dv)), g=g,
+             beta=rng.uniform(0.05, 0.95, (batch, tokens, heads)))
+    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
 
 
 def numpy_reference(q, k, v, g, beta, s0=None):
@@ -78,7 +138,7 @@ def live_state(config, key, bsz, h, dk, dv, kda, pos, *, log_decay=None, zero=Fa
     head."""
     steps = config.window - 1 if steps is None else steps
     k1, k2 = jax.random.split(key)
-    s0 = jnp.zeros((bsz, h, dk, dv)) if zero else random_state(k1, bsz, h, dk, dv)
+    s0 = jnp.asarray(np.zeros((bsz, h, dk, dv), np.float32)) if zero else random_state(k1, bsz, h, dk, dv)
     st = windowed.from_dense(config, s0, per_channel_decay=kda, key_heads=key_heads)
     seq = random_sequence(k2, bsz, steps + 1, h, dk, dv, kda, log_decay=log_decay)
     for i in range(steps):
@@ -180,6 +240,28 @@ def check_refused_by_name(argv, names: dict, words, *, eval_data, unwritten: Pat
     assert not unwritten.exists()
 
 
-__all__ = ["GDN_CHECKPOINT", "calibrate_then_eval", "check_flush", "check_refused_by_name", "copy_tree",
-           "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp", "live_state", "lower_to_triton",
-           "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "run_cli", "token_at"]
+# XLA options for a child process that compiles many small programs and runs each briefly: the
+# backend's lowest optimisation level, and XLA:CPU's elemental emitters in place of its fusion
+# emitters (about half the compile time on such programs). Every program of the child (and of the
+# processes of one mesh) is compiled alike, so the runs a test compares stay comparable.
+CHILD_XLA_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+@functools.lru_cache(maxsize=None)
+def child_xla_flags() -> str:
+    """``XLA_FLAGS`` text of the ``CHILD_XLA_OPTIONS`` this JAX's XLA knows: each is tried on a
+    trivial compile first (an unknown flag in ``XLA_FLAGS`` would abort the child)."""
+    known = []
+    for name, value in CHILD_XLA_OPTIONS.items():
+        try:
+            jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options={name: value})
+        except jax.errors.JaxRuntimeError:      # "No such compile option"
+            continue
+        known.append(f"--{name}={str(value).lower()}")
+    return " ".join(known)
+
+
+__all__ = ["CHILD_XLA_OPTIONS", "GDN_CHECKPOINT", "calibrate_then_eval", "check_flush", "check_refused_by_name",
+           "child_xla_flags", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp",
+           "live_state", "lower_to_triton", "numpy_inputs", "numpy_reference", "random_inputs", "random_sequence", "random_state",
+           "rel", "run_cli", "token_at"]

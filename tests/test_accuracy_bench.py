@@ -5,16 +5,19 @@ pipeline (worker processes on both shipped checkpoints, report, figures)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from bench import accuracy
 from bench.accuracy import (TABLE1, TABLE6, all_jobs, build_tables, claim_jobs, markdown, rival_verdicts, run_worker,
                             select_jobs, spread_cell, targets)
+from helpers import child_xla_flags
 
 CKPTS = Path(__file__).resolve().parents[1] / "models" / "checkpoints"
 METRICS = ("perplexity", "kl_to_fp32", "top1_agreement", "greedy_match_tokens", "state_rel_error")
@@ -259,9 +262,12 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys, extra, message):
 # ----------------------------------------------------------------------------- the whole pipeline
 
 
-def test_tiny_run_writes_the_tables_targets_and_figures(tmp_path):
+def test_tiny_run_writes_the_tables_targets_and_figures(tmp_path, monkeypatch):
     # Both shipped checkpoints, one worker each, on their held-out snippets; two jobs (the fp32
-    # reference and per-step int8) keep it short: each job is a new compiled program on the CPU.
+    # reference and per-step int8) keep it short: each job is a new compiled program on the CPU,
+    # where the workers' XLA favours compile time (they inherit XLA_FLAGS).
+    if jax.default_backend() == "cpu":
+        monkeypatch.setenv("XLA_FLAGS", " ".join(filter(None, [os.environ.get("XLA_FLAGS"), child_xla_flags()])))
     snippets = [json.loads((CKPTS / c / "heldout_snippet.json").read_text())["ids"]
                 for c in ("stdlib-gdn", "stdlib-kda")]
     data = tmp_path / "heldout.npy"

@@ -11,7 +11,7 @@ from leapquant_jax import dispatch
 from leapquant_jax.chunked import chunk_delta_rule, unit_lower_inverse
 from leapquant_jax.impls import Impl
 from leapquant_jax.recurrence import recurrent_scan
-from helpers import rel
+from helpers import numpy_inputs, rel
 
 # Its tests share compiled programs (the same shapes and configs): one xdist worker compiles
 # them once (conftest.py: --dist loadgroup).
@@ -19,30 +19,6 @@ pytestmark = pytest.mark.xdist_group("chunked")
 
 # fp32 round-off: the cases below measured 2e-7 to 6e-7 relative (strong decays included).
 TOL = 2e-6
-
-
-def _inputs(seed, *, batch, tokens, heads, dk, dv, kda, key_heads=None):
-    """Fresh ``[B, T, H, ...]`` inputs (NumPy, so no compile): L2-normalised keys and queries
-    (``q`` scaled by ``dk**-0.5``), decays in (0.9, 0.999), beta in (0.05, 0.95); head 0 fully
-    decayed (log-decay -1e4), head 1 at alpha = 0.99999, and scattered strong tokens
-    (log-decay -30) elsewhere."""
-    rng = np.random.default_rng(seed)
-    hk = key_heads or heads
-
-    def unit(shape):
-        x = rng.standard_normal(shape)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-    g = np.log(rng.uniform(0.9, 0.999, (batch, tokens, heads) + ((dk,) if kda else ())))
-    g[:, :, 0] = -1.0e4
-    g[:, :, 1] = np.log(0.99999)
-    strong = rng.random(g.shape[:3]) < 0.05
-    strong[:, :, :2] = False
-    g[strong] = -30.0
-    x = dict(q=unit((batch, tokens, hk, dk)) * dk ** -0.5, k=unit((batch, tokens, hk, dk)),
-             v=rng.standard_normal((batch, tokens, heads, dv)), g=g,
-             beta=rng.uniform(0.05, 0.95, (batch, tokens, heads)))
-    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
 
 
 @pytest.mark.parametrize("inter", ["serial", "associative"])
@@ -57,7 +33,7 @@ def _inputs(seed, *, batch, tokens, heads, dk, dv, kda, key_heads=None):
     ],
 )
 def test_chunked_matches_recurrence(kda, tokens, chunk, group, dk, dv, key_heads, use_s0, lengths, inter):
-    x = _inputs(10 + tokens + kda, batch=2, tokens=tokens, heads=4, dk=dk, dv=dv, kda=kda, key_heads=key_heads)
+    x = numpy_inputs(10 + tokens + kda, batch=2, tokens=tokens, heads=4, dk=dk, dv=dv, kda=kda, key_heads=key_heads)
     s0 = jnp.asarray(np.random.default_rng(tokens).standard_normal((2, 4, dk, dv)) * 0.3, jnp.float32) if use_s0 else None
     lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
     run = jax.jit(lambda x, s0, lens: chunk_delta_rule(**x, initial_state=s0, lengths=lens, chunk=chunk, group=group,
@@ -71,18 +47,22 @@ def test_chunked_matches_recurrence(kda, tokens, chunk, group, dk, dv, key_heads
         assert rel(o, o_ref) < TOL
         assert rel(s, s_ref) < TOL
         return
+    # The state after each row's own tokens only (64 is a multiple of the chunk, 130 is not), from
+    # one scan of the same shape: row b's n tokens after T - n tokens that change nothing (beta = 0,
+    # alpha = 1: the state stays exactly as it is).
+    rows = {name: np.stack([np.concatenate([np.zeros((tokens - n,) + a.shape[2:], np.float32), np.asarray(a)[b, :n]])
+                            for b, n in enumerate(lengths)]) for name, a in x.items()}
+    _, s_rows = recurrent_scan(None, **rows)
     for b, n in enumerate(lengths):
-        # the state after a row's own tokens only (64 is a multiple of the chunk, 130 is not)
-        _, s_row = recurrent_scan(None, **{name: a[b : b + 1, :n] for name, a in x.items()})
         assert rel(o[b, :n], o_ref[b, :n]) < TOL
-        assert rel(s[b], s_row[0]) < TOL
+        assert rel(s[b], s_rows[b]) < TOL
 
 
 def _gradients(kda, fn):
     """Gradients w.r.t. the inputs and the initial state of ``sum(o * wo) + sum(s * ws)`` for
     ``(o, s) = fn(x, s0)``, on the gradient tests' inputs (a fully decayed head, an alpha = 0.99999
     head, GVA, T = 70); returns ``(x, (gx, gs))``."""
-    x = _inputs(3 + kda, batch=2, tokens=70, heads=4, dk=16, dv=8, kda=kda, key_heads=2)
+    x = numpy_inputs(3 + kda, batch=2, tokens=70, heads=4, dk=16, dv=8, kda=kda, key_heads=2)
     rng = np.random.default_rng(9)
     s0 = jnp.asarray(rng.standard_normal((2, 4, 16, 8)) * 0.3, jnp.float32)
     wo = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
@@ -127,7 +107,7 @@ def test_gradients_match_recurrence(kda, inter):
 def test_kernel_scan_matches_serial_form(kda, tokens, chunk, group, key_heads, use_s0, lengths):
     """``impl="triton"`` (the Pallas chunk scan, interpret mode here) against ``impl="reference"``,
     the lax.scan it replaces (itself checked against the recurrence above), on every valid token."""
-    x = _inputs(40 + tokens + kda, batch=2, tokens=tokens, heads=4, dk=32, dv=16, kda=kda, key_heads=key_heads)
+    x = numpy_inputs(40 + tokens + kda, batch=2, tokens=tokens, heads=4, dk=32, dv=16, kda=kda, key_heads=key_heads)
     s0 = jnp.asarray(np.random.default_rng(tokens).standard_normal((2, 4, 32, 16)) * 0.3, jnp.float32) if use_s0 else None
     lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
     run = jax.jit(lambda x, s0, lens, impl: chunk_delta_rule(**x, initial_state=s0, lengths=lens, chunk=chunk,
@@ -142,7 +122,7 @@ def test_kernel_scan_matches_serial_form(kda, tokens, chunk, group, key_heads, u
 def test_kernel_scan_gradients_and_reasons():
     """The kernel path differentiates through the serial form's derivative; sizes it cannot take
     are refused by name, and ``auto`` takes the reference off the GPU."""
-    x = _inputs(5, batch=2, tokens=40, heads=4, dk=16, dv=16, kda=True, key_heads=2)
+    x = numpy_inputs(5, batch=2, tokens=40, heads=4, dk=16, dv=16, kda=True, key_heads=2)
     s0 = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4, 16, 16)) * 0.3, jnp.float32)
     wo = jnp.asarray(np.random.default_rng(3).standard_normal(x["v"].shape), jnp.float32)
 
@@ -157,9 +137,9 @@ def test_kernel_scan_gradients_and_reasons():
         assert rel(gk[name], gs[name]) < 1e-6, name
     assert rel(gsk, gss) < 1e-6
     with pytest.raises(ValueError, match="impl='triton' cannot run the chunk_scan here: dk=8"):
-        chunk_delta_rule(**_inputs(0, batch=1, tokens=8, heads=2, dk=8, dv=16, kda=False), impl="triton")
+        chunk_delta_rule(**numpy_inputs(0, batch=1, tokens=8, heads=2, dk=8, dv=16, kda=False), impl="triton")
     with pytest.raises(ValueError, match="impl='triton' cannot run inter='associative'"):
-        chunk_delta_rule(**_inputs(0, batch=1, tokens=8, heads=2, dk=16, dv=16, kda=False), inter="associative",
+        chunk_delta_rule(**numpy_inputs(0, batch=1, tokens=8, heads=2, dk=16, dv=16, kda=False), inter="associative",
                          impl="triton")
     if jax.default_backend() != "gpu":
         assert dispatch.resolve("chunk_scan", "auto", 128, 128, 64) is Impl.REFERENCE
@@ -197,9 +177,9 @@ def test_kda_pair_scores_kernel(chunk, dk):
     g = np.log(rng.uniform(0.5, 1.0, (3, chunk, dk)))
     g[0, 5, : dk // 2] = -104.0
     g[1] = -104.0
-    G = kda_cumulative(jnp.asarray(g, jnp.float32))
+    G = jax.jit(kda_cumulative)(jnp.asarray(g, jnp.float32))
     got = kda_pair_scores(q, k, G, interpret=True)
-    ref = pair_scores_kda(q, k, G, jax.lax.Precision.HIGHEST)
+    ref = jax.jit(pair_scores_kda, static_argnums=3)(q, k, G, jax.lax.Precision.HIGHEST)
     Gn = np.asarray(G, np.float64)
     decay = np.exp(np.minimum(Gn[:, :, None, :] - Gn[:, None, :, :], 0.0)) * np.tril(np.ones((chunk, chunk)))[..., None]
     brute = np.stack([np.sum(np.asarray(x, np.float64)[:, :, None, :] * np.asarray(k, np.float64)[:, None, :, :] * decay,
@@ -231,7 +211,7 @@ def test_unit_lower_inverse_inverts():
     ],
 )
 def test_bad_arguments_are_named(change, match):
-    x = _inputs(0, batch=2, tokens=8, heads=4, dk=8, dv=8, kda=False)
+    x = numpy_inputs(0, batch=2, tokens=8, heads=4, dk=8, dv=8, kda=False)
     with pytest.raises((ValueError, TypeError), match=match):
         chunk_delta_rule(**{**x, **change})
 

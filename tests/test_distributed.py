@@ -9,8 +9,8 @@ that leaves devices out is refused in one line, as are incomplete or inconsisten
 The model is a checkpoint made here, one GDN layer and one attention layer (4 GDN heads, 4
 attention heads over 2 KV heads, so that a model axis of 4 splits it). Every process has a
 deadline (``DEADLINE_S``) and waits at most ``JOIN_S`` for the others, so a hang fails the test
-rather than stalling the suite; the processes compile at XLA's lowest optimisation level, the
-same in all of them."""
+rather than stalling the suite; the processes' XLA favours compile time
+(``helpers.child_xla_flags``), the same in all of them."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 from bench.inputs import rel
+from helpers import child_xla_flags
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
 ROOT = Path(__file__).resolve().parents[1]
 JOIN_S, DEADLINE_S = 30, 180
-XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 # Runs the commands given as a JSON list of [module, argv] (each module's ``main``), one after the
 # other in this process (a second --coordinator finds the process joined), and prints their exit
@@ -60,7 +60,7 @@ def _free_port() -> int:
 
 
 def _launch(commands: list, devices: int) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_FLAGS}",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {child_xla_flags()}",
                JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     return subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(commands)], cwd=ROOT, env=env,

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import copy_tree, live_state, lower_to_triton, random_sequence, random_state, rel
+from kernel_helpers import state_shapes, traced
 from leapquant_jax import dispatch, make_method, windowed
 from leapquant_jax.quantizers import FloatTensor
 from leapquant_jax.recurrence import delta_rule_token
@@ -71,7 +72,7 @@ def test_step_kernel_on_a_128_tile(kda, opts):
 
 def test_step_kernel_fully_decayed_heads_and_zero_state():
     cfg = config()
-    st, tok = live_state(cfg, jax.random.PRNGKey(3), 2, 2, 32, 32, True, pos=[5, 2], log_decay=-1e3, zero=True)
+    st, tok = live_state(cfg, jax.random.PRNGKey(3), 3, 2, 32, 64, True, pos=[5, 2, 0], log_decay=-1e3, zero=True)
     o_k, _ = check_step(cfg, st, tok)
     assert np.all(np.isfinite(o_k))
 
@@ -98,8 +99,9 @@ def test_flush_kernel_rebuilds_the_checkpoint_unrounded(kda, only_full):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_flush_kernel_on_a_128_tile(kda):
+    # the step's 128 x 128 heads (GVA: 4 value heads, 2 key heads)
     cfg = config(window=16)
-    st, _ = live_state(cfg, jax.random.PRNGKey(9 + kda), 2, 2, 128, 128, kda, pos=[16, 9])
+    st, _ = live_state(cfg, jax.random.PRNGKey(9 + kda), 2, 4, 128, 128, kda, pos=[16, 9], key_heads=2)
     got = flush_split(cfg, copy_tree(st), only_full=True, block_v=64 if kda else None, interpret=True)
     want = leapquant_flush_reference(cfg, st, only_full=True)
     assert rel(got.checkpoint.residual.values[0], want.checkpoint.residual.values[0]) < TOL
@@ -109,7 +111,7 @@ def test_flush_kernel_on_a_128_tile(kda):
 def test_the_kernels_lower_to_triton():
     for kda in (False, True):
         cfg = config(window=16)
-        st = windowed.init_state(cfg, 2, 4, 128, 128, per_channel_decay=kda, key_heads=2)
+        st = state_shapes(cfg, 2, 4, 128, 128, kda, key_heads=2)
         tok = delta_rule_token(q=jnp.zeros((2, 2, 128)), k=jnp.zeros((2, 2, 128)), v=jnp.zeros((2, 4, 128)),
                                g=jnp.zeros((2, 4, 128) if kda else (2, 4)), beta=jnp.zeros((2, 4)), key_heads=2)
         lower_to_triton(functools.partial(leapquant_step, cfg, interpret=False), st, tok)
@@ -156,7 +158,7 @@ def test_method_on_the_kernels_equals_the_reference_and_the_fp32_recurrence(kda,
 
 def test_what_the_kernels_take_and_refuse_by_name():
     cfg = config()
-    st = windowed.init_state(cfg, 2, 2, 32, 32)
+    st = state_shapes(cfg, 2, 2, 32, 32)           # shapes only (the checks run as under jit, at trace time)
     tok = delta_rule_token(q=jnp.zeros((2, 2, 32)), k=jnp.zeros((2, 2, 32)), v=jnp.zeros((2, 2, 32)),
                            g=jnp.zeros((2, 2)), beta=jnp.zeros((2, 2)))
     assert support.unsupported_reason(cfg, st) is None
@@ -166,21 +168,21 @@ def test_what_the_kernels_take_and_refuse_by_name():
     # the fused flush and the Mosaic GPU kernels read or write integer codes
     assert "fp32-w" in leapquant_flush.fused_unsupported_reason(cfg, st)
     with pytest.raises(ValueError, match="an fp32 checkpoint .fp32-w. is rebuilt by the split flush alone"):
-        flush_fused(cfg, st, interpret=True)
+        traced(functools.partial(flush_fused, cfg, interpret=True), st)
     with pytest.raises(ValueError, match="impl='fused' cannot run the flush here"):
-        dispatch.leapquant_flush(cfg, st, impl="fused")
+        traced(functools.partial(dispatch.leapquant_flush, cfg, impl="fused"), st)
     assert "8-bit integer codes" in mosaic_step.unsupported_reason(cfg, st)
     assert "8-bit integer codes" in mosaic_flush.unsupported_reason(cfg, st)
     with pytest.raises(ValueError, match="reduce='dot' reads int8 codes; an fp32 checkpoint"):
-        leapquant_step(cfg, st, tok, reduce="dot", interpret=True)
+        traced(functools.partial(leapquant_step, cfg, reduce="dot", interpret=True), st, tok)
     # an fp32 residual with Compensator Tokens or smoothing is not fp32-w: the kernels refuse it
     for options in (dict(compensators=True), dict(smoothing=True)):
         other = LeapQuantConfig(**{**dict(residual_format="fp32", compensators=False, smoothing=False,
                                           record_dtype="float32", window=8), **options})
-        why = support.unsupported_reason(other, windowed.init_state(other, 2, 2, 32, 32))
+        why = support.unsupported_reason(other, state_shapes(other, 2, 2, 32, 32))
         assert "an fp32 residual with Compensator Tokens or smoothing" in why
     bf16 = LeapQuantConfig(residual_format="bf16", compensators=False, smoothing=False, window=8)
-    assert "fp32 checkpoint (fp32-w) only" in support.unsupported_reason(bf16, windowed.init_state(bf16, 2, 2, 32, 32))
+    assert "fp32 checkpoint (fp32-w) only" in support.unsupported_reason(bf16, state_shapes(bf16, 2, 2, 32, 32))
 
 
 def test_auto_on_a_gpu_takes_the_triton_step_and_split_flush_hopper_too(monkeypatch):
@@ -189,7 +191,7 @@ def test_auto_on_a_gpu_takes_the_triton_step_and_split_flush_hopper_too(monkeypa
 
     method = build_method("fp32-w")         # bench.decode's and bench.serve's state: impl auto
     assert method.config.impl == "auto" and method.config == config(window=16, impl="auto")
-    st = method.init(2, 4, 128, 128, key_heads=2)
+    st = jax.eval_shape(lambda: method.init(2, 4, 128, 128, key_heads=2))
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     for hopper in (False, True):
         monkeypatch.setattr(api, "on_hopper", lambda: hopper)

@@ -93,10 +93,10 @@ def test_mosaic_flush_sums_over_8_or_32_lanes_alike():
 
 def test_mosaic_flush_under_vmap_folds_the_mapped_axis():
     # Under vmap the mapped axis joins the batch: one launch, the same checkpoints as one flush
-    # per mapped entry (only_full: each entry's own full windows).
+    # per mapped entry (only_full: each entry's own full windows, a full one and a partial one).
     config = LeapQuantConfig(bits=8, window=8)
-    sts = [live_state(config, jax.random.PRNGKey(44 + i), 2, 1, 128, 128, False, pos=pos)[0]
-           for i, pos in enumerate(([8, 3], [2, 8]))]
+    sts = [live_state(config, jax.random.PRNGKey(44 + i), 1, 2, 128, 128, False, pos=pos)[0]
+           for i, pos in enumerate(([8], [2]))]
     both = jax.tree_util.tree_map(lambda *x: jax.numpy.stack(x), *sts)
     flush = lambda s: mosaic_flush.leapquant_flush(config, s, only_full=True, programs=2)
     out = jax.jit(jax.vmap(flush))(both)
@@ -119,13 +119,14 @@ def test_the_mosaic_flush_through_dispatch():
 
 
 def test_mosaic_flush_fully_decayed_heads_and_zero_state():
-    config = LeapQuantConfig(bits=8, window=4)
-    st, _ = live_state(config, jax.random.PRNGKey(42), 2, 1, 128, 128, True, pos=[4, 2], log_decay=-1e3, zero=True)
+    # the shapes and launch of test_mosaic_flush_matches_reference[one-stage-*]
+    config = LeapQuantConfig(bits=8, window=16)
+    st, _ = live_state(config, jax.random.PRNGKey(42), 2, 2, 128, 128, True, pos=[16, 9], log_decay=-1e3, zero=True)
     # A rank-1 state the Compensator Tokens take whole: the residual is rounding noise whose codes
     # are arbitrary in both; finite, and as close to the exact state as the reference.
     check_flush(config, st, codes_agree=False, flush=mosaic(programs=2))
-    st = windowed.init_state(config, 2, 1, 128, 128)
-    ker = mosaic_flush.leapquant_flush(config, copy_tree(st), programs=2)
+    st = windowed.init_state(config, 2, 2, 128, 128)
+    ker = mosaic(programs=2)(config, copy_tree(st), only_full=False)
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 

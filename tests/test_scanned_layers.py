@@ -6,6 +6,7 @@ bf16-operand matmuls stay close to the exact ones."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -21,24 +22,34 @@ from models.training.model import hf_config, init_params
 from helpers import rel
 
 VOCAB = 64
+# One model per architecture for the module (its programs compile once): blocks of a linear- and
+# a full-attention layer, repeated twice, after a dense head layer (Kimi) or before a tail layer
+# (Qwen3.5), so that the scanned stack runs a head, the blocks and a tail between them.
+LAYERS = {"gdn": ("linear_attention", "full_attention") * 2 + ("linear_attention",),
+          "kda": ("linear_attention",) + ("full_attention", "linear_attention") * 2}
+PLANS = {"gdn": ((), (4,)), "kda": ((0,), ())}  # (head, tail)
+# The ids every score of the module takes: the programs of the exact fp32 score are shared.
+IDS = np.random.default_rng(2).integers(1, VOCAB, (2, 14))
+PREFILL = 5
 
 
-def tiny(arch: str, *, moe: bool, layers: int = 9):
-    """A tiny random model: ``(arch, config, params)``. Kimi with MoE keeps its first layer dense
-    (``first_k_dense_replace``), so its plan has an unscanned head."""
+@functools.lru_cache(maxsize=None)
+def tiny(arch: str):
+    """A tiny random MoE model of ``LAYERS[arch]``: ``(arch, config, params)``. Kimi keeps its
+    first layer dense (``first_k_dense_replace``), so its plan has an unscanned head."""
+    types = list(LAYERS[arch])
+    layers = len(types)
     cj = hf_config(arch, vocab_size=VOCAB, eos_token_id=0, size="tiny")
-    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
     cj.update(num_hidden_layers=layers, layer_types=types)
-    if arch == "gdn" and moe:
+    if arch == "gdn":
         cj.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                   shared_expert_intermediate_size=16)
     if arch == "kda":
         kda = [i + 1 for i, t in enumerate(types) if t == "linear_attention"]
         cj["linear_attn_config"].update(kda_layers=kda, full_attn_layers=[i + 1 for i in range(layers) if i + 1 not in kda])
-        cj["mlp_layer_types"] = ["dense"] + ["sparse" if moe else "dense"] * (layers - 1)
-        if moe:
-            cj.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, num_shared_experts=1,
-                      routed_scaling_factor=2.0, n_group=1, topk_group=1)
+        cj["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
+        cj.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, num_shared_experts=1,
+                  routed_scaling_factor=2.0, n_group=1, topk_group=1)
     a = architecture_for_config(cj)
     return a, a.config_from_hf(cj), to_device(init_params(cj, seed=1))
 
@@ -46,24 +57,23 @@ def tiny(arch: str, *, moe: bool, layers: int = 9):
 @pytest.mark.parametrize("arch", ["gdn", "kda"])
 @pytest.mark.parametrize("state", ["fp32", "leapquant"])
 def test_scanned_layers_give_the_unrolled_logits(arch, state):
-    a, cfg, params = tiny(arch, moe=True, layers=8 if arch == "gdn" else 9)
+    a, cfg, params = tiny(arch)
     scanned = dataclasses.replace(cfg, scan_layers=True)
     plan = base.layer_plan(cfg)
-    assert plan.repeats == 2 and plan.period == 4 and plan.head == (() if arch == "gdn" else (0,))
+    assert (plan.head, plan.tail) == PLANS[arch] and plan.repeats == 2 and plan.period == 2
     method = make_method(state, window=4) if state == "leapquant" else make_method(state)
-    ids = np.random.default_rng(2).integers(1, VOCAB, (2, 14))
-    want = score(a, params, cfg, ids, method=method, prefill_len=5)[0]
-    got = score(a, base.scan_params(params, cfg), scanned, ids, method=method, prefill_len=5)[0]
+    want = score(a, params, cfg, IDS, method=method, prefill_len=PREFILL)[0]
+    got = score(a, base.scan_params(params, cfg), scanned, IDS, method=method, prefill_len=PREFILL)[0]
     if state == "fp32":
         assert rel(got, want) < 1e-5
-        prompts = [list(map(int, ids[0, :6])), list(map(int, ids[1, :3]))]
+        prompts = [list(map(int, IDS[0, :6])), list(map(int, IDS[1, :3]))]
         assert (generate(a, params, cfg, prompts, method=method, max_new_tokens=6).tokens
                 == generate(a, base.scan_params(params, cfg), scanned, prompts, method=method,
                             max_new_tokens=6).tokens)
     else:
         # fp32 round-off of another fusion can move a code across a rounding boundary: the scanned
         # logits must be as close to the fp32 state's as the unrolled ones
-        fp32 = score(a, params, cfg, ids, method=make_method("fp32"), prefill_len=5)[0]
+        fp32 = score(a, params, cfg, IDS, method=make_method("fp32"), prefill_len=PREFILL)[0]
         assert rel(got, want) < 1e-3
         assert rel(got, fp32) < 1.1 * rel(want, fp32)
 
@@ -85,7 +95,7 @@ def test_layer_plan_finds_the_repeating_block():
 
 
 def test_stack_and_unstack_round_trip():
-    a, cfg, params = tiny("kda", moe=True)
+    a, cfg, params = tiny("kda")
     plan = base.layer_plan(cfg)
     stacked = base.stack_layers(params["layers"], plan)
     assert jax.tree.leaves(stacked["blocks"])[0].shape[0] == plan.repeats
@@ -98,7 +108,7 @@ def test_stack_and_unstack_round_trip():
 
 
 def test_mismatched_layouts_are_refused():
-    a, cfg, params = tiny("gdn", moe=False)
+    a, cfg, params = tiny("gdn")
     ids = np.ones((1, 4), np.int64)
     with pytest.raises(ValueError, match="scan_params"):
         score(a, params, dataclasses.replace(cfg, scan_layers=True), ids, method=make_method("fp32"))
@@ -110,11 +120,10 @@ def test_mismatched_layouts_are_refused():
 
 @pytest.mark.parametrize("arch", ["gdn", "kda"])
 def test_fast_compute_is_close_to_exact_and_keeps_kv_in_bf16(arch):
-    a, cfg, params = tiny(arch, moe=arch == "kda")
+    a, cfg, params = tiny(arch)
     fast = dataclasses.replace(cfg, compute=FAST)
-    ids = np.random.default_rng(3).integers(1, VOCAB, (2, 12))
-    exact = score(a, params, cfg, ids, method=make_method("fp32"), prefill_len=4)[0]
-    got = score(a, params, fast, ids, method=make_method("fp32"), prefill_len=4)[0]
+    exact = score(a, params, cfg, IDS, method=make_method("fp32"), prefill_len=PREFILL)[0]
+    got = score(a, params, fast, IDS, method=make_method("fp32"), prefill_len=PREFILL)[0]
     # bf16 operands: an 8-bit mantissa per product, so about 1e-3 relative over a few layers
     assert 0 < rel(got, exact) < 2e-2
     cache = a.init_cache(fast, batch=1, max_len=4, method=make_method("fp32"))
@@ -126,7 +135,7 @@ def test_fast_compute_is_close_to_exact_and_keeps_kv_in_bf16(arch):
 def test_fingerprint_ignores_how_the_model_runs():
     from models.calibrate import model_fingerprint
 
-    _, cfg, params = tiny("gdn", moe=False)
+    _, cfg, params = tiny("gdn")
     fast = dataclasses.replace(cfg, compute=FAST, scan_layers=True)
     assert model_fingerprint(fast, params) == model_fingerprint(cfg, params)
     assert base.runtime_free_repr(cfg) == repr(cfg).replace(", compute='exact', scan_layers=False", "")

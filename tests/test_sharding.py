@@ -1,12 +1,14 @@
 """Decoding over a device mesh (``models.sharding``) on 8 forced CPU devices: for both architectures
-(tiny configs with 8 heads), the fp32 state on the meshes 2x4 and 8x1 and the LeapQuant state
-on 2x4, the sharded logits equal the unsharded ones (fp32: to round-off; LeapQuant: a
-different summation order can move a code across a rounding boundary, so the sharded logits must be
-as close to fp32's as the unsharded ones), greedy tokens are the same, and every state leaf is
-split by head. The Pallas kernels (interpret mode) run per shard with the layers scanned, on the
-2x4 mesh (the dense fp32 step on GDN, the LeapQuant step and flush on KDA). A GDN model with GVA (8
-value heads over 4 key heads) checks that LeapQuant's key records, kept per key head, split over
-the model axis with the value heads that read them (reference and kernels on the 2x4 mesh).
+(tiny configs with 8 heads, two linear-attention layers and an attention layer), the fp32 state
+on the meshes 2x4 and 8x1 and the LeapQuant state on 2x4, the sharded logits equal the unsharded
+ones (fp32: to round-off; LeapQuant: a different summation order can move a code across a
+rounding boundary, so the sharded logits must be as close to fp32's as the unsharded ones),
+greedy tokens are the same, and every state leaf is split by head. The Pallas kernels (interpret
+mode) run per shard with the layers scanned (the two linear-attention layers as one block), on
+the 2x4 mesh (the dense fp32 step on GDN, the LeapQuant step and flush on KDA), against the same
+unsharded reference runs. A GDN model with GVA (8 value heads over 4 key heads) checks that
+LeapQuant's key records, kept per key head, split over the model axis with the value heads that
+read them (reference and kernels on the 2x4 mesh).
 
 The collectives of one compiled decode step (``bench.sharded_check.step_collectives``) of
 ``bench.decode``'s ``tiny-tp`` (Qwen3.5's layers, the fused GDN projection grouped per shard) and
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import child_xla_flags
+
 # The module's fixtures serve all its tests: one xdist worker runs them (conftest.py: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("sharding")
 
@@ -41,17 +45,17 @@ from models.sharding import constrain_cache, make_mesh
 from bench.inputs import rel
 from bench.sharded_check import tiny as tiny_model
 
-def tiny(arch):
-    return tiny_model(arch, heads=8, key_heads=8)
-
+# three layers: two linear-attention layers (a scanned block of two in the kernel runs) and attention
+models = {arch: tiny_model(arch, heads=8, key_heads=8, layers=3) for arch in ("gdn", "kda")}
 out = {"devices": len(jax.devices()), "runs": []}
 ids = np.random.default_rng(0).integers(1, 64, (8, 10))
+refs = {}        # unsharded logits per (arch, method), shared with the kernel runs below
 for arch in ("gdn", "kda"):
-    a, cfg, params = tiny(arch)
-    fp32 = score(a, params, cfg, ids, method=make_method("fp32"))[0]
+    a, cfg, params = models[arch]
+    fp32 = refs[arch, "fp32"] = score(a, params, cfg, ids, method=make_method("fp32"))[0]
     for name in ("fp32", "leapquant"):
         m = make_method(name, window=4) if name == "leapquant" else make_method(name)
-        ref = fp32 if name == "fp32" else score(a, params, cfg, ids, method=m)[0]
+        ref = refs[arch, name] = fp32 if name == "fp32" else score(a, params, cfg, ids, method=m)[0]
         # 2x4 splits heads and sequences, 8x1 sequences alone (fp32's only: LeapQuant's state splits
         # as fp32's); the logits on model-only meshes are checked with the collectives below
         for shape in ((2, 4), (8, 1)) if name == "fp32" else ((2, 4),):
@@ -68,32 +72,31 @@ for arch in ("gdn", "kda"):
                 run["state_shards"] = [[list(x.shape), list(x.sharding.shard_shape(x.shape))]
                                        for x in jax.tree.leaves(state)]
             out["runs"].append(run)
-# the kernels per shard: Pallas (interpret mode here) under shard_map, scanned layers
+# the kernels per shard: Pallas (interpret mode here) under shard_map, scanned layers, against the
+# unsharded reference runs above (the same ids)
 import dataclasses
 from models.base import scan_params
 mesh = make_mesh(2, 4)
 for arch, name in (("gdn", "fp32"), ("kda", "leapquant")):
-    a, cfg, params = tiny(arch)
-    ref_m = make_method(name, window=4) if name == "leapquant" else make_method(name)
+    a, cfg, params = models[arch]
     ker_m = make_method(name, window=4, impl="pallas") if name == "leapquant" else make_method(name, impl="pallas")
-    ref = score(a, params, cfg, ids[:, :6], method=ref_m)[0]
+    ref, fp32 = refs[arch, name], refs[arch, "fp32"]
     scfg = dataclasses.replace(cfg, scan_layers=True)
-    got = score(a, scan_params(params, cfg), scfg, ids[:, :6], method=ker_m, mesh=mesh)[0]
-    fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
+    got = score(a, scan_params(params, cfg), scfg, ids, method=ker_m, mesh=mesh)[0]
     out["runs"].append({"arch": arch, "method": name + "-pallas", "mesh": [2, 4], "to_unsharded": rel(got, ref),
                         "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)})
 # GVA: 8 value heads over 4 key heads; LeapQuant's key records [B, 4, p, dk] split over the model
 # axis with the value heads, one key head and its two value heads per device
-a, cfg, params = tiny_model("gdn", heads=8, key_heads=4)
-fp32 = score(a, params, cfg, ids[:, :6], method=make_method("fp32"))[0]
-ref = score(a, params, cfg, ids[:, :6], method=make_method("leapquant", window=4, impl="reference"))[0]
+a, cfg, params = tiny_model("gdn", heads=8, key_heads=4, layers=3)
+fp32 = score(a, params, cfg, ids, method=make_method("fp32"))[0]
+ref = score(a, params, cfg, ids, method=make_method("leapquant", window=4, impl="reference"))[0]
 for impl in ("reference", "pallas"):
     m = make_method("leapquant", window=4, impl=impl)
-    got = score(a, params, cfg, ids[:, :6], method=m, mesh=mesh)[0]
+    got = score(a, params, cfg, ids, method=m, mesh=mesh)[0]
     run = {"arch": "gdn-gva", "method": "leapquant" + ("-pallas" if impl == "pallas" else ""), "mesh": [2, 4],
            "to_unsharded": rel(got, ref), "to_fp32": rel(got, fp32), "unsharded_to_fp32": rel(ref, fp32)}
     if impl == "reference":
-        cache = jax.jit(lambda: constrain_cache(a.init_cache(cfg, batch=8, max_len=6, method=m), mesh))()
+        cache = jax.jit(lambda: constrain_cache(a.init_cache(cfg, batch=8, max_len=10, method=m), mesh))()
         state = cache["layers"][0]["state"]
         run["state_shards"] = [[list(x.shape), list(x.sharding.shard_shape(x.shape))]
                                for x in jax.tree.leaves(state)]
@@ -142,8 +145,11 @@ print("STEPS " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def child() -> dict:
-    """Both scripts in one child process (one JAX start): ``{"RUNS": ..., "STEPS": ...}``."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    """Both scripts in one child process (one JAX start): ``{"RUNS": ..., "STEPS": ...}``. The child's
+    XLA favours compile time (``helpers.child_xla_flags``), for its sharded and unsharded programs
+    alike; the partitioner places the collectives before XLA's backend runs."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {child_xla_flags()}",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, "-c", CHILD + COLLECTIVES_CHILD], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=1200)

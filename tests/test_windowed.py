@@ -21,14 +21,18 @@ IDENTITY = dict(residual_format="fp32", record_dtype="float32", impl="reference"
 
 def draw(kda, *, batch, tokens, heads, dv, key_heads=None):
     """The first sequences, tokens, heads and value columns of one draw ``[3, 1000, 4, ...]`` of
-    16 x 16 heads per decay kind: most tests here take their inputs from it (each new input spec
-    compiles the generator again); ``key_heads`` (GVA) keeps that many heads of q and k."""
-    x = random_inputs(7, batch=3, tokens=1000, heads=4, dk=16, dv=16, kda=kda)
+    16 x 16 heads: most tests here take their inputs from it (each new input spec compiles the
+    generator again, for many seconds); KDA's per-channel decays (``kda``) are drawn in NumPy as
+    the generator draws them, alpha uniform in its default range (0.9, 0.999).
+    ``key_heads`` (GVA) keeps that many heads of q and k."""
+    x = {n: np.asarray(v) for n, v in random_inputs(7, batch=3, tokens=1000, heads=4, dk=16, dv=16).items()}
+    if kda:
+        x["g"] = np.log(np.random.default_rng(7).uniform(0.9, 0.999, x["k"].shape)).astype(np.float32)
     x = {n: v[:batch, :tokens, :heads] for n, v in x.items()}
     x["v"] = x["v"][..., :dv]
     if key_heads is not None:
         x["q"], x["k"] = x["q"][:, :, :key_heads], x["k"][:, :, :key_heads]
-    return x
+    return {n: jnp.asarray(v) for n, v in x.items()}
 
 
 @pytest.mark.parametrize("kda", [False, True])
@@ -43,11 +47,17 @@ def test_identity_format_matches_dense_over_1000_tokens_with_ragged_boundaries(k
     assert list(np.asarray(state.pos)) == [0, 3, 4]
     rest = {n: v[:, 11:] for n, v in x.items()}
     o, state = jax.jit(lambda s, a: method.decode(s, **a))(state, rest)
-    for b, n in enumerate([0, 3, 11]):
-        seq = {k: jnp.concatenate([v[b:b + 1, :n], v[b:b + 1, 11:]], axis=1) for k, v in x.items()}
-        o_ref, s_ref = recurrent_scan(None, **seq)
-        assert rel(o[b], o_ref[0, n:]) < 1e-5
-        assert rel(method.to_dense(state)[b], s_ref[0]) < 1e-5
+    # Sequence b reads its first n tokens and then token 11 on. One scan for the three: before them,
+    # 11 - n tokens that change nothing (beta = 0, alpha = 1: the state stays exactly as it is).
+    seq = {}
+    for name, v in x.items():
+        v = np.asarray(v)
+        seq[name] = np.stack([np.concatenate([np.zeros((11 - n,) + v.shape[2:], np.float32), v[b, :n], v[b, 11:]])
+                              for b, n in enumerate([0, 3, 11])])
+    o_ref, s_ref = recurrent_scan(None, **seq)
+    for b in range(3):
+        assert rel(o[b], o_ref[b, 11:]) < 1e-5
+        assert rel(method.to_dense(state)[b], s_ref[b]) < 1e-5
 
 
 @pytest.mark.parametrize("window", [1, 4, 16])
@@ -65,7 +75,7 @@ def test_step_reads_match_the_state_it_represents():
     x = draw(True, batch=2, tokens=5, heads=2, dv=8)
     cfg = LeapQuantConfig(bits=6, window=8, impl="reference")
     method = make_method("leapquant", bits=6, window=8, impl="reference")
-    dense0 = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 16, 8))
+    dense0 = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 16, 8)), jnp.float32)
     state = method.from_dense(dense0, per_channel_decay=True)
     step = jax.jit(lambda s, tok: method.step(s, **tok))
     reconstruct = jax.jit(lambda s: windowed.reconstruct_reference(cfg, s))
@@ -95,7 +105,9 @@ def test_quantized_windowed_beats_per_step_on_long_memory():
 
 def test_fully_decayed_zero_and_zero_column_states_flush_finite():
     cfg = LeapQuantConfig(bits=4, window=4, impl="reference")
-    dense = jnp.zeros((3, 2, 16, 8)).at[2, :, :, :4].set(jax.random.normal(jax.random.PRNGKey(0), (2, 16, 4)))
+    dense = np.zeros((3, 2, 16, 8), np.float32)
+    dense[2, :, :, :4] = np.random.default_rng(0).standard_normal((2, 16, 4))
+    dense = jnp.asarray(dense)
     method = make_method("leapquant", bits=4, window=4, impl="reference")
     state = method.from_dense(dense)
     x = draw(False, batch=3, tokens=9, heads=2, dv=8)
@@ -121,8 +133,7 @@ def test_long_decay_over_20000_tokens_stays_finite():
 
 
 def test_subspace_fit_recovers_a_low_rank_state():
-    key = jax.random.PRNGKey(0)
-    a, b = jax.random.normal(key, (2, 3, 32, 4))
+    a, b = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 32, 4)), jnp.float32)
     low = jnp.einsum("hkr,hvr->hkv", a, b[..., :4][:, :32])
     k_svd, u_svd = fit_svd(low, 4)
     k_sub, u_sub = fit_subspace(low, 4, iters=2)
@@ -135,7 +146,7 @@ def test_subspace_fit_recovers_a_low_rank_state():
 def test_subspace_fit_takes_a_precomputed_first_round():
     # the split flush kernel hands over (S S^T Q_0)^T (or (S^T Q_0)^T); the fit must equal the one
     # that computes it
-    s = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 32, 16))
+    s = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 32, 16)), jnp.float32)
     q0 = random_start(32, 4, 0)
     first_z = jnp.einsum("bhkv,rk->bhrv", s, q0, precision=jax.lax.Precision.HIGHEST)
     first_y = jnp.einsum("bhkv,bhrv->bhrk", s, first_z, precision=jax.lax.Precision.HIGHEST)
@@ -151,7 +162,7 @@ def test_cholesky_qr2_unrolled_matches_householder_qr(monkeypatch):
     # ranks above UNROLLED_RANK take Householder QR; on full-rank columns both give the same basis
     from leapquant_jax import compensators
 
-    y = jax.random.normal(jax.random.PRNGKey(5), (3, 32, 6)) * jnp.array([1.0, 3.0, 0.1, 2.0, 1e-3, 5.0])
+    y = jnp.asarray(np.random.default_rng(5).standard_normal((3, 32, 6)) * [1.0, 3.0, 0.1, 2.0, 1e-3, 5.0], jnp.float32)
     unrolled = np.asarray(compensators.cholesky_qr2(y))
     monkeypatch.setattr(compensators, "UNROLLED_RANK", 0)
     householder = np.asarray(compensators.cholesky_qr2(y))
@@ -241,7 +252,7 @@ def test_shared_key_records_step_by_step_from_a_dense_state():
     # method.step with k per key head, from a rounded dense state, across a flush (window 4)
     x = draw(False, batch=2, tokens=9, heads=4, dv=8, key_heads=2)
     method = make_method("leapquant", bits=6, window=4, rank=2, impl="reference")
-    dense0 = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 16, 8))
+    dense0 = jnp.asarray(np.random.default_rng(1).standard_normal((2, 4, 16, 8)), jnp.float32)
     shared, expanded = method.from_dense(dense0, key_heads=2), method.from_dense(dense0)
     step = jax.jit(lambda s, tok: method.step(s, **tok))
     xe = _expanded(x, 4)

@@ -7,6 +7,7 @@ normalised by its own median), with a three-panel heat map.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -24,12 +25,18 @@ def peak_over_median(x: np.ndarray) -> float:
     return float(a.max() / med) if med > 0 else (0.0 if a.max() == 0 else float("inf"))
 
 
+@functools.partial(jax.jit, static_argnames=("rank",))
+def _panels(s: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
+    # one compiled program per head shape and rank, which every head of a study reuses
+    k_rows, u_rows = fit_svd(s, rank)
+    residual = s - compensator_matrix(k_rows, u_rows)
+    return residual, residual / smoothing_scales(residual)[:, None]
+
+
 def outlier_panels(state: jax.Array, rank: int = 4) -> dict[str, np.ndarray]:
     """``{"state", "residual", "smoothed"}`` magnitude maps ``[dk, dv]`` for one head ``state [dk, dv]``."""
     s = jnp.asarray(state, jnp.float32)
-    k_rows, u_rows = fit_svd(s, rank)
-    residual = s - compensator_matrix(k_rows, u_rows)
-    smoothed = residual / smoothing_scales(residual)[:, None]
+    residual, smoothed = _panels(s, rank)
     return {n: np.abs(np.asarray(x)) for n, x in (("state", s), ("residual", residual), ("smoothed", smoothed))}
 
 
