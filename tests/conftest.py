@@ -6,6 +6,35 @@ import tempfile
 # The suite runs from a source checkout without installing it too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import importlib.metadata  # noqa: E402
+import subprocess  # noqa: E402
+
+from tests.helpers import CHILD_XLA_OPTIONS, xla_flags_text  # noqa: E402
+
+
+def _use_fast_compile_flags():
+    """On a CPU-only JAX, the whole run compiles with ``CHILD_XLA_OPTIONS`` (the backend's lowest
+    optimisation level, elemental emitters): the suite compiles thousands of small programs and
+    runs each briefly, so compile time is most of its time. Set in the environment before JAX
+    starts its backend, they reach the xdist workers and the child processes of the tests alike.
+    Not on a JAX with a GPU plugin (``pytest -m gpu`` checks the kernels as they are served), not
+    when ``LEAPQUANT_TEST_XLA_FLAGS=0``, and not where this XLA refuses a flag (a trial start of
+    JAX in a subprocess: an unknown flag in ``XLA_FLAGS`` aborts the process)."""
+    if os.environ.get("LEAPQUANT_TEST_XLA_FLAGS") == "0" or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    if list(importlib.metadata.entry_points(group="jax_plugins")):
+        return
+    flags = xla_flags_text(CHILD_XLA_OPTIONS)
+    if flags in os.environ.get("XLA_FLAGS", ""):
+        return
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip(), JAX_PLATFORMS="cpu")
+    probe = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.float32(0)).block_until_ready()"
+    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0:
+        os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+
+
+_use_fast_compile_flags()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -13,7 +13,8 @@
 * ``heldout_ids``, ``heldout_ids_file``: a shipped checkpoint's held-out snippet, as ids or an ``.npy``.
 * ``run_cli``, ``calibrate_then_eval``, ``check_refused_by_name``: ``leapquant`` run in-process,
   its output captured.
-* ``child_xla_flags``: ``XLA_FLAGS`` for the child processes some tests start (compile-bound).
+* ``CHILD_XLA_OPTIONS``, ``child_xla_flags``: the suite's fast compile, also for the child processes
+  some tests start; ``jit_as_served``, ``run_cli_served``: XLA's own compile, where a test needs it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import contextlib
 import functools
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import chex
@@ -36,7 +40,8 @@ from leapquant_jax.synthetic import SyntheticSpec, synthetic_batch
 from leapquant_jax import dispatch
 from pallas_kernels.leapquant_flush import flush_fused, flush_split, leapquant_flush_reference
 
-GDN_CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "checkpoints" / "stdlib-gdn"
+ROOT = Path(__file__).resolve().parents[1]
+GDN_CHECKPOINT = ROOT / "models" / "checkpoints" / "stdlib-gdn"
 
 
 def random_inputs(seed, *, batch=2, tokens=64, heads=2, dk=16, dv=16, kda=False, key_heads=None, decay=(0.9, 0.999)):
@@ -214,6 +219,17 @@ def run_cli(argv) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def run_cli_served(argv) -> tuple[int, str, str]:
+    """``leapquant argv`` in a child process compiled as users' programs are: ``XLA_FLAGS`` without
+    ``CHILD_XLA_OPTIONS``. For a command that runs long on few programs (the fast compile's code
+    runs several times slower). Returns ``(exit code, stdout, stderr)``."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(xla_flags_text(CHILD_XLA_OPTIONS), "").strip()
+    env = dict(os.environ, XLA_FLAGS=flags)
+    proc = subprocess.run([sys.executable, "-m", "leapquant_cli", *[str(a) for a in argv]], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def calibrate_then_eval(command, checkpoint, data, out: Path, calibrate_options, eval_options) -> tuple[dict, dict]:
     """``leapquant command checkpoint --data data --out out *calibrate_options --json``, then
     ``leapquant eval checkpoint --data data *eval_options --json``: both must exit 0. Returns the
@@ -240,28 +256,63 @@ def check_refused_by_name(argv, names: dict, words, *, eval_data, unwritten: Pat
     assert not unwritten.exists()
 
 
-# XLA options for a child process that compiles many small programs and runs each briefly: the
-# backend's lowest optimisation level, and XLA:CPU's elemental emitters in place of its fusion
-# emitters (about half the compile time on such programs). Every program of the child (and of the
-# processes of one mesh) is compiled alike, so the runs a test compares stay comparable.
+# XLA options for a run that compiles many small programs and runs each briefly: the backend's
+# lowest optimisation level, and XLA:CPU's elemental emitters in place of its fusion emitters
+# (about half the compile time on such programs). The conftest sets them for the whole suite on a
+# CPU-only JAX; a child process some tests start takes them too, so every program a test compares
+# is compiled alike.
 CHILD_XLA_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# XLA's own values of the same options, those a user's program is compiled with. Two programs that
+# a test compares bit for bit are compiled so (``jit_as_served``, ``run_cli_served``): such an
+# equality is a property of the optimised compile, which the fast one need not keep.
+SERVED_XLA_OPTIONS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+
+
+def xla_flags_text(options: dict) -> str:
+    """``options`` as ``XLA_FLAGS`` text: ``--name=value`` each."""
+    return " ".join(f"--{name}={str(value).lower()}" for name, value in options.items())
 
 
 @functools.lru_cache(maxsize=None)
-def child_xla_flags() -> str:
-    """``XLA_FLAGS`` text of the ``CHILD_XLA_OPTIONS`` this JAX's XLA knows: each is tried on a
-    trivial compile first (an unknown flag in ``XLA_FLAGS`` would abort the child)."""
+def _known(items: tuple) -> tuple:
     known = []
-    for name, value in CHILD_XLA_OPTIONS.items():
+    for name, value in items:
         try:
             jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options={name: value})
         except jax.errors.JaxRuntimeError:      # "No such compile option"
             continue
-        known.append(f"--{name}={str(value).lower()}")
-    return " ".join(known)
+        known.append((name, value))
+    return tuple(known)
 
 
-__all__ = ["CHILD_XLA_OPTIONS", "GDN_CHECKPOINT", "calibrate_then_eval", "check_flush", "check_refused_by_name",
-           "child_xla_flags", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file", "jax", "jnp",
-           "live_state", "lower_to_triton", "numpy_inputs", "numpy_reference", "random_inputs", "random_sequence", "random_state",
-           "rel", "run_cli", "token_at"]
+def known_xla_options(options: dict) -> dict:
+    """The items of ``options`` this JAX's XLA knows, each tried on a trivial compile first (an
+    unknown option fails a compile, and an unknown flag in ``XLA_FLAGS`` aborts a process)."""
+    return dict(_known(tuple(options.items())))
+
+
+def child_xla_flags() -> str:
+    """``XLA_FLAGS`` text of the ``CHILD_XLA_OPTIONS`` this JAX's XLA knows."""
+    return xla_flags_text(known_xla_options(CHILD_XLA_OPTIONS))
+
+
+def jit_as_served(fn):
+    """``jax.jit(fn)``, each input signature compiled with the ``SERVED_XLA_OPTIONS`` this XLA
+    knows, whatever ``XLA_FLAGS`` the run has."""
+    jitted, compiled = jax.jit(fn), {}
+
+    def call(*args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
+        if key not in compiled:
+            compiled[key] = jitted.lower(*args).compile(compiler_options=known_xla_options(SERVED_XLA_OPTIONS))
+        return compiled[key](*args)
+
+    return call
+
+
+__all__ = ["CHILD_XLA_OPTIONS", "GDN_CHECKPOINT", "SERVED_XLA_OPTIONS", "calibrate_then_eval", "check_flush",
+           "check_refused_by_name", "child_xla_flags", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file",
+           "jax", "jit_as_served", "jnp", "known_xla_options", "live_state", "lower_to_triton", "numpy_inputs",
+           "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "run_cli", "run_cli_served",
+           "token_at", "xla_flags_text"]

@@ -32,7 +32,7 @@ from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import support
 from pallas_kernels.dense_step import dense_step, dense_step_reference
-from pallas_kernels.leapquant_flush import flush_fused, flush_split, leapquant_flush_reference
+from pallas_kernels.leapquant_flush import flush_fused, flush_split
 from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
 

@@ -18,7 +18,7 @@ import pytest
 from models.evaluate import first_divergence, repetition_rate
 from models.tasks import TaskSpec, TaskVocab, generate
 from models.training.task_data import TaskMix, task_batch
-from helpers import run_cli
+from helpers import run_cli, run_cli_served
 
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("tasks")
@@ -283,8 +283,10 @@ def test_task_calibrates_the_lifetime_methods_on_the_training_rows():
     task`` on 16 training rows of 2,048 tokens, then 16 rows of 256 tokens with 16 pairs. Measured
     on the CPU: fp32, stepquant-4 and leapquant-alloc-4 all 1.0 (256 scored values); the bounds
     leave two of them for fp32 and ten for the 4-bit states."""
-    code, out, err = run_cli(["task", str(GDN), "--task", "mqar", "--pairs", "16", "--lengths", "256", "--samples", "16",
-                           "--filler", "pairs", "--states", "stepquant-4,leapquant-alloc-4", "--json"])
+    # a long run of few programs: compiled as served (the suite's fast compile runs it 4x slower)
+    code, out, err = run_cli_served(["task", str(GDN), "--task", "mqar", "--pairs", "16", "--lengths", "256",
+                                     "--samples", "16", "--filler", "pairs", "--states", "stepquant-4,leapquant-alloc-4",
+                                     "--json"])
     assert code == 0, err
     result = json.loads(out)
     assert result["stepquant_calibrated_here"] and not result["damp_calibrated_here"]
