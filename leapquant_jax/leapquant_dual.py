@@ -7,9 +7,8 @@ each row's read-out impact and fp16 column scales refitted by least squares. No 
 Tokens and no separate smoothing (the row factors are the smoothing). The plan is the one
 ``stepquant.stepquant_plan`` solves at the name's nominal budget (per unit: calibration error
 energy of the fit times lifetime), so the checkpoint holds exactly the bytes of ``stepquant-<b>``'s
-state (about 4.4 bits per value at 4, fp16 pivots and scales included), where a live stream adds
-its window records; what differs is one rounding per window of ``p`` tokens instead of one per
-token.
+state (fp16 pivots and scales included), where a live stream adds its window records; what differs
+is one rounding per window of ``p`` tokens instead of one per token.
 
 ``DualConfig`` is a ``LeapQuantConfig`` whose residual format is the layout; the reference step
 and flush (``windowed``) run it as they are. The Pallas kernels read integer residuals only and
