@@ -7,10 +7,10 @@ smoothing alone). ``replay --method``, ``generate``/``score --state``, ``eval``/
 ``demo --states``, ``study errors --methods`` and ``memory --methods`` all take these labels.
 
 Options (``STATE_OPTIONS``) apply where they mean something: ``window`` and ``impl`` to every
-windowed method (``leapquant-alloc-*`` too), ``bits``, ``rank``, ``compensators`` and ``smoothing``
-to LeapQuant alone, ``calibration`` to ``damp`` alone, ``stepquant_calibration`` (the file of
-``leapquant calibrate-stepquant``, given to ``make_method`` as ``calibration``) to the
-``LIFETIME_METHODS`` alone. An option that contradicts what a label fixes
+windowed method (``leapquant-alloc-*`` and ``leapquant-dual-*`` too), ``bits``, ``rank``,
+``compensators`` and ``smoothing`` to LeapQuant alone, ``calibration`` to ``damp`` alone,
+``stepquant_calibration`` (the file of ``leapquant calibrate-stepquant``, given to ``make_method`` as
+``calibration``) to the ``LIFETIME_METHODS`` alone. An option that contradicts what a label fixes
 (``leapquant-b6`` with ``bits=4``) is an error; a method's own name fixes nothing
 (``leapquant --bits 4`` is LeapQuant at 4 bits).
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from .leapquant_alloc import NAMES as ALLOC_NAMES
-from .methods import LIFETIME_METHODS, METHOD_NAMES, WINDOWED_METHODS, make_method
+from .methods import LIFETIME_METHODS, METHOD_NAMES, WINDOWED_LIFETIME_METHODS, WINDOWED_METHODS, make_method
 
 MAX_WINDOW = 256
 
@@ -70,7 +69,7 @@ def applicable_options(label: str) -> tuple[str, ...]:
     if name == "damp":
         return ("calibration",)
     if name in LIFETIME_METHODS:
-        return ("stepquant_calibration",) + (WINDOW_OPTIONS if name in ALLOC_NAMES else ())
+        return ("stepquant_calibration",) + (WINDOW_OPTIONS if name in WINDOWED_LIFETIME_METHODS else ())
     if name not in WINDOWED_METHODS:
         return ()
     return LEAPQUANT_OPTIONS if name == "leapquant" else WINDOW_OPTIONS

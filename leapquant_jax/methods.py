@@ -13,9 +13,9 @@ A method is a frozen, hashable dataclass (a static argument to ``jit``) with
 ``bf16``, ``fp16``, ``int8``, ``fp8``, ``int6``, ``int4`` and the formats of ``formats`` (eq. 2:
 re-quantize after every token), the stateful per-step methods of ``feedback``; windowed
 ``bf16-w``, ``int8-w`` (no compensators, no smoothing), ``leapquant`` and the lossless ``fp32-w``
-(an fp32 checkpoint, ``fp32w``); the lifetime-calibrated ``stepquant-6/-4`` (``stepquant``) and
-``leapquant-alloc-6/-4`` (``leapquant_alloc``). The shared drivers
-(``decode``, ``prefill``) live in ``runner``.
+(an fp32 checkpoint, ``fp32w``); the lifetime-calibrated ``stepquant-6/-4`` (``stepquant``),
+``leapquant-alloc-6/-4`` (``leapquant_alloc``) and ``leapquant-dual-6/-4`` (``leapquant_dual``).
+The shared drivers (``decode``, ``prefill``) live in ``runner``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from .feedback import METHODS as STATEFUL_PER_STEP
 from .fp32w import fp32w_config
 from .leapquant_alloc import NAMES as ALLOC_NAMES
 from .leapquant_alloc import AllocMethod
+from .leapquant_dual import NAMES as DUAL_NAMES
+from .leapquant_dual import DualMethod
 from .per_step import DENSE_KERNEL_FORMATS, PER_STEP_METHODS, PerStepMethod
 from .state import LeapQuantConfig
 from .stepquant import NAMES as STEPQUANT_NAMES
@@ -41,8 +43,9 @@ Array = jax.Array
 WINDOWED_METHODS = ("bf16-w", "int8-w", "leapquant", "fp32-w")
 # The per-step formats, then the per-step methods whose state carries more than the rounded
 # values (error feedback, stochastic rounding), then DAMP (calibrated per layer), then the windowed ones,
-# then those calibrated for their lifetime-aware widths (``lifetime``: one calibration file for all four).
-LIFETIME_METHODS = tuple(STEPQUANT_NAMES) + tuple(ALLOC_NAMES)
+# then those calibrated for their lifetime-aware widths (``lifetime``: one calibration file for all).
+LIFETIME_METHODS = tuple(STEPQUANT_NAMES) + tuple(ALLOC_NAMES) + tuple(DUAL_NAMES)
+WINDOWED_LIFETIME_METHODS = tuple(ALLOC_NAMES) + tuple(DUAL_NAMES)    # these take window and impl
 METHOD_NAMES = PER_STEP_METHODS + tuple(STATEFUL_PER_STEP) + ("damp",) + WINDOWED_METHODS + LIFETIME_METHODS
 
 
@@ -67,18 +70,20 @@ def make_method(
     which implementation runs the dense step) on ``fp32`` and ``bf16``. ``calibration`` (a
     ``damp.DampCalibration`` or the path of its file) is ``damp``'s only option. The
     ``LIFETIME_METHODS`` take a ``lifetime.LifetimeCalibration`` (or its path), and
-    ``leapquant-alloc-*`` also ``window`` and ``impl``.
+    ``leapquant-alloc-*`` and ``leapquant-dual-*`` also ``window`` and ``impl``.
     """
     if name in LIFETIME_METHODS:
         given = {k: v for k, v in dict(bits=bits, window=window, rank=rank, compensators=compensators,
                                        smoothing=smoothing, **config_options).items() if v is not None}
-        allowed = {"window", "impl"} if name in ALLOC_NAMES else set()
+        allowed = {"window", "impl"} if name in WINDOWED_LIFETIME_METHODS else set()
         if set(given) - allowed:
             takes = "a calibration, window and impl" if allowed else "only a calibration"
             raise ValueError(f"method {name!r} takes {takes} (its widths come from the calibration), got "
                              f"{sorted(set(given) - allowed)}")
         if name in ALLOC_NAMES:
             return AllocMethod(plan=name, calibration=calibration, **given)
+        if name in DUAL_NAMES:
+            return DualMethod(plan=name, calibration=calibration, **given)
         return StepQuantMethod(plan=name, calibration=calibration)
     if name == "damp":
         others = {k: v for k, v in dict(bits=bits, window=window, rank=rank, compensators=compensators,
@@ -121,4 +126,5 @@ def make_method(
     return WindowedMethod(LeapQuantConfig(**{**base, **given}), label=name)
 
 
-__all__ = ["DENSE_KERNEL_FORMATS", "LIFETIME_METHODS", "METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod", "WINDOWED_METHODS", "WindowedMethod", "make_method"]
+__all__ = ["DENSE_KERNEL_FORMATS", "LIFETIME_METHODS", "METHOD_NAMES", "PER_STEP_METHODS", "PerStepMethod",
+           "WINDOWED_LIFETIME_METHODS", "WINDOWED_METHODS", "WindowedMethod", "make_method"]

@@ -321,29 +321,22 @@ class StepQuantMethod(PlanMethod, PerStepRunner):
             raise ValueError(f"unknown STEPQuant method {self.plan!r}; known: {', '.join(NAMES)}")
 
     def layout(self, heads: int, dk: int, dv: int, *, need_plan: bool = True) -> Layout:
-        """The layer's layout: its plan's, or without a calibration (``need_plan=False`` only) the
-        budget's width on every row (no 2-bit row: the same for GDN and KDA)."""
-        found = self.layer_plan(heads, dk, dv, need_plan=need_plan, plan_type=StepQuantPlan, kind="STEPQuant",
-                                differs="plan")
-        if found is None:
-            return Layout(bits=np.full((heads, dk), NAMES[self.plan]), impact=np.ones((heads, dk)), architecture="gdn")
-        plan, i = found
-        return Layout(bits=np.asarray(plan.bits[i]), impact=np.asarray(plan.impact[i], np.float64),
-                      architecture=self.calibration.architecture)
+        """The layer's layout (``method_layout`` at the name's budget)."""
+        return method_layout(self, NAMES.get(self.plan), heads, dk, dv, need_plan=need_plan)
 
     def init(self, batch: int, heads: int, dk: int, dv: int, per_channel_decay: bool = False, *,
              key_heads: Optional[int] = None) -> StepQuantState:
         """A zero state ``[batch, heads, dk, dv]`` (``key_heads`` is checked; the state keeps no keys)."""
         check_dims(batch, heads, dk, dv)
         resolve_key_heads(heads, key_heads)
-        _check_size(dk, dv)
+        check_size(dk, dv)
         return zero_state(batch, heads, dk, dv, self.layout(heads, dk, dv, need_plan=False))
 
     def from_dense(self, state: Array, *, per_channel_decay: bool = False,
                    key_heads: Optional[int] = None) -> StepQuantState:
         """Rounds ``[B, H, dk, dv]`` fp32 into the layer's layout."""
         _, h, dk, dv = check_dense(state)
-        _check_size(dk, dv)
+        check_size(dk, dv)
         return encode(state, self.layout(h, dk, dv))
 
     def to_dense(self, state: StepQuantState) -> Array:
@@ -353,7 +346,21 @@ class StepQuantMethod(PlanMethod, PerStepRunner):
 
 
 
-def _check_size(dk: int, dv: int) -> None:
+def method_layout(method: PlanMethod, bits: Optional[int], heads: int, dk: int, dv: int, *,
+                  need_plan: bool = True) -> Layout:
+    """The layout of ``method``'s layer (a ``PlanMethod`` running a ``StepQuantPlan``): its plan's,
+    or without a calibration (``need_plan=False`` only) ``bits`` on every row (no 2-bit row: the
+    same for GDN and KDA)."""
+    found = method.layer_plan(heads, dk, dv, need_plan=need_plan, plan_type=StepQuantPlan, kind="STEPQuant",
+                              differs="plan")
+    if found is None:
+        return Layout(bits=np.full((heads, dk), bits), impact=np.ones((heads, dk)), architecture="gdn")
+    plan, i = found
+    return Layout(bits=np.asarray(plan.bits[i]), impact=np.asarray(plan.impact[i], np.float64),
+                  architecture=method.calibration.architecture)
+
+
+def check_size(dk: int, dv: int) -> None:
     if dv % 4 or (dv > GROUP and dv % GROUP):
         raise ValueError(f"stepquant packs codes along dv in fours and groups values by {GROUP}: dv must be a multiple "
                          f"of 4 (and of {GROUP} above it), got dv={dv}")
@@ -441,4 +448,5 @@ def _fp16_error(stats: LayerStatistics, weights: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["GAMMA", "Layout", "NAMES", "PIVOT", "PIVOT_SHARE", "StepQuantMethod", "StepQuantState", "candidates_for",
-           "decode", "encode", "fit", "impact_weights", "pack_2bit", "stepquant_plan", "unpack_2bit"]
+           "check_size", "decode", "encode", "fit", "impact_weights", "method_layout", "pack_2bit", "stepquant_plan",
+           "unpack_2bit"]

@@ -81,13 +81,14 @@ def test_jobs_come_in_priority_order_with_the_configurations_of_their_labels():
     labels = [j.label for j in jobs]
     assert len(set(labels)) == len(labels) == 23 + 32
     assert [j.group for j in jobs] == ["formats"] * 17 + ["sweeps"] * 6 + ["rivals"] * 32
-    # Table 6 holds every per-step method there is, each once
+    # Table 6 holds every per-step method there is, each once (and leapquant-alloc, not leapquant-dual)
+    from leapquant_jax.leapquant_dual import NAMES as DUAL_NAMES
     from leapquant_jax.methods import METHOD_NAMES, WINDOWED_METHODS
 
     table6 = [x for group in TABLE6.values() for x in group]
     assert len(set(table6)) == len(table6)
     assert set(table6) - {"leapquant", "leapquant-b6", "leapquant-b4"} == \
-        set(METHOD_NAMES) - set(WINDOWED_METHODS) - {"fp32", "fp16"}
+        set(METHOD_NAMES) - set(WINDOWED_METHODS) - set(DUAL_NAMES) - {"fp32", "fp16"}
     rivals = select_jobs(None, groups="rivals")
     assert [j.label for j in rivals] == ["fp32"] + [x for x in labels[1:] if x in table6]
     assert [j.label for j in select_jobs(None, groups="sweeps")][1:] == labels[17:23]

@@ -318,7 +318,7 @@ def test_a_calibration_plans_the_names_asked_each_as_alone():
     from models.calibrate_stepquant import calibrate_lifetime, calibrate_traces
 
     traces = _traces(False)
-    kw = dict(every=8, samples=16, horizon=256, alloc_budgets={})
+    kw = dict(every=8, samples=16, horizon=256, alloc_budgets={}, dual_names=())
     one, _ = calibrate_traces(traces, stepquant_budgets={"stepquant-4": 4}, **kw)
     both, _ = calibrate_traces(traces, stepquant_budgets={"stepquant-6": 6, "stepquant-4": 4}, **kw)
     assert one.names == ("stepquant-4",) and both.names == ("stepquant-6", "stepquant-4")
