@@ -311,7 +311,7 @@ def jit_as_served(fn):
     return call
 
 
-__all__ = ["CHILD_XLA_OPTIONS", "GDN_CHECKPOINT", "SERVED_XLA_OPTIONS", "calibrate_then_eval", "check_flush",
+__all__ = ["CHILD_XLA_OPTIONS", "GDN_CHECKPOINT", "ROOT", "SERVED_XLA_OPTIONS", "calibrate_then_eval", "check_flush",
            "check_refused_by_name", "child_xla_flags", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file",
            "jax", "jit_as_served", "jnp", "known_xla_options", "live_state", "lower_to_triton", "numpy_inputs",
            "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "run_cli", "run_cli_served",

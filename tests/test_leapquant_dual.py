@@ -4,6 +4,7 @@ closer to fp32 than ``stepquant-4`` rounding every token, the kernels refuse its
 bad input is refused by name."""
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.state import LeapQuantState
 from leapquant_jax.stepquant import StepQuantState
 from leapquant_jax.traces import Trace, save_trace
-from helpers import numpy_reference, random_inputs, rel
+from helpers import ROOT, numpy_reference, random_inputs, rel
 
 H, DK, DV = 4, 32, 32
 
@@ -100,3 +101,11 @@ def test_bad_input_is_refused_by_name(calibrated):
         make_method("leapquant-dual-4").for_layer(0).from_dense(jnp.zeros((1, H, DK, DV)))
     with pytest.raises(Exception, match="no plan for 'leapquant-dual-6'"):
         make_method("leapquant-dual-6", calibration=cal).for_layer(0).from_dense(jnp.zeros((1, H, DK, DV)))
+
+
+@pytest.mark.parametrize("model", ["stdlib-gdn", "stdlib-kda"])
+def test_shipped_calibrations_hold_the_dual_plans_as_stepquants(model):
+    # what ``calibrate-stepquant`` writes: each leapquant-dual-<b> plan is stepquant-<b>'s under its name
+    plans = json.loads((ROOT / "models" / "checkpoints" / model / "stepquant-calibration.json").read_text())["plans"]
+    for bits in (6, 4):
+        assert plans[f"leapquant-dual-{bits}"] == plans[f"stepquant-{bits}"]
