@@ -266,8 +266,9 @@ def test_shipped_recall_checkpoint_recalls_at_a_short_length(folder):
     """fp32 and LeapQuant-8 on 16 rows of 256 tokens with 16 pairs (distractor-pair filler), through
     the decode path. Measured on the CPU: fp32 1.0 and LeapQuant-8 1.0 on both checkpoints (256
     scored values each); the bounds leave two of them."""
-    code, out, err = run_cli(["task", str(folder), "--task", "mqar", "--pairs", "16", "--lengths", "256",
-                           "--samples", "16", "--filler", "pairs", "--states", "fp32,leapquant", "--json"])
+    # a long run of few programs: compiled as served (``helpers.run_cli_served``)
+    code, out, err = run_cli_served(["task", str(folder), "--task", "mqar", "--pairs", "16", "--lengths", "256",
+                                     "--samples", "16", "--filler", "pairs", "--states", "fp32,leapquant", "--json"])
     assert code == 0, err
     acc = json.loads(out)["results"]
     assert acc["fp32"]["256"] >= 1 - 2 / 256 and abs(acc["leapquant"]["256"] - acc["fp32"]["256"]) <= 2 / 256
