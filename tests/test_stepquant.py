@@ -345,8 +345,10 @@ def test_shipped_calibrations_belong_to_their_checkpoints(name):
     arch, config, params, _ = load_model(CKPTS / name)
     cal = LifetimeCalibration.load(str(CKPTS / name / "stepquant-calibration.json"))
     assert cal.layers == linear_state_layout(arch, config)[0]
-    assert set(cal.names) == {"stepquant-6", "stepquant-4", "leapquant-alloc-6", "leapquant-alloc-4"}
+    assert set(cal.names) == {"stepquant-6", "stepquant-4", "leapquant-alloc-6", "leapquant-alloc-4", "leapquant-dual-6",
+                              "leapquant-dual-4"}
     check_state_method(make_method("leapquant-alloc-4", calibration=cal), arch, config, params)
+    check_state_method(make_method("leapquant-dual-4", calibration=cal), arch, config, params)
     other = "stdlib-kda" if name == "stdlib-gdn" else "stdlib-gdn"
     wrong = make_method("stepquant-4", calibration=str(CKPTS / other / "stepquant-calibration.json"))
     with pytest.raises(LifetimeCalibrationError, match="another model"):
