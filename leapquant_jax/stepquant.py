@@ -361,6 +361,7 @@ def method_layout(method: PlanMethod, bits: Optional[int], heads: int, dk: int, 
 
 
 def check_size(dk: int, dv: int) -> None:
+    """Refuses a head the layout cannot pack: ``dv`` in fours, and in groups of ``GROUP`` above it."""
     if dv % 4 or (dv > GROUP and dv % GROUP):
         raise ValueError(f"stepquant packs codes along dv in fours and groups values by {GROUP}: dv must be a multiple "
                          f"of 4 (and of {GROUP} above it), got dv={dv}")
