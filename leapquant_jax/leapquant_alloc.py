@@ -36,7 +36,7 @@ import numpy as np
 from . import windowed
 from .bit_allocation import allocate
 from .lifetime import WIDTH_OPTIONS as WIDTHS
-from .lifetime import LayerStatistics, LifetimeCalibration, PlanMethod, WidthPlan, as_calibration, significant
+from .lifetime import LayerStatistics, WidthPlan, WindowedPlanMethod, significant
 from .quantizers import tree_bytes
 from .recurrence import Token
 from .runner import Runner, check_dense, check_dims
@@ -146,7 +146,7 @@ def _split(x: Array, sizes: list) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
-class AllocMethod(PlanMethod, Runner):
+class AllocMethod(WindowedPlanMethod, Runner):
     """``leapquant-alloc-*``: LeapQuant with the per-head widths and ranks of the plan named
     ``plan`` in a ``LifetimeCalibration`` (module docstring), specialised to a layer with
     ``for_layer``. window: records per window ``p``; impl: the kernels, as ``LeapQuantConfig.impl``.
@@ -154,16 +154,8 @@ class AllocMethod(PlanMethod, Runner):
     ``leapquant memory``), and rounding is refused."""
 
     plan: str = "leapquant-alloc-4"
-    calibration: Optional[LifetimeCalibration] = None
-    layer: Optional[int] = None
-    window: int = 16
-    impl: str = "auto"
 
-    def __post_init__(self):
-        object.__setattr__(self, "calibration", as_calibration(self.calibration))
-        if self.calibration is None and self.plan not in NAMES:
-            raise ValueError(f"unknown method {self.plan!r}; known: {', '.join(NAMES)}")
-        LeapQuantConfig(window=self.window, impl=self.impl)    # checks both
+    NAMES = NAMES
 
     def layout(self, heads: int, dk: int, dv: int, *, need_plan: bool = True) -> GroupLayout:
         """The layer's grouping: its plan's, or without a calibration (``need_plan=False`` only)

@@ -24,7 +24,7 @@ from typing import Optional
 import jax
 
 from . import stepquant
-from .lifetime import LifetimeCalibration, PlanMethod, as_calibration
+from .lifetime import WindowedPlanMethod
 from .recurrence import Token
 from .runner import Runner, check_dense, check_dims
 from .state import LeapQuantConfig, LeapQuantState
@@ -85,23 +85,15 @@ def _windowed(method: "DualMethod", heads: int, dk: int, dv: int, need_plan: boo
 
 
 @dataclasses.dataclass(frozen=True)
-class DualMethod(PlanMethod, Runner):
+class DualMethod(WindowedPlanMethod, Runner):
     """``leapquant-dual-*``: LeapQuant whose checkpoint takes the plan named ``plan`` of a
     ``LifetimeCalibration`` (module docstring), specialised to a layer with ``for_layer``.
     window: records per window ``p``; impl: as ``LeapQuantConfig.impl``. Without a calibration
     the layout is the name's width on every row (for ``leapquant memory``), and rounding is refused."""
 
     plan: str = "leapquant-dual-4"
-    calibration: Optional[LifetimeCalibration] = None
-    layer: Optional[int] = None
-    window: int = 16
-    impl: str = "auto"
 
-    def __post_init__(self):
-        object.__setattr__(self, "calibration", as_calibration(self.calibration))
-        if self.calibration is None and self.plan not in NAMES:
-            raise ValueError(f"unknown method {self.plan!r}; known: {', '.join(NAMES)}")
-        LeapQuantConfig(window=self.window, impl=self.impl)    # checks both
+    NAMES = NAMES
 
     def windowed(self, heads: int, dk: int, dv: int, *, need_plan: bool = True) -> WindowedMethod:
         """The layer's ``WindowedMethod`` (its ``DualConfig``) for ``heads x dk x dv`` states."""

@@ -35,6 +35,7 @@ import numpy as np
 from .calibration_files import model_mismatches, read_json, write_json
 from .checks import check_integer
 from .damp import persistence, state_samples
+from .state import LeapQuantConfig
 
 FORMAT = "leapquant-lifetime-calibration"
 VERSION = 1
@@ -369,6 +370,28 @@ class PlanMethod:
         return plan, cal.layer_index(self.layer)
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowedPlanMethod(PlanMethod):
+    """The fields of a windowed ``PlanMethod`` (``leapquant-alloc-*``, ``leapquant-dual-*``):
+    ``plan``, ``calibration`` (a ``LifetimeCalibration``, its path or ``None``), ``layer``,
+    ``window`` (records per window ``p``) and ``impl`` (as ``LeapQuantConfig.impl``). A subclass
+    names its plans in ``NAMES`` (a class attribute) and gives ``plan`` its default."""
+
+    plan: str
+    calibration: Optional["LifetimeCalibration"] = None
+    layer: Optional[int] = None
+    window: int = 16
+    impl: str = "auto"
+
+    NAMES = {}
+
+    def __post_init__(self):
+        object.__setattr__(self, "calibration", as_calibration(self.calibration))
+        if self.calibration is None and self.plan not in self.NAMES:
+            raise ValueError(f"unknown method {self.plan!r}; known: {', '.join(self.NAMES)}")
+        LeapQuantConfig(window=self.window, impl=self.impl)    # checks both
+
+
 __all__ = ["ARCHITECTURES", "DEFAULT_EVERY", "DEFAULT_HORIZON", "DEFAULT_SAMPLES", "FORMAT", "LayerStatistics",
            "LifetimeCalibration", "LifetimeCalibrationError", "Plan", "PlanMethod", "StepQuantPlan", "WidthPlan",
-           "as_calibration", "layer_statistics", "row_impact", "significant"]
+           "WindowedPlanMethod", "as_calibration", "layer_statistics", "row_impact", "significant"]

@@ -190,6 +190,19 @@ def check_flush(config, st, *, only_full=False, codes_agree=True, impl="auto", f
     return ker, ref
 
 
+def lifetime_traces(kda, seed=0, layers=(0, 2), *, heads=4, dk=32, dv=32) -> dict:
+    """Calibration traces ``{layer: {"q", "k", "v", "g", "beta": [2, 64, ...]}}`` of ``random_inputs``
+    with two long-lived heads (0, 1: decay 0.999) and short-lived others (decay 0.5)."""
+    out = {}
+    for i, layer in enumerate(layers):
+        x = {k: np.array(v) for k, v in random_inputs(seed + i, batch=2, tokens=64, heads=heads, dk=dk, dv=dv,
+                                                       kda=kda).items()}
+        x["g"][:, :, :2] = np.log(0.999)
+        x["g"][:, :, 2:] = np.log(0.5)
+        out[layer] = x
+    return out
+
+
 def lower_to_triton(fn, *args) -> None:
     """Lowers ``jax.jit(fn)(*args)`` for CUDA (no GPU needed): every ``pallas_call`` in it must
     lower to Triton IR. ``fn``'s kernels take ``interpret=False``."""
@@ -313,6 +326,6 @@ def jit_as_served(fn):
 
 __all__ = ["CHILD_XLA_OPTIONS", "GDN_CHECKPOINT", "ROOT", "SERVED_XLA_OPTIONS", "calibrate_then_eval", "check_flush",
            "check_refused_by_name", "child_xla_flags", "copy_tree", "expanded_state", "heldout_ids", "heldout_ids_file",
-           "jax", "jit_as_served", "jnp", "known_xla_options", "live_state", "lower_to_triton", "numpy_inputs",
-           "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "run_cli", "run_cli_served",
+           "jax", "jit_as_served", "jnp", "known_xla_options", "lifetime_traces", "live_state", "lower_to_triton",
+           "numpy_inputs", "numpy_reference", "random_inputs", "random_sequence", "random_state", "rel", "run_cli", "run_cli_served",
            "token_at", "xla_flags_text"]

@@ -16,20 +16,9 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.state import LeapQuantState
 from leapquant_jax.stepquant import StepQuantState
 from leapquant_jax.traces import Trace, save_trace
-from helpers import ROOT, numpy_reference, random_inputs, rel
+from helpers import ROOT, lifetime_traces, numpy_reference, rel
 
 H, DK, DV = 4, 32, 32
-
-
-def _traces(kda, layers=(0, 2)):
-    # long-lived heads 0, 1 and short-lived heads 2, 3 (decays near 1 and near 0.5)
-    out = {}
-    for i, layer in enumerate(layers):
-        x = {k: np.array(v) for k, v in random_inputs(i, batch=2, tokens=64, heads=H, dk=DK, dv=DV, kda=kda).items()}
-        x["g"][:, :, :2] = np.log(0.999)
-        x["g"][:, :, 2:] = np.log(0.5)
-        out[layer] = x
-    return out
 
 
 @pytest.fixture(scope="module", params=["gdn", "kda"])
@@ -37,7 +26,7 @@ def calibrated(request):
     from models.calibrate_stepquant import calibrate_traces
 
     kda = request.param == "kda"
-    traces = _traces(kda)
+    traces = lifetime_traces(kda)
     cal, _ = calibrate_traces(traces, every=8, samples=16, horizon=256, pivots=1 if not kda else 4,
                               stepquant_budgets={"stepquant-4": 4}, alloc_budgets={},
                               dual_names=("leapquant-dual-4",))

@@ -20,7 +20,8 @@ from leapquant_jax.quantizers import tree_bytes
 from leapquant_jax.stepquant import (Layout, StepQuantMethod, fit, impact_weights, pack_2bit, stepquant_plan,
                                      unpack_2bit)
 from leapquant_jax.traces import Trace, save_trace
-from helpers import calibrate_then_eval, check_refused_by_name, heldout_ids_file, numpy_reference, random_inputs, rel
+from helpers import (calibrate_then_eval, check_refused_by_name, heldout_ids_file, lifetime_traces, numpy_reference,
+                     rel)
 
 # The module's fixtures serve all its tests: one xdist worker runs them (pyproject: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("stepquant")
@@ -124,22 +125,10 @@ def _calibration(arch, bits_by_layer, w=None, model="", alloc=None):
 # ----------------------------------------------------------------------------- calibration
 
 
-def _traces(kda, seed=0, layers=(0, 2)):
-    # long-lived heads 0, 1 and short-lived heads 2, 3 (decays near 1 and near 0.5)
-    out = {}
-    for i, layer in enumerate(layers):
-        x = {k: np.array(v) for k, v in random_inputs(seed + i, batch=2, tokens=64, heads=H, dk=DK, dv=DV,
-                                                       kda=kda).items()}
-        x["g"][:, :, :2] = np.log(0.999)
-        x["g"][:, :, 2:] = np.log(0.5)
-        out[layer] = x
-    return out
-
-
 @pytest.fixture(scope="module", params=["gdn", "kda"])
 def calibrated(request):
     kda = request.param == "kda"
-    traces = _traces(kda)
+    traces = lifetime_traces(kda)
     stats = {layer: layer_statistics(x, every=8, max_samples=16, horizon=256) for layer, x in traces.items()}
     plans = [stepquant_plan(stats, b, name=f"stepquant-{b}", pivots=1 if not kda else 4)[0] for b in (6, 4)]
     # a few options (each compiles a flush): two ranks at 4 bits, one at 6 and 8
@@ -317,7 +306,7 @@ def test_bad_input_is_refused_by_name(calibrated, tmp_path):
 def test_a_calibration_plans_the_names_asked_each_as_alone():
     from models.calibrate_stepquant import calibrate_lifetime, calibrate_traces
 
-    traces = _traces(False)
+    traces = lifetime_traces(False)
     kw = dict(every=8, samples=16, horizon=256, alloc_budgets={}, dual_names=())
     one, _ = calibrate_traces(traces, stepquant_budgets={"stepquant-4": 4}, **kw)
     both, _ = calibrate_traces(traces, stepquant_budgets={"stepquant-6": 6, "stepquant-4": 4}, **kw)
