@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .quantizers import IntFormat, IntTensor, check_state, pack_codes, safe_divisor, unpack_codes
+from .quantizers import IntFormat, IntTensor, check_per_step_bits, check_state, pack_codes, safe_divisor, unpack_codes
 
 Array = jax.Array
 
@@ -109,7 +109,7 @@ class QuaRotFormat:
     bits: int = 8
 
     def __post_init__(self):
-        IntFormat(self.bits)
+        check_per_step_bits(self.bits)
 
     @property
     def name(self) -> str:
@@ -188,7 +188,7 @@ class KVQuantFormat:
     bits: int = 8
 
     def __post_init__(self):
-        IntFormat(self.bits)
+        check_per_step_bits(self.bits)
 
     @property
     def name(self) -> str:
@@ -354,7 +354,7 @@ class TurboQuantFormat:
     sketch: bool = True
 
     def __post_init__(self):
-        IntFormat(self.bits)
+        check_per_step_bits(self.bits)
 
     @property
     def name(self) -> str:

@@ -4,7 +4,7 @@ Every format quantizes the last two axes of a state (keys index rows, values ind
 columns) and returns a pytree of separate arrays, so that the bytes a format saves are
 saved in memory too. Scaled formats keep one fp32 scale per value column.
 
-Integer codes at 6 and 4 bits are packed along the key axis in a *planar* layout, so a
+Integer codes at 6, 4 and 2 bits are packed along the key axis in a *planar* layout, so a
 kernel unpacks them with contiguous slices of the read vector instead of strided ones:
 
 * 4 bits, ``[dk/2, dv]`` uint8: byte row ``i`` holds code rows ``i`` (low nibble) and
@@ -13,8 +13,12 @@ kernel unpacks them with contiguous slices of the read vector instead of strided
   ``a, b, c, d``, byte row ``i`` of plane ``p`` (``p`` in 0..2, rows ``p*m + i``) holds
   quarter ``p``'s 6-bit code in its low bits and bits ``2p, 2p+1`` of quarter ``d``'s
   code in its top two bits: 4 codes in 3 bytes.
+* 2 bits, ``[dk/4, dv]`` uint8: byte row ``i`` holds code rows ``i + p dk/4`` in bits ``2p, 2p+1``
+  (``p`` in 0..3).
 
-Codes are stored with an offset (``code + qmax + 1``), so they are unsigned.
+Codes are stored with an offset, so they are unsigned: ``u = z + qmax + 1``. At 2 bits the
+values are the odd integers ``z = 2u - 3`` in ``{-3, -1, 1, 3}`` (``qmax = 3``): four levels
+and no zero, where a symmetric grid would keep three.
 """
 
 from __future__ import annotations
@@ -30,13 +34,40 @@ import numpy as np
 Array = jax.Array
 
 FP8_E4M3_MAX = 448.0
+INT_WIDTHS = (8, 6, 4, 2)   # widths of the integer codes
+PER_STEP_WIDTHS = (8, 6, 4)  # widths of the per-step integer formats (2 bits is a checkpoint width only)
 
 
 def qmax_for_bits(bits: int) -> int:
-    """Largest symmetric code for ``bits``: 127, 31, 7 for 8, 6, 4."""
-    if bits not in (8, 6, 4):
-        raise ValueError(f"integer state formats take 8, 6 or 4 bits, got {bits}")
-    return 2 ** (bits - 1) - 1
+    """Largest code magnitude for ``bits``: 127, 31, 7, 3 for 8, 6, 4, 2."""
+    if bits not in INT_WIDTHS:
+        raise ValueError(f"integer state formats take 8, 6, 4 or 2 bits, got {bits}")
+    return 3 if bits == 2 else 2 ** (bits - 1) - 1
+
+
+def check_per_step_bits(bits: int) -> None:
+    """Raises ``ValueError`` unless ``bits`` is a width of the per-step integer formats."""
+    if bits not in PER_STEP_WIDTHS:
+        raise ValueError(f"per-step integer formats take 8, 6 or 4 bits, got {bits}")
+
+
+def signed_codes(unsigned, bits: int):
+    """Stored codes ``u`` -> signed values ``z`` in ``[-qmax, qmax]`` (module docstring); any
+    integer array type (JAX, NumPy, or a kernel's registers)."""
+    return 2 * unsigned - 3 if bits == 2 else unsigned - (qmax_for_bits(bits) + 1)
+
+
+def unsigned_codes(z, bits: int):
+    """Signed values ``z`` -> stored codes ``u`` (inverse of ``signed_codes``)."""
+    return (z + 3) // 2 if bits == 2 else z + (qmax_for_bits(bits) + 1)
+
+
+def round_codes(t, bits: int):
+    """``t = x / scale`` (in ``[-qmax, qmax]`` before clipping) -> the nearest value of the grid:
+    the nearest integer, at 2 bits the nearest odd integer."""
+    qmax = qmax_for_bits(bits)
+    z = 2 * jnp.floor(t / 2) + 1 if bits == 2 else jnp.round(t)
+    return jnp.clip(z, -qmax, qmax)
 
 
 def check_state(x: Array, name: str = "state") -> None:
@@ -61,11 +92,11 @@ def safe_divisor(scale: Array) -> Array:
 # ----------------------------------------------------------------------------- packing
 
 
-CODE_PARTS = {8: 1, 4: 2, 6: 4}   # key-row parts of the planar layout (module docstring)
+CODE_PARTS = {8: 1, 4: 2, 6: 4, 2: 4}   # key-row parts of the planar layout (module docstring)
 
 
 def code_parts(bits: int) -> int:
-    """Key-row parts the packed codes split into: 1 (8 bits), 2 (4 bits), 4 (6 bits)."""
+    """Key-row parts the packed codes split into: 1 (8 bits), 2 (4 bits), 4 (6 and 2 bits)."""
     return CODE_PARTS[bits]
 
 
@@ -73,7 +104,7 @@ def pack_codes(codes: Array, bits: int) -> Array:
     """Packs unsigned codes ``[..., dk, dv]`` (values < 2**bits) into bytes along ``dk``.
 
     8 bits: int8 ``[dk, dv]`` (the signed code itself); 6 bits: uint8 ``[3 dk/4, dv]``;
-    4 bits: uint8 ``[dk/2, dv]`` (layouts in the module docstring).
+    4 bits: uint8 ``[dk/2, dv]``; 2 bits: uint8 ``[dk/4, dv]`` (layouts in the module docstring).
     """
     dk = codes.shape[-2]
     if bits == 8:
@@ -91,7 +122,15 @@ def pack_codes(codes: Array, bits: int) -> Array:
         a, b, cc, d = (c[..., i * m:(i + 1) * m, :] for i in range(4))
         planes = [q | (((d >> (2 * p)) & 3) << 6) for p, q in enumerate((a, b, cc))]
         return jnp.concatenate(planes, axis=-2)
-    raise ValueError(f"cannot pack {bits}-bit codes (8, 6 or 4)")
+    if bits == 2:
+        if dk % 4:
+            raise ValueError(f"2-bit packing needs dk divisible by 4, got dk={dk}")
+        m = dk // code_parts(2)
+        out = c[..., :m, :]
+        for p in range(1, 4):
+            out = out | (c[..., p * m:(p + 1) * m, :] << (2 * p))
+        return out
+    raise ValueError(f"cannot pack {bits}-bit codes (8, 6, 4 or 2)")
 
 
 def unpack_codes(packed: Array, bits: int) -> Array:
@@ -106,13 +145,15 @@ def unpack_codes(packed: Array, bits: int) -> Array:
         planes = [p[..., i * m:(i + 1) * m, :] for i in range(3)]
         d = sum(((q >> 6) & 3) << (2 * i) for i, q in enumerate(planes))
         return jnp.concatenate([q & 63 for q in planes] + [d], axis=-2)
-    raise ValueError(f"cannot unpack {bits}-bit codes (8, 6 or 4)")
+    if bits == 2:
+        return jnp.concatenate([(p >> (2 * i)) & 3 for i in range(4)], axis=-2)
+    raise ValueError(f"cannot unpack {bits}-bit codes (8, 6, 4 or 2)")
 
 
 def packed_rows(dk: int, bits: int) -> int:
     """Rows of the packed code array for ``dk`` key rows."""
     n = dk // code_parts(bits)
-    return {8: n, 6: 3 * n, 4: n}[bits]
+    return {8: n, 6: 3 * n, 4: n, 2: n}[bits]
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -209,10 +250,11 @@ class Fp8Format:
 
 @dataclasses.dataclass(frozen=True)
 class IntFormat:
-    """Symmetric integer codes at 8, 6 or 4 bits, one scale per value column.
+    """Symmetric integer codes at 8, 6, 4 or 2 bits, one scale per value column.
 
-    ``scale_j = max_i |x_ij| / qmax``; codes ``round(x / scale)`` in ``[-qmax, qmax]``;
-    6- and 4-bit codes are packed (0.75 and 0.5 bytes per element).
+    ``scale_j = max_i |x_ij| / qmax``; codes ``round_codes(x / scale)`` in ``[-qmax, qmax]``;
+    6-, 4- and 2-bit codes are packed (0.75, 0.5 and 0.25 bytes per element). The per-step
+    formats (``FORMATS``) are 8, 6 and 4 bits; 2 bits is a width of LeapQuant's checkpoint.
     """
 
     bits: int = 8
@@ -233,8 +275,8 @@ class IntFormat:
         check_state(x)
         x = x.astype(jnp.float32)
         scale = column_absmax(x) / self.qmax
-        q = jnp.clip(jnp.round(x / safe_divisor(scale)[..., None, :]), -self.qmax, self.qmax)
-        codes = pack_codes((q + self.qmax + 1).astype(jnp.int32), self.bits)
+        q = round_codes(x / safe_divisor(scale)[..., None, :], self.bits)
+        codes = pack_codes(unsigned_codes(q.astype(jnp.int32), self.bits), self.bits)
         return IntTensor(codes=codes, scale=scale, bits=self.bits, dk=x.shape[-2])
 
     def dequantize(self, t: IntTensor) -> Array:
@@ -242,7 +284,7 @@ class IntFormat:
 
     def integer_values(self, t: IntTensor) -> Array:
         """Signed codes ``[..., dk, dv]`` int32 in ``[-qmax, qmax]``."""
-        return unpack_codes(t.codes, t.bits) - (self.qmax + 1)
+        return signed_codes(unpack_codes(t.codes, t.bits), t.bits)
 
 
 Format = Union[FloatFormat, Fp8Format, IntFormat]
@@ -280,10 +322,13 @@ __all__ = [
     "FloatTensor",
     "Format",
     "Fp8Format",
+    "INT_WIDTHS",
+    "PER_STEP_WIDTHS",
     "IntFormat",
     "IntTensor",
     "QTensor",
     "ScaledFloatTensor",
+    "check_per_step_bits",
     "check_state",
     "code_parts",
     "column_absmax",
@@ -291,7 +336,10 @@ __all__ = [
     "pack_codes",
     "packed_rows",
     "qmax_for_bits",
+    "round_codes",
     "safe_divisor",
+    "signed_codes",
     "tree_bytes",
     "unpack_codes",
+    "unsigned_codes",
 ]

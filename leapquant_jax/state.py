@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .impls import check_request
-from .quantizers import Format, QTensor, get_format
+from .quantizers import INT_WIDTHS, Format, IntFormat, QTensor, get_format
 
 Array = jax.Array
 
@@ -42,9 +42,9 @@ def _is_int(x) -> bool:
 class LeapQuantConfig:
     """Static configuration of the windowed recurrence (hashable: a static jit argument).
 
-    bits: 8, 6 or 4 (integer residual codes; 6 and 4 are packed).
+    bits: 8, 6, 4 or 2 (integer residual codes; 6, 4 and 2 are packed, 2 is ternary).
     window: records per window ``p`` before a flush.
-    rank: Compensator Tokens ``r``; ``None`` means 4 at 8 bits and 6 at 6 and 4 bits.
+    rank: Compensator Tokens ``r``; ``None`` means 4 at 8 bits and 6 below.
     compensators, smoothing: switch the two error reducers (both off gives ``int8-w``).
     record_dtype: dtype of buffered records (``float16``, ``bfloat16`` or ``float32``).
     fit: ``"subspace"`` (iteration + CholeskyQR2) or ``"svd"`` (exact reference fit).
@@ -73,8 +73,8 @@ class LeapQuantConfig:
     impl: str = "auto"
 
     def __post_init__(self):
-        if not _is_int(self.bits) or (self.residual_format is None and self.bits not in (8, 6, 4)):
-            raise ValueError(f"bits must be 8, 6 or 4, got {self.bits!r}")
+        if not _is_int(self.bits) or (self.residual_format is None and self.bits not in INT_WIDTHS):
+            raise ValueError(f"bits must be 8, 6, 4 or 2, got {self.bits!r}")
         if self.residual_format is not None:
             get_format(self.residual_format)
         if not _is_int(self.window) or self.window < 1:
@@ -118,7 +118,7 @@ class LeapQuantConfig:
 
     @property
     def format(self) -> Format:
-        return get_format(self.format_name)
+        return IntFormat(self.bits) if self.residual_format is None else get_format(self.residual_format)
 
 
 @flax.struct.dataclass

@@ -17,18 +17,27 @@ states = hnp.arrays(np.float32, st.tuples(st.sampled_from([4, 8, 12]), st.intege
 
 
 @settings(max_examples=40, deadline=None)
-@given(x=states, bits=st.sampled_from([8, 6, 4]))
+@given(x=states, bits=st.sampled_from([8, 6, 4, 2]))
 def test_int_error_within_half_a_step(x, bits):
     fmt = IntFormat(bits)
     t = fmt.quantize(jnp.asarray(x))
     err = np.abs(np.asarray(fmt.dequantize(t)) - x)
-    step = np.asarray(t.scale)[None, :]
+    step = np.asarray(t.scale)[None, :] * (2 if bits == 2 else 1)   # 2 bits: the odd integers
     assert np.all(err <= 0.5 * step * (1 + 1e-5) + 1e-30)
+
+
+def test_two_bit_codes_are_the_nearest_odd_integers():
+    x = np.array([[-3.0], [-2.2], [-1.9], [-0.1], [0.0], [0.4], [1.99], [2.01], [3.0], [-2.0], [0.7], [2.5]],
+                 np.float32)
+    fmt = IntFormat(2)
+    t = fmt.quantize(jnp.asarray(x))
+    assert float(t.scale[0]) == 1.0
+    np.testing.assert_array_equal(np.asarray(fmt.integer_values(t))[:, 0], [-3, -3, -1, -1, 1, 1, 1, 3, 3, -1, 1, 3])
 
 
 @settings(max_examples=40, deadline=None)
 @given(codes=hnp.arrays(np.int32, st.tuples(st.sampled_from([4, 8, 16]), st.integers(1, 5)), elements=st.integers(1, 255)),
-       bits=st.sampled_from([8, 6, 4]))
+       bits=st.sampled_from([8, 6, 4, 2]))
 def test_packing_round_trips_exactly(codes, bits):
     codes = codes % (2 ** bits)
     packed = pack_codes(jnp.asarray(codes), bits)
@@ -36,7 +45,7 @@ def test_packing_round_trips_exactly(codes, bits):
     np.testing.assert_array_equal(np.asarray(unpack_codes(packed, bits)), codes)
 
 
-@pytest.mark.parametrize("bits, per_element", [(8, 1.0), (6, 0.75), (4, 0.5)])
+@pytest.mark.parametrize("bits, per_element", [(8, 1.0), (6, 0.75), (4, 0.5), (2, 0.25)])
 def test_packed_codes_take_their_bits_in_memory(bits, per_element):
     t = IntFormat(bits).quantize(jnp.ones((3, 128, 64)))
     assert tree_bytes(t.codes) == 3 * 128 * 64 * per_element
@@ -64,7 +73,8 @@ def test_fp8_column_max_maps_to_448_and_error_is_bounded(x):
     assert np.all(np.abs(y - x) <= bound * (1 + 1e-5) + 1e-30)
 
 
-@pytest.mark.parametrize("fmt", [IntFormat(8), IntFormat(6), IntFormat(4), Fp8Format(), FloatFormat("bfloat16")])
+@pytest.mark.parametrize("fmt", [IntFormat(8), IntFormat(6), IntFormat(4), IntFormat(2), Fp8Format(),
+                                 FloatFormat("bfloat16")])
 def test_zero_and_tiny_columns_are_safe(fmt):
     x = np.zeros((8, 4), np.float32)
     x[:, 1] = 1e-38
@@ -79,9 +89,11 @@ def test_zero_and_tiny_columns_are_safe(fmt):
 def test_bad_format_inputs():
     with pytest.raises(ValueError, match="unknown state format"):
         get_format("int5")
-    with pytest.raises(ValueError, match="8, 6 or 4"):
+    with pytest.raises(ValueError, match="8, 6, 4 or 2"):
         IntFormat(5)
     with pytest.raises(TypeError, match="floating point"):
         IntFormat(8).quantize(jnp.ones((4, 4), jnp.int32))
     with pytest.raises(ValueError, match="divisible by 4"):
         IntFormat(6).quantize(jnp.ones((6, 4)))
+    with pytest.raises(ValueError, match="divisible by 4"):
+        IntFormat(2).quantize(jnp.ones((6, 4)))

@@ -281,7 +281,7 @@ def test_leapquant_options_are_checked_by_type():
         make_method("leapquant", compensators="no")
     with pytest.raises(ValueError, match="window must be a positive integer, got True"):
         make_method("leapquant", window=True)
-    with pytest.raises(ValueError, match="bits must be 8, 6 or 4, got 8.0"):
+    with pytest.raises(ValueError, match="bits must be 8, 6, 4 or 2, got 8.0"):
         make_method("leapquant", bits=8.0)
     with pytest.raises(ValueError, match="fit_iters must be an integer >= 1"):
         make_method("leapquant", fit_iters=1.5)
