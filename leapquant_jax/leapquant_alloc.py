@@ -1,31 +1,34 @@
 """LeapQuant with lifetime-aware widths (``leapquant-alloc-6``, ``leapquant-alloc-4``).
 
-Every head of every layer stores its window-boundary checkpoint with its own residual width (4, 6
-or 8 bits) and number of Compensator Tokens (``DEFAULT_OPTIONS``: ranks 2, 4 and 6, down to a third
-of LeapQuant's 6, so that a head can trade tokens for a wider residual at equal bytes), chosen once
-by a calibration (``width_plan``) that spends a budget of checkpoint bytes over all the heads of
-the model where the errors are large and long-lived: head ``h`` at option ``o`` costs the error
-energy of its flush ``||decode(encode_o(S)) - S||^2`` on the calibration states ``S``, each key
-row's share weighted by its lifetime (``lifetime``), and weighs the bytes of its checkpoint as
-the pytree holds them (codes, fp32 smoothing and column scales, fp16 Compensator Tokens). The
-budget is in checkpoint bits per value: by default that of ``leapquant`` at the name's width
-(``default_budget``; 8.0 and 6.0 at ``dk = dv = 128``), so an allocated state never holds more
-than the uniform one. Every head keeps its Compensator Tokens and smoothing; the window and its
-high-precision records are LeapQuant's.
+Every head of every layer stores its window-boundary checkpoint with its own residual width (2, 4,
+6 or 8 bits, ``width_plan``'s options) and, where an option has them, Compensator Tokens, chosen
+once by a calibration that spends a budget of checkpoint bytes over all the heads of the model
+where the errors are large and long-lived: head ``h`` at option ``o`` costs the error energy of its
+flush ``||decode(encode_o(S)) - S||^2`` on the calibration states ``S``, each key row's share
+weighted by its lifetime (``lifetime``), and weighs the bytes of its checkpoint as the pytree
+holds them (codes, fp32 smoothing and column scales, fp16 Compensator Tokens). Every head keeps
+smoothing; the window and its high-precision records are LeapQuant's.
+
+Defaults, and why:
+* the budget (``default_budget``) is that of the per-step ``int<bits>`` format, codes and one fp32
+  scale per value column (4.25 and 6.25 bits per value at ``dk = 128``), so that the name's width is
+  an honest average: no larger than STEPQuant's state at the same name;
+* the options (``DEFAULT_OPTIONS``) hold no Compensator Tokens: at these budgets each token costs
+  a quarter bit per value that a wider residual spends better on recall (docs/long-memory.md).
 
 Layout: the heads are grouped by option, one ``LeapQuantState`` per option used in the layer
 (``AllocState.groups``, in ``options`` order, each holding its heads in ascending order): a static
-head permutation, so the existing step and flush kernels run each group as it is, with its own
-``LeapQuantConfig``. A group keeps its key records per value head (its heads need not share key
-heads), which a live stream pays for in window-buffer bytes under GVA. Prefix states keep each
-group's checkpoint (``models.prefix_state`` finds the ``LeapQuantState`` leaves).
+head permutation, so the step and flush kernels run each group as it is, with its own
+``LeapQuantConfig`` (the kernels take one width per launch: a group). A group keeps its key
+records per value head (its heads need not share key heads), which a live stream pays for in
+window-buffer bytes under GVA. Prefix states keep each group's checkpoint
+(``models.prefix_state`` finds the ``LeapQuantState`` leaves).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Optional
 
 import flax.struct
@@ -37,7 +40,7 @@ from . import windowed
 from .bit_allocation import allocate
 from .lifetime import WIDTH_OPTIONS as WIDTHS
 from .lifetime import LayerStatistics, WidthPlan, WindowedPlanMethod, significant
-from .quantizers import tree_bytes
+from .quantizers import PER_STEP_WIDTHS, IntFormat, check_per_step_bits, tree_bytes
 from .recurrence import Token
 from .runner import Runner, check_dense, check_dims
 from .state import LeapQuantConfig, resolve_key_heads
@@ -45,8 +48,7 @@ from .windowed_method import WindowedMethod
 
 Array = jax.Array
 
-RANKS = (2, 4, 6)
-DEFAULT_OPTIONS = tuple(itertools.product(WIDTHS, RANKS))
+DEFAULT_OPTIONS = tuple((bits, 0) for bits in WIDTHS)
 NAMES = {"leapquant-alloc-6": 6, "leapquant-alloc-4": 4}
 
 
@@ -66,9 +68,11 @@ def option_bytes(option: tuple, dk: int, dv: int) -> int:
 
 
 def default_budget(bits: int, dk: int, dv: int) -> float:
-    """Checkpoint bits per value of ``leapquant`` at ``bits`` with its default rank: the budget of
-    ``leapquant-alloc-<bits>``."""
-    return 8 * option_bytes((bits, None), dk, dv) / (dk * dv)
+    """Bits per value of the per-step ``int<bits>`` format on ``dk x dv`` heads (codes and one fp32
+    scale per value column, measured on its pytree): the budget of ``leapquant-alloc-<bits>``."""
+    check_per_step_bits(bits)
+    return 8 * tree_bytes(jax.eval_shape(IntFormat(bits).quantize, jax.ShapeDtypeStruct((1, dk, dv), jnp.float32))) \
+        / (dk * dv)
 
 
 def check_options(options) -> tuple:
@@ -150,8 +154,8 @@ class AllocMethod(WindowedPlanMethod, Runner):
     """``leapquant-alloc-*``: LeapQuant with the per-head widths and ranks of the plan named
     ``plan`` in a ``LifetimeCalibration`` (module docstring), specialised to a layer with
     ``for_layer``. window: records per window ``p``; impl: the kernels, as ``LeapQuantConfig.impl``.
-    Without a calibration the layout is ``leapquant``'s at the name's width on every head (for
-    ``leapquant memory``), and rounding is refused."""
+    Without a calibration every head is at the name's width without tokens (for ``leapquant
+    memory``), and rounding is refused."""
 
     plan: str = "leapquant-alloc-4"
 
@@ -159,11 +163,11 @@ class AllocMethod(WindowedPlanMethod, Runner):
 
     def layout(self, heads: int, dk: int, dv: int, *, need_plan: bool = True) -> GroupLayout:
         """The layer's grouping: its plan's, or without a calibration (``need_plan=False`` only)
-        one group at the name's width and LeapQuant's default rank."""
+        one group at the name's width without Compensator Tokens (``DEFAULT_OPTIONS``' kind)."""
         found = self.layer_plan(heads, dk, dv, need_plan=need_plan, plan_type=WidthPlan, kind="leapquant-alloc",
                                 differs="layout")
         if found is None:
-            return GroupLayout(options=((NAMES[self.plan], None),), heads=(tuple(range(heads)),))
+            return GroupLayout(options=((NAMES[self.plan], 0),), heads=(tuple(range(heads)),))
         plan, i = found
         choice = plan.choice[i]
         used = sorted(set(choice))
@@ -280,7 +284,7 @@ def width_plan(stats: dict, bits: Optional[int] = None, *, budget: Optional[floa
     layers = sorted(stats)
     h, dk, dv = stats[layers[0]].samples.shape[1:]
     if budget is None:
-        if bits not in WIDTHS:
+        if bits not in PER_STEP_WIDTHS:
             raise ValueError(f"unknown width {bits}: leapquant-alloc budgets are named by 4, 6 or 8 bits, or given")
         budget = default_budget(bits, dk, dv)
     nbytes = np.asarray([option_bytes(o, dk, dv) for o in options], np.int64)
@@ -301,5 +305,5 @@ def width_plan(stats: dict, bits: Optional[int] = None, *, budget: Optional[floa
     return plan, scores
 
 
-__all__ = ["AllocMethod", "AllocState", "DEFAULT_OPTIONS", "GroupLayout", "NAMES", "RANKS", "WIDTHS", "check_options",
+__all__ = ["AllocMethod", "AllocState", "DEFAULT_OPTIONS", "GroupLayout", "NAMES", "WIDTHS", "check_options",
            "default_budget", "flush_energies", "flush_energy", "option_bytes", "width_plan"]

@@ -44,7 +44,7 @@ DEFAULT_HORIZON = 2048      # tokens an error is followed for (STEPQuant's calib
 DEFAULT_SAMPLES = 64        # calibration states kept per layer
 DEFAULT_EVERY = 8           # tokens between calibration states
 IMPACT_FLOOR = 1e-20
-WIDTH_OPTIONS = (4, 6, 8)   # residual widths of leapquant-alloc (LeapQuant's packed integer codes)
+WIDTH_OPTIONS = (2, 4, 6, 8)   # residual widths of leapquant-alloc (LeapQuant's packed integer codes)
 
 
 class LifetimeCalibrationError(ValueError):
