@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from leapquant_jax import windowed
-from leapquant_jax.quantizers import IntTensor, pack_codes, qmax_for_bits
+from leapquant_jax.quantizers import IntTensor, pack_codes, qmax_for_bits, signed_codes, unsigned_codes
 from leapquant_jax.recurrence import delta_rule_token
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
 
@@ -88,15 +88,28 @@ def _window_records(config, rng, bsz, h, dk, dv, kda, *, spread, alpha_low):
     return k, u, np.log(alpha)
 
 
+def _grid_codes(x, bits):
+    """The code values nearest ``x`` (float64 NumPy), as ``quantizers.round_codes`` rounds: the
+    nearest integer in ``[-qmax, qmax]``, at 2 bits the nearest odd integer (ties up)."""
+    qmax = qmax_for_bits(bits)
+    return np.clip(2 * np.floor(x / 2) + 1 if bits == 2 else np.round(x), -qmax, qmax)
+
+
+def _uniform_codes(rng, bits, shape):
+    """Code values uniform over the grid of ``[-qmax, qmax]`` (its stored codes drawn, then signed)."""
+    qmax = qmax_for_bits(bits)
+    return signed_codes(rng.integers(unsigned_codes(-qmax, bits), unsigned_codes(qmax, bits) + 1, shape), bits)
+
+
 def _stream(config, codes, scale, smooth, comp_k, comp_u, records, pos):
-    """A ``LeapQuantState`` from signed codes ``[B, H, dk, dv]`` (packed here), scales and
-    smoothing in fp32 (the smoothing dropped when ``config.smoothing`` is off), Compensator Tokens
-    in fp16 and records in the record dtype (log-decays clamped as ``windowed.append_record``
-    stores them)."""
-    qmax = qmax_for_bits(config.bits)
+    """A ``LeapQuantState`` from code values ``[B, H, dk, dv]`` (integers of the grid of
+    ``config.bits``; packed here), scales and smoothing in fp32 (the smoothing dropped when
+    ``config.smoothing`` is off), Compensator Tokens in fp16 and records in the record dtype
+    (log-decays clamped as ``windowed.append_record`` stores them)."""
     dt = jnp.dtype(config.record_dtype)
     k, u, g = records
-    residual = IntTensor(codes=pack_codes(jnp.asarray(codes + qmax + 1, jnp.int32), config.bits),
+    stored = unsigned_codes(np.asarray(codes).astype(np.int32), config.bits)
+    residual = IntTensor(codes=pack_codes(jnp.asarray(stored, jnp.int32), config.bits),
                          scale=jnp.asarray(scale, jnp.float32), bits=config.bits, dk=codes.shape[-2])
     ckpt = Checkpoint(residual=residual, smooth=jnp.asarray(smooth, jnp.float32) if config.smoothing else None,
                       comp_k=jnp.asarray(comp_k, jnp.float16), comp_u=jnp.asarray(comp_u, jnp.float16))
@@ -109,15 +122,17 @@ def structured_flush_state(config: LeapQuantConfig, seed: int, bsz: int, dk: int
     """A stream of ``len(FLUSH_HEAD_KINDS)`` heads (head ``i`` of kind ``FLUSH_HEAD_KINDS[i]``),
     every window full: the inputs of a flush on the edge cases of the NVlabs/kda flush requests.
 
-    Every head starts from the base: codes ``round(0.315 qmax N(0, 1))`` (clipped), smoothing
-    ``U(0.05, 0.25)``, scales ``U(0.1, 0.6) / qmax`` with value column ``HOT_COLUMN`` 30x hotter
-    (the requests' hot row: the state is ``[dk, dv]`` here), Compensator Tokens ``0.5 N(0, 1)``,
-    and a window of records 0.3 N(0, 1) decaying by alpha in ``[0.96, 1]`` (GDN) or
-    ``[0.6, 1]`` per key channel (KDA). Then: ``hot_column`` the base; ``rank1``, ``rank2`` an
-    empty checkpoint and one or two live records; ``zero`` all zero; ``tiny`` / ``huge`` scaled
-    by about 1e-4 / 3e2; ``rank1_noise`` one record over codes scaled by 1e-6; ``decayed`` the
-    checkpoint decayed by ``e^-200`` (the first record's log-decay, which no record sees);
-    ``never_decays`` a quarter of the key channels (KDA) or the whole head (GDN) at alpha 1.
+    Every head starts from the base: codes ``0.315 qmax N(0, 1)`` rounded to the grid (clipped;
+    ``_grid_codes``), smoothing ``U(0.05, 0.25)``, scales ``U(0.1, 0.6) / qmax`` with value column
+    ``HOT_COLUMN`` 30x hotter (the requests' hot row: the state is ``[dk, dv]`` here), Compensator
+    Tokens ``0.5 N(0, 1)``, and a window of records 0.3 N(0, 1) decaying by alpha in
+    ``[0.96, 1]`` (GDN) or ``[0.6, 1]`` per key channel (KDA). Then: ``hot_column`` the base;
+    ``rank1``, ``rank2`` an empty checkpoint (zero codes and scales: 2-bit codes, which have no
+    zero, decode to zero by their scales) and one or two live records; ``zero`` all zero;
+    ``tiny`` / ``huge`` scaled by about 1e-4 / 3e2; ``rank1_noise`` one record over codes scaled
+    by 1e-6; ``decayed`` the checkpoint decayed by ``e^-200`` (the first record's log-decay, which
+    no record sees); ``never_decays`` a quarter of the key channels (KDA) or the whole head (GDN)
+    at alpha 1.
     Drawn with NumPy's generator seeded by ``seed`` (no JAX compile per shape).
     """
     _check_flush_shapes(config, dk, dv)
@@ -125,7 +140,7 @@ def structured_flush_state(config: LeapQuantConfig, seed: int, bsz: int, dk: int
     qmax = qmax_for_bits(config.bits)
     at = {name: i for i, name in enumerate(FLUSH_HEAD_KINDS)}
     rng = np.random.default_rng(seed)
-    codes = np.clip(np.round(rng.standard_normal((bsz, h, dk, dv)) * 0.315 * qmax), -qmax, qmax)
+    codes = rng.standard_normal((bsz, h, dk, dv)) * 0.315 * qmax      # rounded to the grid below
     smooth = rng.uniform(0.05, 0.25, (bsz, h, dk))
     scale = rng.uniform(0.1, 0.6, (bsz, h, dv)) / qmax
     scale[..., HOT_COLUMN] *= 30.0
@@ -136,7 +151,7 @@ def structured_flush_state(config: LeapQuantConfig, seed: int, bsz: int, dk: int
         i = at[name]
         comp_k[:, i] = comp_u[:, i] = u[:, i, live:] = 0.0
         if name != "rank1_noise":
-            codes[:, i] = 0.0
+            codes[:, i] = scale[:, i] = 0.0
     smooth[:, at["rank1_noise"]] *= 1e-6
     for name, factor, comp, rec in (("tiny", 1e-4, 1e-2, 1e-4), ("huge", 3e2, 17.0, 3e2)):
         smooth[:, at[name]] *= factor
@@ -147,21 +162,22 @@ def structured_flush_state(config: LeapQuantConfig, seed: int, bsz: int, dk: int
         g[:, at["never_decays"], :, :dk // 4] = 0.0
     else:
         g[:, at["never_decays"]] = 0.0
-    return _stream(config, codes, scale, smooth, comp_k, comp_u, (k, u, g), np.full((bsz,), p))
+    return _stream(config, _grid_codes(codes, config.bits), scale, smooth, comp_k, comp_u, (k, u, g),
+                   np.full((bsz,), p))
 
 
 def random_flush_state(config: LeapQuantConfig, seed: int, bsz: int, h: int, dk: int, dv: int,
                        kda: bool) -> LeapQuantState:
     """Unstructured flush inputs of ``h`` heads inside the deployment domain (the requests' random
-    tensors): codes uniform over ``[-qmax, qmax]``, smoothing ``0.05 e^{0.7 N(0, 1)}``, scales
-    ``0.3 e^{0.7 N(0, 1)} / qmax``, Compensator Tokens N(0, 1), records N(0, 1) (values times a
-    weight ``U(0, 1)``) decaying by alpha in ``[0.65, 1]`` (GDN) or ``[0.001, 1]`` per key channel
-    (KDA), windows holding ``U{0..p}`` records. Drawn with NumPy's generator seeded by ``seed``."""
+    tensors): codes uniform over the grid of ``[-qmax, qmax]``, smoothing ``0.05 e^{0.7 N(0, 1)}``,
+    scales ``0.3 e^{0.7 N(0, 1)} / qmax``, Compensator Tokens N(0, 1), records N(0, 1) (values
+    times a weight ``U(0, 1)``) decaying by alpha in ``[0.65, 1]`` (GDN) or ``[0.001, 1]`` per key
+    channel (KDA), windows holding ``U{0..p}`` records. Drawn with NumPy's generator seeded by ``seed``."""
     _check_flush_shapes(config, dk, dv)
     r, p = config.effective_rank, config.window
     qmax = qmax_for_bits(config.bits)
     rng = np.random.default_rng(seed)
-    codes = rng.integers(-qmax, qmax + 1, (bsz, h, dk, dv))
+    codes = _uniform_codes(rng, config.bits, (bsz, h, dk, dv))
     smooth = 0.05 * np.exp(0.7 * rng.standard_normal((bsz, h, dk)))
     scale = 0.3 * np.exp(0.7 * rng.standard_normal((bsz, h, dv))) / qmax
     comp_k = rng.standard_normal((bsz, h, r, dk))

@@ -25,8 +25,9 @@ fit, no rounding); ``flush_fused`` refuses it (``fused_unsupported_reason``).
 Decays are log-space sums masked before ``exp`` (a fully decayed head gives zeros, not NaN). The
 fit starts from the seeded Gaussian (or the warm start: the old ``K``, a zero row topped up) and
 orthonormalises with the reference's CholeskyQR2. Smoothing ``c_i = sqrt(mean_j |R_ij|)`` floored
-at ``SMOOTH_FLOOR``; one scale per value column; codes rounded half to even, packed planar.
-Rounding: fp32 (stage 1's records dot as 3xTF32 on the GPU, about fp32); ``K``, ``U`` in fp16.
+at ``SMOOTH_FLOOR``; one scale per value column; codes rounded as ``quantizers.round_codes`` (half
+to even; at 2 bits the nearest odd integer), packed planar. Rounding: fp32 (stage 1's records dot
+as 3xTF32 on the GPU, about fp32); ``K``, ``U`` in fp16.
 The summation order differs from the reference's, so a code on a rounding boundary may differ by
 one step. GVA (``H = n Hk``): the program of value head ``j`` reads the key records of ``j // n``.
 
@@ -46,7 +47,7 @@ from leapquant_jax import windowed
 from leapquant_jax.compensators import (
     FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, random_start,
 )
-from leapquant_jax.quantizers import FloatTensor, IntTensor, packed_rows, qmax_for_bits
+from leapquant_jax.quantizers import FloatTensor, IntTensor, packed_rows, qmax_for_bits, round_codes, unsigned_codes
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
@@ -77,31 +78,49 @@ def _records_term(kd, bu, dot):
 def store_codes(codes_out, q_int, bits, dk, start, rows):
     """Packs and stores signed codes: ``q_int`` holds one ``[rows, dv]`` int32 tile per code part
     (key rows ``i * dk / parts + start + [0, rows)``), written to packed byte rows
-    ``start + [0, rows)`` of each plane (the planar layout of ``leapquant_jax.quantizers``)."""
+    ``start + [0, rows)`` of each plane (the planar layout of ``leapquant_jax.quantizers``, the
+    stored codes ``quantizers.unsigned_codes``)."""
     if bits == 8:
         codes_out[pl.ds(start, rows), :] = q_int[0].astype(jnp.int8)
-    elif bits == 4:
-        lo, hi = (x + 8 for x in q_int)
+        return
+    u = [unsigned_codes(x, bits) for x in q_int]
+    if bits == 4:
+        lo, hi = u
         codes_out[pl.ds(start, rows), :] = (lo | (hi << 4)).astype(jnp.uint8)
+    elif bits == 2:
+        packed = u[0]
+        for i in range(1, len(u)):
+            packed = packed | (u[i] << (2 * i))
+        codes_out[pl.ds(start, rows), :] = packed.astype(jnp.uint8)
     else:
-        a, b, c_, d4 = (x + 32 for x in q_int)
+        a, b, c_, d4 = u
         m = dk // num_parts(bits)
         for p_, quarter in enumerate((a, b, c_)):
             codes_out[pl.ds(p_ * m + start, rows), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
 
 
-def _quantize_parts(S, bits):
-    """Quantizes smoothed residual parts ``S`` (``[n, BV]`` each) with one scale per value column:
-    ``(codes, scale [BV])``, ``codes`` one int32 ``[n, BV]`` tile per part (round half to even,
-    clipped to ``[-qmax, qmax]``; an all-zero column gets scale 0 and zero codes)."""
+def _round_codes(t, bits):
+    """``quantizers.round_codes`` in a kernel: the nearest integer, ties to even
+    (``round_half_even``: Triton lowers no ``round``), at 2 bits the reference's own rule, the
+    nearest odd integer ``2 floor(t / 2) + 1`` (ties, the even integers, go up), clipped to
+    ``[-qmax, qmax]``."""
+    if bits == 2:
+        return round_codes(t, bits)
     qmax = qmax_for_bits(bits)
+    return jnp.clip(round_half_even(t), -qmax, qmax)
+
+
+def _quantize_parts(S, bits):
+    """Quantizes smoothed residual parts ``S`` (``[n, BV]`` each) with one scale per value column,
+    ``colmax / qmax``: ``(codes, scale [BV])``, ``codes`` one int32 ``[n, BV]`` tile per part
+    (``_round_codes``; an all-zero column gets scale 0 and the codes of 0: 0, or 1 at 2 bits)."""
     colmax = None
     for s in S:
         m = jnp.max(jnp.abs(s), axis=0)
         colmax = m if colmax is None else jnp.maximum(colmax, m)
-    new_scale = colmax / qmax
+    new_scale = colmax / qmax_for_bits(bits)
     div = jnp.where(new_scale > 0, new_scale, 1.0)
-    return [jnp.clip(round_half_even(s / div[None, :]), -qmax, qmax).astype(jnp.int32) for s in S], new_scale
+    return [_round_codes(s / div[None, :], bits).astype(jnp.int32) for s in S], new_scale
 
 
 def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):
@@ -127,7 +146,7 @@ def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, out
 
 
 def _part_slices(bits, dk):
-    """Key-row slices of the code parts (1 at 8 bits, 2 at 4, 4 at 6)."""
+    """Key-row slices of the code parts (1 at 8 bits, 2 at 4, 4 at 6 and 2)."""
     n = dk // num_parts(bits)
     return [pl.ds(i * n, n) for i in range(num_parts(bits))]
 

@@ -1,4 +1,4 @@
-"""LeapQuant decode step inside a window on Pallas Triton (docs/design.md §3, §6): GDN and KDA, 8/6/4 bits.
+"""LeapQuant decode step inside a window on Pallas Triton (docs/design.md §3, §6): GDN and KDA, 8/6/4/2 bits.
 
 Contract: ``windowed.step_reference``'s. Read ``u = beta (v - S_l^T b)`` at ``l = pos`` records,
 append the record ``(w, u, g)`` at slot ``pos``, output ``o = S_{l+1}^T q``; no flush, no
@@ -434,20 +434,22 @@ def default_chunk(dk: int, bits: int, per_channel: bool) -> int:
 def default_num_warps(per_channel: bool, bits: int = 8, reduce: str = "dot") -> int:
     """Warps per program, the fastest measured for ``reduce`` (docs/performance.md): GDN 2, but 1
     with ``dot_cols`` at 4 bits; KDA 1 at 8 bits, 2 at 4 and 4 at 6 (one warp spills at 6 and 4 bits).
+    2 bits, not measured: as 6 bits, the other width of four code parts (GDN 2, KDA 4).
     An fp32 tile (``FP32_TILE``, ``fp32-w``): 4, the fastest measured of 2 to 16."""
     if bits == FP32_TILE:
         return 4
     if not per_channel:
         return 1 if (reduce, bits) == ("dot_cols", 4) else 2
-    return {8: 1, 4: 2, 6: 4}[bits]
+    return {8: 1, 4: 2, 6: 4, 2: 4}[bits]
 
 
 REDUCES = ("dot", "dot_cols", "lanes")
 MIN_DOT_ROWS = 32   # the int8 mma's K
 
 
-# (per_channel, bits) where the digits as the dot's right operand measured faster (docs/performance.md)
-DOT_COLS_FASTER = frozenset({(False, 8), (False, 4), (True, 6), (True, 4)})
+# (per_channel, bits) where the digits as the dot's right operand measured faster (docs/performance.md);
+# 2 bits, not measured, as 6 bits (four code parts, the same warps: default_num_warps)
+DOT_COLS_FASTER = frozenset({(False, 8), (False, 4), (True, 6), (True, 4), (True, 2)})
 
 
 def default_reduce(chunk: int, per_channel: bool = False, bits: int = 8) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from leapquant_jax.compensators import NORMAL_TINY, gram_shift, unrolled_cholesky
-from leapquant_jax.quantizers import code_parts, packed_rows
+from leapquant_jax.quantizers import code_parts, packed_rows, signed_codes
 
 from ._compat import load, pl
 
@@ -29,8 +29,8 @@ def tile_bits(config) -> int:
 
 
 def num_parts(bits: int) -> int:
-    """Key-row parts the packed codes split into: 1 (8 bits, an fp32 tile), 2 (4 bits), 4 (6 bits)
-    (``quantizers.code_parts``, the reference's layout)."""
+    """Key-row parts the packed codes split into: 1 (8 bits, an fp32 tile), 2 (4 bits), 4 (6 and
+    2 bits) (``quantizers.code_parts``, the reference's layout)."""
     return 1 if bits == FP32_TILE else code_parts(bits)
 
 
@@ -40,7 +40,7 @@ def tile_rows(dk: int, bits: int) -> int:
 
 
 def code_planes(codes_ref, bits: int, n: int, start=0, rows: int | None = None, at=lambda *idx: idx):
-    """The packed byte rows of a chunk of codes, not yet unpacked: one plane at 8 and 4 bits,
+    """The packed byte rows of a chunk of codes, not yet unpacked: one plane at 8, 4 and 2 bits,
     three planes of ``n`` rows each at 6 bits (``unpack_codes`` turns them into codes).
 
     ``at`` maps the (rows, columns) index to the ref's full index (a leading head index where a
@@ -54,15 +54,21 @@ def code_planes(codes_ref, bits: int, n: int, start=0, rows: int | None = None, 
 
 def unpack_codes(planes, bits: int, dtype=f32):
     """Signed codes ``[rows, BV]`` of ``dtype`` per key-row part from ``code_planes``' bytes (an
-    fp32 tile's values as they are)."""
+    fp32 tile's values as they are): the 8-bit codes as stored; below, the unsigned codes of the
+    planar layout made signed by ``quantizers.signed_codes`` (at 2 bits the odd ``2u - 3``)."""
     if bits in (8, FP32_TILE):
         return [planes[0].astype(dtype)]
-    if bits == 4:
-        p = planes[0].astype(jnp.int32)
-        return [((p & 15) - 8).astype(dtype), ((p >> 4) - 8).astype(dtype)]
     planes = [x.astype(jnp.int32) for x in planes]
-    top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
-    return [((q & 63) - 32).astype(dtype) for q in planes] + [(top - 32).astype(dtype)]
+    if bits == 4:
+        p = planes[0]
+        parts = [p & 15, p >> 4]
+    elif bits == 2:
+        p = planes[0]
+        parts = [(p >> (2 * i)) & 3 for i in range(code_parts(2))]
+    else:
+        top = ((planes[0] >> 6) & 3) | (((planes[1] >> 6) & 3) << 2) | (((planes[2] >> 6) & 3) << 4)
+        parts = [q & 63 for q in planes] + [top]
+    return [signed_codes(u, bits).astype(dtype) for u in parts]
 
 
 def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = None, dtype=f32):

@@ -2,25 +2,27 @@
 flush kernel's first condition: ``api`` gives it to ``leapquant_jax.dispatch``, and the kernels
 check it themselves before a launch) and ``check_token``, the token's shapes against the state.
 
-The kernels take integer residuals at 8, 6 or 4 bits, or ``fp32-w``'s checkpoint: an fp32
-residual (``residual_format="fp32"``, a ``FloatTensor``) without Compensator Tokens or smoothing,
-read as it is and only rebuilt by the flush (no other ``residual_format``); the subspace fit (the
-exact SVD fit stays in the reference), ``dk`` and ``dv`` in ``HEAD_SIZES`` (``dk`` a multiple of 64
-at 6 bits and of 32 at 4 bits: code planes of at least 16 rows, a Triton dot's least size), a
-power-of-two window up to ``MAX_WINDOW`` and at most ``MAX_RANK`` Compensator Tokens (the fit's
-Cholesky factor is unrolled up to there). The buffer may keep its key records per key head (GVA:
-``k [B, Hk, p, dk]``, ``Hk`` dividing ``H``). Which kernels take the fp32 checkpoint: the Triton
-step and split flush (``leapquant_step``, ``leapquant_flush``), each saying so itself."""
+The kernels take integer residuals at 8, 6, 4 or 2 bits (``INT_WIDTHS``), or ``fp32-w``'s
+checkpoint: an fp32 residual (``residual_format="fp32"``, a ``FloatTensor``) without Compensator
+Tokens or smoothing, read as it is and only rebuilt by the flush (no other ``residual_format``);
+the subspace fit (the exact SVD fit stays in the reference), ``dk`` and ``dv`` in ``HEAD_SIZES``
+(``dk`` a multiple of 64 at 6 and 2 bits and of 32 at 4 bits: code parts of at least
+``MIN_PART_ROWS`` rows, a Triton dot's least size), a power-of-two window up to ``MAX_WINDOW``
+and at most ``MAX_RANK`` Compensator Tokens (the fit's Cholesky factor is unrolled up to there).
+The buffer may keep its key records per key head (GVA: ``k [B, Hk, p, dk]``, ``Hk`` dividing
+``H``). Which kernels take the fp32 checkpoint: the Triton step and split flush
+(``leapquant_step``, ``leapquant_flush``), each saying so itself."""
 
 from __future__ import annotations
 
-from leapquant_jax.quantizers import FloatTensor, IntTensor
+from leapquant_jax.quantizers import INT_WIDTHS, FloatTensor, IntTensor, code_parts
 from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState
 
 from ._compat import is_pow2
 
 HEAD_SIZES = (16, 32, 64, 128)
+MIN_PART_ROWS = 16    # key rows of a code part, at least: a Triton dot's least size
 MAX_WINDOW = 32
 MAX_RANK = 8
 
@@ -34,8 +36,8 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     if fp32 and (config.effective_rank or config.smoothing):
         return ("an fp32 residual with Compensator Tokens or smoothing: the kernels take an fp32 checkpoint as "
                 "fp32-w keeps it, without them (its flush only rebuilds the state)")
-    if not fp32 and config.bits not in (8, 6, 4):
-        return f"bits={config.bits}: the kernels take 8, 6 or 4"
+    if not fp32 and config.bits not in INT_WIDTHS:
+        return f"bits={config.bits}: the kernels take 8, 6, 4 or 2"
     if config.fit != "subspace":
         return f"fit={config.fit!r}: the kernels fit Compensator Tokens by subspace iteration only"
     if not is_pow2(config.window) or not 2 <= config.window <= MAX_WINDOW:
@@ -61,10 +63,9 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
         return f"head sizes dk={dk}, dv={dv}: the kernels take {HEAD_SIZES}"
     if fp32 and ckpt.residual.values.shape != (b, h, dk, dv):
         return f"the fp32 checkpoint must be [B, H, dk, dv] = {(b, h, dk, dv)}, got {ckpt.residual.values.shape}"
-    if not fp32 and config.bits == 6 and dk % 64:
-        return f"dk={dk} at 6 bits: each of the four code planes must be at least 16 rows"
-    if not fp32 and config.bits == 4 and dk % 32:
-        return f"dk={dk} at 4 bits: each code plane must be at least 16 rows"
+    if not fp32 and dk % (MIN_PART_ROWS * code_parts(config.bits)):
+        return (f"dk={dk} at {config.bits} bits: each of the {code_parts(config.bits)} code parts must be at least "
+                f"{MIN_PART_ROWS} rows (dk a multiple of {MIN_PART_ROWS * code_parts(config.bits)})")
     if buf.g.shape not in ((b, h, p), (b, h, p, dk)):
         return f"buffer log-decays must be [B, H, p] or [B, H, p, dk], got {buf.g.shape}"
     if str(buf.k.dtype) != config.record_dtype:
@@ -94,4 +95,4 @@ def check_token(state: LeapQuantState, token: Token) -> None:
         raise ValueError(f"token.g must be {gshape}: the state holds {kind} decays; got {token.g.shape}")
 
 
-__all__ = ["HEAD_SIZES", "MAX_RANK", "MAX_WINDOW", "check_token", "unsupported_reason"]
+__all__ = ["HEAD_SIZES", "MAX_RANK", "MAX_WINDOW", "MIN_PART_ROWS", "check_token", "unsupported_reason"]

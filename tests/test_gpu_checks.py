@@ -1,12 +1,12 @@
 """The compiled kernels against the pure-JAX reference on a GPU: ``pytest -m gpu``.
 
 The checks of ``bench.kernels`` (``bench.kernel_checks``, the same functions and inputs), with
-their pass criteria: one step and one flush from the same state at ragged window positions (8, 6
-and 4 bits; on Hopper the Mosaic GPU step and flush where ``auto`` takes them), the Pallas dense
-steps over 8 tokens, and 64 tokens at ragged window positions through
-``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, and the split, fused
-and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and random
-heads at 8, 6 and 4 bits), and ``fp32-w`` on its kernels (``-k fp32w``). The normal suite deselects them (``conftest``); selected without a
+their pass criteria: one step and one flush from the same state at ragged window positions (8, 6,
+4 and 2 bits, every width the kernels take; on Hopper the Mosaic GPU step and flush where ``auto``
+takes them), the Pallas dense steps over 8 tokens, and 64 tokens at ragged window positions
+through ``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, and the split,
+fused and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and
+random heads at 8, 6, 4 and 2 bits), and ``fp32-w`` on its kernels (``-k fp32w``). The normal suite deselects them (``conftest``); selected without a
 GPU, they are skipped.
 """
 
@@ -25,7 +25,7 @@ MODES = pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 
 
 @MODES
-@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
 def test_step_and_flush_kernels_match_reference(bits, kda):
     rows = check_single_ops(lambda row: None, (bits,), (kda,))
     assert rows
@@ -40,8 +40,8 @@ def test_dense_step_kernels_match_reference(kda):
         assert not dense_failures(row), row
 
 
-@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)],
-                         ids=["gdn-int8", "kda-int8", "kda-int6", "gdn-int4"])
+@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False), (2, True)],
+                         ids=["gdn-int8", "kda-int8", "kda-int6", "gdn-int4", "kda-int2"])
 def test_method_on_kernels_matches_reference_at_ragged_positions(bits, kda):
     seq, s0 = correctness_inputs(kda)
     row = ragged_method_row(seq, s0, "KDA" if kda else "GDN", bits)
@@ -49,7 +49,7 @@ def test_method_on_kernels_matches_reference_at_ragged_positions(bits, kda):
 
 
 @MODES
-@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
 @pytest.mark.parametrize("impl", ["split", "fused", "mosaic"])
 def test_flushes_meet_the_decoded_state_criterion(impl, bits, kda):
     rows = check_decoded_state(lambda row: None, (bits,), (kda,), (impl,))

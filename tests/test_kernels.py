@@ -27,13 +27,15 @@ import numpy as np
 import pytest
 
 from leapquant_jax import dispatch, windowed
+from leapquant_jax.impls import Impl
 from leapquant_jax.methods import make_method
+from leapquant_jax.quantizers import INT_WIDTHS, code_parts
 from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels import support
+from pallas_kernels import api, support
 from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_fused, flush_split
-from pallas_kernels.leapquant_step import int8_digits, leapquant_step, leapquant_step_reference
+from pallas_kernels.leapquant_step import MIN_DOT_ROWS, int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
@@ -129,9 +131,9 @@ def check_step(config, st, tok, kernel=leapquant_step, interpret=INTERPRET, **op
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("bits, dk", [(8, 64), (6, 64), (6, 128), (4, 64)])
+@pytest.mark.parametrize("bits, dk", [(8, 64), (6, 64), (6, 128), (4, 64), (2, 64), (2, 128)])
 def test_step_kernel_matches_reference(bits, dk, kda):
-    # 6 bits at dk = 64 has 16-row code parts: the lanes sums (the dot needs 32 rows)
+    # 6 and 2 bits at dk = 64 have 16-row code parts: the lanes sums (the dot needs 32 rows)
     config = LeapQuantConfig(bits=bits, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(10 * bits + kda + dk), 3, 2, dk, 64, kda, pos=[0, 4, 7])
     check_step(config, st, tok)
@@ -274,11 +276,39 @@ def test_step_kernel_rejects_mismatched_token_and_bad_options():
 
 @pytest.mark.parametrize("impl", ["split", "fused"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
 def test_flush_kernel_matches_reference(bits, kda, impl):
     config = LeapQuantConfig(bits=bits, window=8)
     st, _ = live_state(config, jax.random.PRNGKey(100 + 10 * bits + kda), 2, 2, 64, 64, kda, pos=[8, 5])
     check_flush(config, st, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["split", "fused"])
+def test_flush_kernel_rounds_two_bit_ties_as_the_reference(impl):
+    # 2-bit codes are the odd integers, so a value at an even multiple of the scale is a tie, which
+    # quantizers.round_codes sends up (2 floor(t / 2) + 1). Here every even key row is a tie: a
+    # checkpoint of codes -3, -1, 1 there (3 in row 1: column scales 1) plus one record adding 1
+    # to those rows, no decay, no Compensator Tokens or smoothing: small integers, exact in fp32 in
+    # any summation order, so kernel and reference must agree code for code.
+    config = LeapQuantConfig(bits=2, window=4, compensators=False, smoothing=False)
+    dk = dv = 64
+    rng = np.random.default_rng(5)
+    z = rng.choice([-3, -1, 1, 3], (1, 1, dk, dv))
+    z[..., ::2, :] = rng.choice([-3, -1, 1], (1, 1, dk // 2, dv))
+    z[..., 1, :] = 3
+    st = windowed.from_dense(config, jnp.asarray(z, jnp.float32))
+    np.testing.assert_array_equal(config.format.integer_values(st.checkpoint.residual), z)
+    k = np.zeros(st.buffer.k.shape, np.float32)
+    k[..., 0, ::2] = 1.0
+    u = np.zeros(st.buffer.u.shape, np.float32)
+    u[..., 0, :] = 1.0
+    st = st.replace(buffer=st.buffer.replace(k=jnp.asarray(k, st.buffer.k.dtype), u=jnp.asarray(u, st.buffer.u.dtype)),
+                    pos=jnp.ones((1,), jnp.int32))
+    ker, ref = check_flush(config, st, impl=impl)
+    expected = z.copy()
+    expected[..., ::2, :] += 2                              # t = z + 1, even: up to z + 2
+    np.testing.assert_array_equal(config.format.integer_values(ref.checkpoint.residual), expected)
+    chex.assert_trees_all_equal(ker.checkpoint, ref.checkpoint)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -410,25 +440,44 @@ def test_byte_counts_share_key_bytes_within_a_key_group():
 
 
 def test_supported_configs_have_no_reason():
-    for bits in (8, 6, 4):
+    for bits in INT_WIDTHS:
         for kda in (False, True):
             config = LeapQuantConfig(bits=bits)
             assert support.unsupported_reason(config, state_shapes(config, 2, 2, 64, 128, kda)) is None
 
 
-@pytest.mark.parametrize("bits, kda", [(8, False), (8, True), (6, True), (4, False)])
-def test_kernels_lower_to_triton(bits, kda):
+def test_two_bit_codes_need_16_row_parts_and_the_triton_kernels(monkeypatch):
+    # 2 bits: four code parts of dk / 4 rows, each at least a Triton dot's 16 (dk = 64, not 32);
+    # the Mosaic GPU kernels read and write 8 bits only, so auto takes Triton on Hopper too
+    config = LeapQuantConfig(bits=2, window=8)
+    why = support.unsupported_reason(config, state_shapes(config, 1, 1, 32, 64))
+    assert why is not None and "dk=32 at 2 bits" in why and "16 rows" in why
+    st = state_shapes(config, 4, 2, 128, 128)
+    for op in ("step", "flush"):
+        with pytest.raises(ValueError, match=f"impl='mosaic' cannot run the {op} here: .*8-bit.*bits=2"):
+            dispatch.resolve(op, "mosaic", config, st)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(api, "on_hopper", lambda: True)
+    c8 = LeapQuantConfig(bits=8, window=8)
+    assert dispatch.resolve("step", "auto", c8, state_shapes(c8, 4, 2, 128, 128)) is Impl.MOSAIC
+    assert dispatch.resolve("step", "auto", config, st) is Impl.TRITON
+    assert dispatch.resolve("flush", "auto", config, st) is Impl.SPLIT
+
+
+@pytest.mark.parametrize("bits, kda, dk", [(8, False, 64), (8, True, 64), (6, True, 64), (4, False, 64),
+                                           (2, True, 128)])
+def test_kernels_lower_to_triton(bits, kda, dk):
     config = LeapQuantConfig(bits=bits, window=8)
-    st = state_shapes(config, 2, 2, 64, 64, kda)
-    tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, 64, 64, kda), 0)
+    st = state_shapes(config, 2, 2, dk, 64, kda)
+    tok = token_at(random_sequence(jax.random.PRNGKey(0), 2, 1, 2, dk, 64, kda), 0)
 
     lower_to_triton(functools.partial(leapquant_step, config, interpret=False), st, tok)
-    # 6 bits at dk = 64: 16-row code parts, too few for the int8 mma (the lanes sums only)
-    for reduce in ("lanes",) if bits == 6 else ("dot", "dot_cols", "lanes"):
+    # code parts of 16 rows (6 bits at dk = 64): too few for the int8 mma (the lanes sums only)
+    for reduce in ("lanes",) if dk // code_parts(bits) < MIN_DOT_ROWS else ("dot", "dot_cols", "lanes"):
         lower_to_triton(functools.partial(leapquant_step, config, reduce=reduce, interpret=False), st, tok)
     for flush in (flush_split, flush_fused):
         lower_to_triton(functools.partial(flush, config, only_full=True, interpret=False), st)
-    lower_to_triton(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, 64, 64), jnp.bfloat16), tok)
+    lower_to_triton(functools.partial(dense_step, interpret=False), jnp.zeros((2, 2, dk, 64), jnp.bfloat16), tok)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
