@@ -11,10 +11,10 @@ smoothing; the window and its high-precision records are LeapQuant's.
 
 Defaults, and why:
 * the budget (``default_budget``) is that of the per-step ``int<bits>`` format, codes and one fp32
-  scale per value column (4.25 and 6.25 bits per value at ``dk = 128``), so that the name's width is
-  an honest average: no larger than STEPQuant's state at the same name;
-* the options (``DEFAULT_OPTIONS``) hold no Compensator Tokens: at these budgets each token costs
-  a quarter bit per value that a wider residual spends better on recall (docs/long-memory.md).
+  scale per value column (4.25 and 6.25 bits per value at ``dk = 128``), so that the name's width
+  counts every byte of the checkpoint, scales included, as the per-step formats' names do;
+* the options (``DEFAULT_OPTIONS``) hold no Compensator Tokens: at these budgets a token (a quarter
+  bit per value at ``dk = dv = 128``) is better spent on a wider residual (docs/long-memory.md).
 
 Layout: the heads are grouped by option, one ``LeapQuantState`` per option used in the layer
 (``AllocState.groups``, in ``options`` order, each holding its heads in ascending order): a static

@@ -42,7 +42,7 @@ def _is_int(x) -> bool:
 class LeapQuantConfig:
     """Static configuration of the windowed recurrence (hashable: a static jit argument).
 
-    bits: 8, 6, 4 or 2 (integer residual codes; 6, 4 and 2 are packed, 2 is ternary).
+    bits: 8, 6, 4 or 2 (integer residual codes; 6, 4 and 2 are packed; 2 bits are the levels +-1, +-3).
     window: records per window ``p`` before a flush.
     rank: Compensator Tokens ``r``; ``None`` means 4 at 8 bits and 6 below.
     compensators, smoothing: switch the two error reducers (both off gives ``int8-w``).
