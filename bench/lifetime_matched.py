@@ -4,7 +4,7 @@
         [--context 2048] [--batch 2] [--stepquant 5.75,8] [--alloc 6.5] --out OUT.json
 
 The named methods are fixed budgets (``stepquant-6/-4``: nominal bits; ``leapquant-alloc-6/-4``: the
-checkpoint bytes of ``leapquant`` at 6 and 4 bits). This runs the other budgets, to compare the two
+bytes of the per-step ``int6`` / ``int4`` formats, ``leapquant_alloc.default_budget``). This runs the other budgets, to compare the two
 at equal bytes: ``--stepquant`` nominal budgets (``stepquant@B``) and ``--alloc`` checkpoint bits per
 value (``leapquant-alloc@B``), calibrated as ``leapquant calibrate-stepquant`` does (16 segments of
 1,024 tokens of ``--calibration-data``, a state every 32 tokens, 64 kept per layer), then scored by
