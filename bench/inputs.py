@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from leapquant_jax import windowed
-from leapquant_jax.quantizers import IntTensor, pack_codes, qmax_for_bits, signed_codes, unsigned_codes
+from leapquant_jax.quantizers import IntTensor, pack_codes, qmax_for_bits, round_codes, signed_codes, unsigned_codes
 from leapquant_jax.recurrence import delta_rule_token
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer
 
@@ -88,13 +88,6 @@ def _window_records(config, rng, bsz, h, dk, dv, kda, *, spread, alpha_low):
     return k, u, np.log(alpha)
 
 
-def _grid_codes(x, bits):
-    """The code values nearest ``x`` (float64 NumPy), as ``quantizers.round_codes`` rounds: the
-    nearest integer in ``[-qmax, qmax]``, at 2 bits the nearest odd integer (ties up)."""
-    qmax = qmax_for_bits(bits)
-    return np.clip(2 * np.floor(x / 2) + 1 if bits == 2 else np.round(x), -qmax, qmax)
-
-
 def _uniform_codes(rng, bits, shape):
     """Code values uniform over the grid of ``[-qmax, qmax]`` (its stored codes drawn, then signed)."""
     qmax = qmax_for_bits(bits)
@@ -123,7 +116,7 @@ def structured_flush_state(config: LeapQuantConfig, seed: int, bsz: int, dk: int
     every window full: the inputs of a flush on the edge cases of the NVlabs/kda flush requests.
 
     Every head starts from the base: codes ``0.315 qmax N(0, 1)`` rounded to the grid (clipped;
-    ``_grid_codes``), smoothing ``U(0.05, 0.25)``, scales ``U(0.1, 0.6) / qmax`` with value column
+    ``quantizers.round_codes``), smoothing ``U(0.05, 0.25)``, scales ``U(0.1, 0.6) / qmax`` with value column
     ``HOT_COLUMN`` 30x hotter (the requests' hot row: the state is ``[dk, dv]`` here), Compensator
     Tokens ``0.5 N(0, 1)``, and a window of records 0.3 N(0, 1) decaying by alpha in
     ``[0.96, 1]`` (GDN) or ``[0.6, 1]`` per key channel (KDA). Then: ``hot_column`` the base;
@@ -162,7 +155,7 @@ def structured_flush_state(config: LeapQuantConfig, seed: int, bsz: int, dk: int
         g[:, at["never_decays"], :, :dk // 4] = 0.0
     else:
         g[:, at["never_decays"]] = 0.0
-    return _stream(config, _grid_codes(codes, config.bits), scale, smooth, comp_k, comp_u, (k, u, g),
+    return _stream(config, round_codes(codes, config.bits, xp=np), scale, smooth, comp_k, comp_u, (k, u, g),
                    np.full((bsz,), p))
 
 

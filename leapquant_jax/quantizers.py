@@ -62,12 +62,13 @@ def unsigned_codes(z, bits: int):
     return (z + 3) // 2 if bits == 2 else z + (qmax_for_bits(bits) + 1)
 
 
-def round_codes(t, bits: int):
+def round_codes(t, bits: int, xp=jnp):
     """``t = x / scale`` (in ``[-qmax, qmax]`` before clipping) -> the nearest value of the grid:
-    the nearest integer, at 2 bits the nearest odd integer."""
+    the nearest integer (ties to even), at 2 bits the nearest odd integer (ties up). ``xp``: the
+    array module (``numpy`` rounds host arrays in their own precision)."""
     qmax = qmax_for_bits(bits)
-    z = 2 * jnp.floor(t / 2) + 1 if bits == 2 else jnp.round(t)
-    return jnp.clip(z, -qmax, qmax)
+    z = 2 * xp.floor(t / 2) + 1 if bits == 2 else xp.round(t)
+    return xp.clip(z, -qmax, qmax)
 
 
 def check_state(x: Array, name: str = "state") -> None:
