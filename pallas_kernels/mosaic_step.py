@@ -1,4 +1,4 @@
-"""LeapQuant decode step inside a window on Pallas Mosaic GPU (Hopper): GDN and KDA, 8 bits, 128 x 128 heads.
+"""LeapQuant decode step inside a window on Pallas Mosaic GPU (Hopper): GDN and KDA, 8 to 2 bits, 128 x 128 heads.
 
 Contract: ``leapquant_step.leapquant_step``'s (``windowed.step_reference``: ``u`` read at ``l =
 pos``, the record appended at slot ``pos``, the output read at ``l = pos + 1``; needs ``pos < p``,
@@ -11,8 +11,8 @@ heads in flight, and the registers read them once.
 
 Structure: ``programs`` programs of one warpgroup (128 threads) each walk ``per`` consecutive heads
 of the flattened ``[B H]`` in an ``emit_pipeline`` (heads past ``B H`` repeat the last and store
-nothing). Per head: the token's vectors, the codes ``[dk, 128]``, the scales, the Compensator
-Tokens and all ``p`` record slots (a copy has a static size: dead slots are masked in the
+nothing). Per head: the token's vectors, the codes ``[packed_rows, 128]``, the scales, the
+Compensator Tokens and all ``p`` record slots (a copy has a static size: dead slots are masked in the
 arithmetic, so it moves more than the Triton step, ``mosaic_step_bytes``). A head's scalars (GDN:
 ``g``, ``beta``, ``pos``, ``D0``, ``exp(g)`` and the records' decays, packed by XLA with
 ``windowed.window_decays``; KDA: ``beta``, ``pos``) come in ``GROUP_HEADS`` heads per copy; KDA's
@@ -25,12 +25,17 @@ sum_j u_j d_j (k_j . x)``. Records and Compensator Tokens go four rows at a time
 (the same way, so that the codes', records' and Compensator Tokens' partial sums meet across the
 warps once per head, ``meet_warps``), ``"wgmma"`` (one bf16 ``wgmma`` against three exact bf16
 pieces of each vector) or ``"fma"`` (``chunk`` rows at a time, Mosaic GPU's generic reduction).
+Codes: int8 ``[dk, 128]`` at 8 bits; below, ``quantizers``' planar layout (uint8), unpacked in
+registers (``signed_code_parts``): the same byte rows of each plane give every code part's key
+rows, each times the vectors at those rows (``"rows"`` and ``"fma"``; ``"wgmma"`` 8 bits only).
+A rank ``r`` that is not a multiple of 4 ends on a group of four that overlaps the one before,
+its rows already counted zeroed (``token_row_groups``): six tokens, the default below 8 bits.
 Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
 
 Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``, two
 programs per SM, three heads in flight (two where the tensor cores' tile or KDA's decays would
 leave one program per SM). Bytes per step and value head: ``mosaic_step_bytes``. Tested with JAX
-0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200).
+0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200, 8 bits).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from leapquant_jax import windowed
-from leapquant_jax.quantizers import IntTensor
+from leapquant_jax.quantizers import INT_WIDTHS, IntTensor, code_parts, packed_rows
 from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
@@ -67,29 +72,62 @@ MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 # ----------------------------------------------------------------------------- kernel
 
 
-def _code_products(t, factors, *, n, dk, lay):
-    """The codes times two vectors on the CUDA cores, ``n`` key rows at a time (int8 -> bf16 ->
-    fp32, exact for codes, cheaper than int8 -> fp32), summed elementwise over the ``dk / n``
-    steps: two ``[n, 128]`` tiles in ``rows_layout(n)``. ``factors(rows)``: the two vectors at key
-    rows ``rows`` (``[n]`` each, in ``rows_layout(n).reduce(1)``)."""
+def signed_code_parts(planes, bits: int):
+    """The signed codes of each key-row part (``quantizers.signed_codes``, fp32, exact) from the
+    packed byte rows of a chunk, ``planes`` (uint8 ``[n, 128]`` each: one plane at 4 and 2 bits,
+    three at 6; ``quantizers``' planar layout): a part's field is masked in place in its byte (its
+    top bit flipped first where the field ends the byte, so that the byte as int8 is ``2**s (u -
+    offset)``), converted int8 -> bf16 -> fp32 as the 8-bit codes are, then scaled by a power of
+    two and shifted by a small integer, both exact in fp32."""
+    def value(x):
+        return x.astype(jnp.int8).astype(jnp.bfloat16).astype(f32)
+
+    if bits == 4:
+        (x,) = planes
+        return [value(x & 0x0F) - 8.0, value((x ^ 0x80) & 0xF0) * 0.0625]
+    if bits == 2:
+        (x,) = planes
+        low = [value(x & (3 << 2 * i)) * 2.0 ** (1 - 2 * i) - 3.0 for i in range(3)]
+        return low + [value((x ^ 0x80) & 0xC0) * 0.03125 + 1.0]
+    if bits == 6:        # the fourth quarter from the planes' top two bits c_p: 64 (c_p - 2) each
+        top = [value((x ^ 0x80) & 0xC0) for x in planes]
+        fourth = top[0] * 2.0 ** -6 + top[1] * 2.0 ** -4 + top[2] * 2.0 ** -2 + 10.0
+        return [value(x & 0x3F) - 32.0 for x in planes] + [fourth]
+    raise ValueError(f"bits={bits}: packed codes are 6, 4 or 2 bits")
+
+
+def _code_products(t, factors, *, n, dk, lay, bits=8):
+    """The codes times two vectors on the CUDA cores, ``n`` key rows of each code part at a time
+    (8 bits: int8 -> bf16 -> fp32, exact for codes, cheaper than int8 -> fp32; packed widths:
+    ``signed_code_parts`` of the same byte rows of each plane), summed elementwise over the steps:
+    two ``[n, 128]`` tiles in ``rows_layout(n)``. ``factors(rows)``: the two vectors at key rows
+    ``rows`` (``[n]`` each, in ``rows_layout(n).reduce(1)``); part ``j`` of a step at byte rows
+    ``s + [0, n)`` covers key rows ``j dk / parts + s + [0, n)``."""
     R = rows_layout(n)
     along_cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (n, LANES_COLS), (0,)), R)
+    part_rows = dk // code_parts(bits)
+    planes = packed_rows(dk, bits) // part_rows
     acc1 = acc2 = None
-    for k in range(dk // n):
-        rows = pl.ds(k * n, n)
-        z = lay.load(t["codes"].at[rows], R).astype(jnp.bfloat16).astype(f32)
-        y1, y2 = factors(rows)
-        t1, t2 = z * along_cols(y1), z * along_cols(y2)
-        acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
+    for k in range(part_rows // n):
+        if bits == 8:
+            zs = [lay.load(t["codes"].at[pl.ds(k * n, n)], R).astype(jnp.bfloat16).astype(f32)]
+        else:
+            zs = signed_code_parts([lay.load(t["codes"].at[pl.ds(c * part_rows + k * n, n)], R)
+                                    for c in range(planes)], bits)
+        for j, z in enumerate(zs):
+            rows = pl.ds(j * part_rows + k * n, n)
+            y1, y2 = factors(rows)
+            t1, t2 = z * along_cols(y1), z * along_cols(y2)
+            acc1, acc2 = (t1, t2) if acc1 is None else (acc1 + t1, acc2 + t2)
     return acc1, acc2
 
 
-def code_sums_fma(t, *, dk, smoothing, chunk, lay, decay=None):
+def code_sums_fma(t, *, dk, smoothing, chunk, lay, decay=None, bits=8):
     """``(Z^T (c b), Z^T (c q))`` (``[128]`` each, value-column layout; ``c`` the smoothing scales or
-    1) on the CUDA cores: the codes read ``chunk`` key rows at a time (int8 -> bf16 -> fp32, exact
-    for codes, cheaper than int8 -> fp32), products summed elementwise over the chunks, then
-    across the rows once. ``decay``: ``(ref, row)`` where KDA's per-channel decays scale the two
-    vectors too (``ref[row]`` times ``b``, ``ref[row + 1]`` times ``q``; ``_kda_decays``)."""
+    1) on the CUDA cores: the codes read ``chunk`` key rows of each code part at a time
+    (``_code_products``), products summed elementwise over the chunks, then across the rows once.
+    ``decay``: ``(ref, row)`` where KDA's per-channel decays scale the two vectors too
+    (``ref[row]`` times ``b``, ``ref[row + 1]`` times ``q``; ``_kda_decays``)."""
     CROW = rows_layout(chunk).reduce(1)
 
     def factors(rows):
@@ -102,7 +140,7 @@ def code_sums_fma(t, *, dk, smoothing, chunk, lay, decay=None):
             y1, y2 = lay.load(ref.at[row, rows], CROW) * y1, lay.load(ref.at[row + 1, rows], CROW) * y2
         return y1, y2
 
-    acc1, acc2 = _code_products(t, factors, n=chunk, dk=dk, lay=lay)
+    acc1, acc2 = _code_products(t, factors, n=chunk, dk=dk, lay=lay, bits=bits)
     return jnp.sum(acc1, axis=0), jnp.sum(acc2, axis=0)
 
 
@@ -189,16 +227,17 @@ def code_vectors(t, xv, *, smoothing, lay, decays=None):
     xv[1] = y2
 
 
-def code_partials_rows(t, xv, *, dk, lay):
+def code_partials_rows(t, xv, *, dk, lay, bits=8):
     """Each warp's part of the code sums ``Z^T xv[0]`` and ``Z^T xv[1]`` (``code_vectors``): two
     ``[WARPS, 128]`` tiles in ``rows_layout(WARPS)``, whose sums over their rows (the warps) are the
-    code sums. The codes go ``WARPS`` key rows at a time, key row ``WARPS k + m`` on warp ``m`` (int8
-    -> bf16 -> fp32, exact), each row times its two factors (one value for the whole warp, read from
-    ``xv``), summed in registers: no exchange between the warps here, so that the caller adds these
-    parts to the records' before their one exchange (``_head_step`` with ``dot="rows"``)."""
+    code sums. The codes go ``WARPS`` byte rows at a time, byte row ``WARPS k + m`` on warp ``m``
+    (``_code_products``: each code part's key row of it), each key row times its two factors (one
+    value for the whole warp, read from ``xv``), summed in registers: no exchange between the warps
+    here, so that the caller adds these parts to the records' before their one exchange
+    (``_head_step`` with ``dot="rows"``)."""
     WROW = rows_layout(WARPS).reduce(1)
     return _code_products(t, lambda rows: (lay.load(xv.at[0, rows], WROW), lay.load(xv.at[1, rows], WROW)),
-                          n=WARPS, dk=dk, lay=lay)
+                          n=WARPS, dk=dk, lay=lay, bits=bits)
 
 
 def _kda_decays(i, meta_all, t, dec, *, p, lay):
@@ -224,7 +263,18 @@ def _kda_decays(i, meta_all, t, dec, *, p, lay):
     return d0, d0 * a
 
 
-def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=None, per_channel=False, dot="fma"):
+def token_row_groups(r: int) -> list[tuple[int, int]]:
+    """The ``WARPS``-row groups ``(start, skip)`` that cover ``r`` rows (``r`` 0 or at least
+    ``WARPS``): whole groups, then where ``r`` is not a multiple of ``WARPS`` one that ends at row
+    ``r`` and leaves out (``skip``) its first rows, already counted by the group before."""
+    groups = [(start, 0) for start in range(0, r - WARPS + 1, WARPS)]
+    if r % WARPS:
+        groups.append((r - WARPS, WARPS - r % WARPS))
+    return groups
+
+
+def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=None, per_channel=False, dot="fma",
+               bits=8):
     """Head ``i`` of the program from its tiles ``t`` (a dict of shared-memory refs):
     ``(o [128] fp32, u [128] fp32, w [dk] fp32)``, each in the value-column layout. ``red``: the
     records' partial sums' shared memory ``[2, WARPS, 128]`` fp32; ``mm``: the code sums' scratch
@@ -234,7 +284,8 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     scalars ``meta_all[i]``).
 
     The records and Compensator Tokens go ``WARPS`` rows at a time, one row per warp
-    (``rows_layout(WARPS)``): each warp sums its rows' ``u_j (k_j . x)`` in its registers, and the
+    (``rows_layout(WARPS)``; the tokens' last group as ``token_row_groups`` says, its rows already
+    counted zeroed): each warp sums its rows' ``u_j (k_j . x)`` in its registers, and the
     warps' partials meet once, through ``red`` (the value columns of a row contiguous, so each
     read is one row for the whole warp, without bank conflicts): one exchange between the warps
     for both vectors and both kinds of rows (with ``dot="rows"`` the code sums' parts too)."""
@@ -252,9 +303,9 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
         lay.sync()               # the decays and vectors made one channel per thread are read in other layouts
     codes1 = codes2 = s1 = s2 = None
     if dot == "rows":
-        codes1, codes2 = code_partials_rows(t, mm[0], dk=dk, lay=lay)              # [WARPS, 128] W
+        codes1, codes2 = code_partials_rows(t, mm[0], dk=dk, lay=lay, bits=bits)   # [WARPS, 128] W
     elif dot == "fma":
-        s1, s2 = code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay, decay=decay)
+        s1, s2 = code_sums_fma(t, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay, decay=decay, bits=bits)
     else:
         s1, s2 = code_sums_wgmma(t, mm, dk=dk, smoothing=smoothing, lay=lay, decay=decay)
     scale = lay.load(t["scale"], VCOL)
@@ -281,11 +332,18 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     else:
         r1, r2 = f1 * s1, f2 * s2
     # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
-    groups = [("rk", "ru", m) for m in range(p // WARPS)] + [("ck", "cu", m) for m in range(r // WARPS)]
-    for kname, uname, m in groups:
-        rows = pl.ds(m * WARPS, WARPS)
+    groups = [("rk", "ru", m * WARPS, 0) for m in range(p // WARPS)]
+    groups += [("ck", "cu", start, skip) for start, skip in token_row_groups(r)]
+    for kname, uname, start, skip in groups:
+        rows = pl.ds(start, WARPS)
         k = lay.load(t[kname].at[rows], W).astype(f32)                             # [WARPS, dk]
         u = lay.load(t[uname].at[rows], W).astype(f32)                             # [WARPS, 128]
+        if skip:                 # rows the group before counted
+            if lay.interpret:
+                row = jax.lax.broadcasted_iota(jnp.int32, (WARPS, LANES_COLS), 0)
+            else:
+                row = plgpu.broadcasted_iota(jnp.int32, (WARPS, LANES_COLS), 0, layout=W)
+            u = jnp.where(row >= skip, u, 0.0)
         if per_channel and kname == "rk":      # the records' decays d_j per channel (0 past pos)
             d = lay.load(dec.at[rows], W)
             k1, k2 = jnp.sum(k * (d * rows_x1), axis=1), jnp.sum(k * (d * rows_x2), axis=1)
@@ -293,7 +351,7 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
             k1, k2 = jnp.sum(k * ct_x1, axis=1), jnp.sum(k * ct_x2, axis=1)
         else:
             if kname == "rk":    # the records' decays d_j (0 past pos)
-                d = lay.load(meta_all.at[i, pl.ds(META_COLS + m * WARPS, WARPS)], WROW)
+                d = lay.load(meta_all.at[i, pl.ds(META_COLS + start, WARPS)], WROW)
             else:                # the checkpoint's decay D0
                 d = D0
             k1 = jnp.sum(k * rows_x1, axis=1) * d                                  # [WARPS] WROW
@@ -308,7 +366,7 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
 
 
 def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, hk, group, smoothing, chunk,
-             per_channel, dot, interpret):
+             per_channel, dot, bits, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
     GMEM refs by name; ``keyed``: the names read per key head; ``head``: a head's arithmetic
     (``_head_step``). ``scratch``: the scalars, then GDN's record log-decays ``[per, p]`` or KDA's
@@ -345,7 +403,7 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
         t = c * per + i
         tile = dict(zip(names, tiles))
         o, u, w = head(i, meta_all, dec, tile, dk=dk, p=p, r=r, smoothing=smoothing, chunk=chunk, lay=lay, red=red,
-                       mm=mm, per_channel=per_channel, dot=dot)
+                       mm=mm, per_channel=per_channel, dot=dot, bits=bits)
         pos = meta_all[i, 2].astype(jnp.int32)
         real = t < n
         live = (pos < p) & real
@@ -390,16 +448,17 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
 
 
 def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
-    """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): 8-bit integer
-    codes, ``dk = dv = 128``, ``p`` and ``r`` multiples of 4, key heads dividing ``H``; with scalar
-    (GDN) decays also ``B H`` a multiple of ``GROUP_HEADS`` and a record dtype in which
+    """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): integer codes
+    at 8, 6, 4 or 2 bits, ``dk = dv = 128``, ``p`` a multiple of 4, ``r`` 0 or at least 4 (the
+    Compensator Tokens go 4 rows at a time, ``token_row_groups``), key heads dividing ``H``; with
+    scalar (GDN) decays also ``B H`` a multiple of ``GROUP_HEADS`` and a record dtype in which
     ``GROUP_HEADS`` heads' ``p`` log-decays fill whole 128-byte copies."""
     ckpt, buf = state.checkpoint, state.buffer
-    if config.residual_format is not None or config.bits != 8:
-        return f"the Mosaic GPU step reads 8-bit integer codes only (bits={config.bits}, " \
-               f"residual_format={config.residual_format!r})"
-    if not isinstance(ckpt.residual, IntTensor) or ckpt.residual.bits != 8:
-        return "the state's residual is not an 8-bit integer tensor"
+    if config.residual_format is not None or config.bits not in INT_WIDTHS:
+        return f"the Mosaic GPU step reads 8-bit integer codes and packed 6-, 4- and 2-bit ones only " \
+               f"(bits={config.bits}, residual_format={config.residual_format!r})"
+    if not isinstance(ckpt.residual, IntTensor) or ckpt.residual.bits != config.bits:
+        return f"the state's residual is not a {config.bits}-bit integer tensor"
     if buf.k.ndim != 4 or buf.u.ndim != 4:
         return f"the window buffer must be [B, Hk, p, dk] / [B, H, p, dv], got {buf.k.shape} / {buf.u.shape}"
     b, h, dk, dv = state.shape
@@ -408,8 +467,10 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
         return f"the buffer holds {buf.u.shape[2]} slots but window={p}"
     if dk != LANES_COLS or dv != LANES_COLS:
         return f"dk={dk}, dv={dv}: the Mosaic GPU step takes {LANES_COLS} x {LANES_COLS} heads"
-    if p % WARPS or r % WARPS:
-        return f"window={p}, rank={r}: the Mosaic GPU step takes multiples of {WARPS}"
+    if p % WARPS:
+        return f"window={p}: the Mosaic GPU step takes multiples of {WARPS}"
+    if 0 < r < WARPS:
+        return f"rank={r}: the Mosaic GPU step takes 0 or at least {WARPS} Compensator Tokens"
     if state.pos.shape != (b,):
         return f"pos must be [B] = ({b},), got {state.pos.shape}"
     if buf.g.shape not in ((b, h, p), (b, h, p, dk)):
@@ -448,9 +509,10 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     caller's ``jit`` donates the state. ``programs``: programs of the launch (default
     ``default_programs``); ``stages``: heads in flight per program (default 3, 2 with
     ``dot="wgmma"`` or KDA's decays, which would otherwise leave one program per SM); ``chunk``: key
-    rows per code read with ``dot="fma"`` (default ``dk``, whole tiles, the faster); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
-    ``DEFAULT_DOT``; ``"fma"``; ``"wgmma"``). ``interpret``: ``None`` runs compiled on a GPU and in
-    the Mosaic GPU interpreter elsewhere.
+    rows of each code part per code read with ``dot="fma"`` (default a whole part, ``dk`` at 8 bits,
+    the faster); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
+    ``DEFAULT_DOT``; ``"fma"``; ``"wgmma"``, 8 bits only). ``interpret``: ``None`` runs compiled on a
+    GPU and in the Mosaic GPU interpreter elsewhere.
     """
     return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, dot=dot,
                   interpret=interpret)
@@ -482,11 +544,16 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
     hk = state.key_heads
     ckpt, buf = state.checkpoint, state.buffer
     p, r = config.window, config.effective_rank
+    bits = config.bits
     if dot != "fma" and chunk is not None:
         raise ValueError(f"chunk={chunk}: only dot='fma' reads the codes in chunks (dot={dot!r})")
-    chunk = dk if chunk is None else chunk
-    if chunk % WARPS or dk % chunk:
-        raise ValueError(f"chunk={chunk} must be a multiple of {WARPS} dividing dk={dk}")
+    if dot == "wgmma" and bits != 8:
+        raise ValueError(f"dot='wgmma' reads 8-bit codes only (bits={bits}): take dot='rows' or dot='fma'")
+    part_rows = dk // code_parts(bits)
+    chunk = part_rows if chunk is None else chunk
+    if chunk % WARPS or part_rows % chunk:
+        where = f"dk={dk}" if part_rows == dk else f"the {part_rows} key rows of a {bits}-bit code part"
+        raise ValueError(f"chunk={chunk} must be a multiple of {WARPS} dividing {where}")
     n = bsz * h
     per_channel = state.per_channel_decay
     stages = (2 if dot == "wgmma" or per_channel else 3) if stages is None else stages
@@ -534,7 +601,7 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
         scratch.append(plgpu.SMEM((2, dk), f32))
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
                              dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
-                             per_channel=per_channel, dot=dot, interpret=bool(interpret))
+                             per_channel=per_channel, dot=dot, bits=bits, interpret=bool(interpret))
 
     def kernel(refs):
         @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
@@ -556,7 +623,8 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
     record decays among the scalars)."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
-    n = dk * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)   # checkpoint
+    n = packed_rows(dk, config.bits) * dv + 4 * dv               # checkpoint: the codes and scales,
+    n += (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)  # the smoothing, the Compensator Tokens
     n += p * e * dv                                              # value records
     if per_channel:          # log-decay rows in and the new one out; the token's g; the scalars
         n += p * e * dk + e * dk + 4 * dk + 4 * META_COLS
@@ -570,4 +638,4 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
 
 __all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma", "code_sums_wgmma",
            "code_vectors", "default_programs", "launch", "leapquant_step", "mm_scratch",
-           "mosaic_step_bytes", "unsupported_reason"]
+           "mosaic_step_bytes", "signed_code_parts", "token_row_groups", "unsupported_reason"]

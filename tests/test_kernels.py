@@ -29,7 +29,7 @@ import pytest
 from leapquant_jax import dispatch, windowed
 from leapquant_jax.impls import Impl
 from leapquant_jax.methods import make_method
-from leapquant_jax.quantizers import INT_WIDTHS, code_parts
+from leapquant_jax.quantizers import INT_WIDTHS, code_parts, pack_codes, signed_codes
 from leapquant_jax.recurrence import delta_rule_token, recurrent_scan
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import api, support
@@ -446,21 +446,22 @@ def test_supported_configs_have_no_reason():
             assert support.unsupported_reason(config, state_shapes(config, 2, 2, 64, 128, kda)) is None
 
 
-def test_two_bit_codes_need_16_row_parts_and_the_triton_kernels(monkeypatch):
+def test_two_bit_codes_need_16_row_parts_and_flush_on_triton(monkeypatch):
     # 2 bits: four code parts of dk / 4 rows, each at least a Triton dot's 16 (dk = 64, not 32);
-    # the Mosaic GPU kernels read and write 8 bits only, so auto takes Triton on Hopper too
+    # the Mosaic GPU step reads them, the Mosaic GPU flush writes 8 bits only, so auto takes the
+    # Mosaic GPU step and the split flush on Hopper
     config = LeapQuantConfig(bits=2, window=8)
     why = support.unsupported_reason(config, state_shapes(config, 1, 1, 32, 64))
     assert why is not None and "dk=32 at 2 bits" in why and "16 rows" in why
     st = state_shapes(config, 4, 2, 128, 128)
-    for op in ("step", "flush"):
-        with pytest.raises(ValueError, match=f"impl='mosaic' cannot run the {op} here: .*8-bit.*bits=2"):
-            dispatch.resolve(op, "mosaic", config, st)
+    assert dispatch.resolve("step", "mosaic", config, st) is Impl.MOSAIC
+    with pytest.raises(ValueError, match="impl='mosaic' cannot run the flush here: .*8-bit.*bits=2"):
+        dispatch.resolve("flush", "mosaic", config, st)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(api, "on_hopper", lambda: True)
     c8 = LeapQuantConfig(bits=8, window=8)
     assert dispatch.resolve("step", "auto", c8, state_shapes(c8, 4, 2, 128, 128)) is Impl.MOSAIC
-    assert dispatch.resolve("step", "auto", config, st) is Impl.TRITON
+    assert dispatch.resolve("step", "auto", config, st) is Impl.MOSAIC
     assert dispatch.resolve("flush", "auto", config, st) is Impl.SPLIT
 
 
@@ -579,6 +580,47 @@ def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
     check_writes_nothing_past_the_window(config, st, tok, mosaic_step.leapquant_step)
 
 
+def test_signed_code_parts_match_the_packed_layout():
+    # every field of random packed bytes, as quantizers packs and signs them
+    for bits in (4, 6, 2):
+        u = jax.random.randint(jax.random.PRNGKey(bits), (128, 128), 0, 2 ** bits)
+        packed = pack_codes(u, bits)
+        rows = 128 // code_parts(bits)
+        planes = [packed[c * rows:(c + 1) * rows] for c in range(packed.shape[0] // rows)]
+        parts = mosaic_step.signed_code_parts(planes, bits)
+        assert all(z.dtype == jnp.float32 for z in parts)
+        np.testing.assert_array_equal(jnp.concatenate(parts), signed_codes(u, bits).astype(jnp.float32))
+    assert mosaic_step.token_row_groups(0) == []
+    assert mosaic_step.token_row_groups(8) == [(0, 0), (4, 0)]
+    assert mosaic_step.token_row_groups(6) == [(0, 0), (2, 2)]
+    assert mosaic_step.token_row_groups(5) == [(0, 0), (1, 3)]
+
+
+@pytest.mark.parametrize("bits, kda, dot, opts", [
+    (4, False, "rows", dict()),
+    (4, False, "fma", dict()),
+    (4, True, "rows", dict()),
+    (4, True, "fma", dict(chunk=16)),         # four reads of each part's 64 rows
+    (6, False, "fma", dict()),
+    (6, True, "rows", dict()),
+    (2, False, "rows", dict()),
+    (2, True, "fma", dict()),
+    (4, False, "rows", dict(config=dict(compensators=False, smoothing=False))),
+    (8, False, "rows", dict(config=dict(rank=5))),   # the tokens' last group skips three rows
+], ids=["int4-rows", "int4-fma", "int4-kda-rows", "int4-kda-fma-chunks", "int6-fma", "int6-kda-rows", "int2-rows",
+        "int2-kda-fma", "int4-no-ct-no-smoothing", "int8-rank5"])
+def test_mosaic_step_packed_codes_and_six_tokens_match_reference(bits, kda, dot, opts):
+    # below 8 bits the default rank is 6: the tokens' last group of four overlaps the first
+    opts = dict(opts)
+    config = LeapQuantConfig(bits=bits, **{"window": 8, **opts.pop("config", {})})
+    bsz = 3 if kda else 4                    # GDN: B H a multiple of GROUP_HEADS
+    pos = [(3 * b + 2) % 8 for b in range(bsz - 1)] + [7]
+    st, tok = live_state(config, jax.random.PRNGKey(70 + 4 * bits + kda), bsz, 2, 128, 128, kda, pos=pos)
+    assert mosaic_step.unsupported_reason(config, st) is None
+    check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=2, dot=dot,
+               **opts)
+
+
 def test_the_mosaic_step_through_dispatch():
     # impl="mosaic" through the front door: the Mosaic GPU step, interpreted here (which kernel
     # auto takes where: test_dispatch)
@@ -591,17 +633,18 @@ def test_the_mosaic_step_through_dispatch():
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_mosaic_step_lowers_for_cuda(kda):
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
+def test_mosaic_step_lowers_for_cuda(bits, kda):
     # Lowering builds the Mosaic GPU module: every register layout and copy the kernel names is
     # checked here, without a GPU. Only the buffer's three arrays and the output are written.
     from jax import export
 
-    config = LeapQuantConfig(bits=8, window=16)
+    config = LeapQuantConfig(bits=bits, window=16)
     st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
     tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
                            g=jnp.zeros((4, 4, 128) if kda else (4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
-    for dot in mosaic_step.DOTS:
+    for dot in mosaic_step.DOTS if bits == 8 else ("rows", "fma"):
         f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, dot=dot, interpret=False))
         text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
         assert "mosaic_gpu" in text
@@ -615,11 +658,11 @@ def test_mosaic_step_rejects_what_it_cannot_run():
 
     c8 = LeapQuantConfig(bits=8, window=8)
     for config, st, match in [
-        (LeapQuantConfig(bits=6, window=8), state(LeapQuantConfig(bits=6, window=8)), "8-bit"),
         (c8, state(c8, dv=64), "dv=64"),
         (c8, state(c8, dk=64), "dk=64"),
         (c8, state(c8, bsz=1, h=6), "multiple of 8 with scalar"),
-        (LeapQuantConfig(bits=8, window=8, rank=2), state(LeapQuantConfig(bits=8, window=8, rank=2)), "multiples of 4"),
+        (LeapQuantConfig(bits=8, window=8, rank=2), state(LeapQuantConfig(bits=8, window=8, rank=2)),
+         "rank=2: .* 0 or at least 4"),
         (LeapQuantConfig(bits=8, window=4), state(LeapQuantConfig(bits=8, window=4)), "128-byte"),
     ]:
         assert mosaic_step.unsupported_reason(config, st) is not None
@@ -631,6 +674,12 @@ def test_mosaic_step_rejects_what_it_cannot_run():
     assert mosaic_step.unsupported_reason(c8, state(c8, bsz=1, h=6, kda=True)) is None
     c4 = LeapQuantConfig(bits=8, window=4)
     assert mosaic_step.unsupported_reason(c4, state(c4, kda=True)) is None
+    # packed codes with the default six Compensator Tokens
+    for bits in (6, 4, 2):
+        config = LeapQuantConfig(bits=bits, window=8)
+        assert config.effective_rank == 6
+        for kda in (False, True):
+            assert mosaic_step.unsupported_reason(config, state(config, kda=kda)) is None
     st = state(c8)
     tok = delta_rule_token(q=jnp.zeros((2, 4, 128)), k=jnp.zeros((2, 4, 128)), v=jnp.zeros((2, 4, 128)),
                            g=jnp.zeros((2, 4)), beta=jnp.zeros((2, 4)))
@@ -642,5 +691,11 @@ def test_mosaic_step_rejects_what_it_cannot_run():
             traced(functools.partial(step, dot=dot, chunk=32), st, tok)
     with pytest.raises(ValueError, match="dot='tensor'"):
         traced(functools.partial(step, dot="tensor"), st, tok)
+    int4 = LeapQuantConfig(bits=4, window=8)
+    step4 = functools.partial(mosaic_step.leapquant_step, int4)
+    with pytest.raises(ValueError, match="dot='wgmma' reads 8-bit codes only .bits=4."):
+        traced(functools.partial(step4, dot="wgmma"), state(int4), tok)
+    with pytest.raises(ValueError, match="chunk=128 must be a multiple of 4 dividing the 64 key rows of a 4-bit"):
+        traced(functools.partial(step4, dot="fma", chunk=128), state(int4), tok)
     with pytest.raises(ValueError, match="token.v"):
         traced(step, st, tok.replace(v=jnp.zeros((2, 4, 64))))
