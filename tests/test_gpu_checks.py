@@ -3,7 +3,8 @@
 The checks of ``bench.kernels`` (``bench.kernel_checks``, the same functions and inputs), with
 their pass criteria: one step and one flush from the same state at ragged window positions (8, 6,
 4 and 2 bits, every width the kernels take; on Hopper the Mosaic GPU step and flush where ``auto``
-takes them), the Pallas dense steps over 8 tokens, and 64 tokens at ragged window positions
+takes them; beside them the Mosaic GPU step with each of its code sums, ``dot``, at every width
+it reads), the Pallas dense steps over 8 tokens, and 64 tokens at ragged window positions
 through ``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, and the split,
 fused and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and
 random heads at 8, 6, 4 and 2 bits), and ``fp32-w`` on its kernels (``-k fp32w``). The normal suite deselects them (``conftest``); selected without a
@@ -12,12 +13,20 @@ GPU, they are skipped.
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from bench.kernel_checks import (
     check_decoded_state, check_fp32w, check_single_ops, correctness_inputs, decoded_state_failures, dense_failures,
     dense_step_rows, fp32w_failures, ragged_failures, ragged_method_row, single_op_failures,
 )
+from leapquant_jax import dispatch, windowed
+from leapquant_jax.impls import Impl
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels import mosaic_step
+
+from helpers import copy_tree, live_state, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +40,26 @@ def test_step_and_flush_kernels_match_reference(bits, kda):
     assert rows
     for row in rows:
         assert not single_op_failures(row), row
+
+
+@MODES
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
+def test_mosaic_step_code_sums_match_reference(bits, kda):
+    # every dot the Mosaic GPU step has at this width (wgmma: 8 bits), compiled; below 8 bits the
+    # default six Compensator Tokens (a last group of four that overlaps the first)
+    config = LeapQuantConfig(bits=bits, window=16)
+    pos = [0, 5, 11, 15, 3, 8, 14, 1]
+    st, tok = live_state(config, jax.random.PRNGKey(90 + bits + kda), 8, 4, 128, 128, kda, pos=pos)
+    if not dispatch.takes("step", Impl.MOSAIC, config, st):
+        pytest.skip("the Mosaic GPU step runs on Hopper GPUs only")
+    o_r, n_r = windowed.step_reference(config, st, tok)
+    for dot in mosaic_step.DOTS if bits == 8 else ("rows", "fma"):
+        o_k, n_k = mosaic_step.leapquant_step(config, copy_tree(st), tok, dot=dot)
+        assert np.all(np.isfinite(o_k)), dot
+        assert rel(o_k, o_r) < 1e-5, (dot, rel(o_k, o_r))
+        np.testing.assert_array_equal(n_k.buffer.k, n_r.buffer.k)
+        np.testing.assert_array_equal(n_k.buffer.g, n_r.buffer.g)
+        assert rel(n_k.buffer.u, n_r.buffer.u) < 1e-3, dot
 
 
 @MODES
