@@ -418,14 +418,14 @@ def time_other_bits(run: Run, best: dict, bits, bsz, kda_modes):
             try:
                 # the step options of the main bit width, where they fit this one's code parts
                 opts = dict(best[kda]["step"])
-                if opts.get("kernel") == "mosaic":
-                    opts = {}                  # the Mosaic GPU step reads 8 bits only: the Triton step's defaults
+                state = windowed.from_dense(cfg, s, per_channel_decay=kda)
+                if opts.get("kernel") == "mosaic" and not takes_mosaic("step", cfg, state):
+                    opts = {}                  # the Mosaic GPU step does not take it: the Triton step's defaults
                 if "chunk" in opts:
                     opts["chunk"] = min(opts["chunk"], d // num_parts(bits))
                     if opts.get("reduce") == "dot" and opts["chunk"] < 32:
                         opts["reduce"] = "lanes"   # the int8 dots need 32 rows (only at dk < 128)
-                row["us"] = time_jax(leapquant_window_timer(cfg, what, opts, best[kda]["flush"]),
-                                     windowed.from_dense(cfg, s, per_channel_decay=kda), toks, steps)
+                row["us"] = time_jax(leapquant_window_timer(cfg, what, opts, best[kda]["flush"]), state, toks, steps)
             except Exception as err:
                 row.update(us=float("nan"), error=_error(err))
             if what == "window":

@@ -4,7 +4,7 @@ reference's contract (``leapquant_jax``) and is checked against it in interpret 
 
 Modules, each read top to bottom as kernel, wrapper, reference:
 
-* ``leapquant_step`` / ``mosaic_step``: one in-window decode step (Triton; Mosaic GPU at 8 bits).
+* ``leapquant_step`` / ``mosaic_step``: one in-window decode step (Triton; Mosaic GPU at 8, 6, 4 and 2 bits).
 * ``leapquant_flush`` / ``mosaic_flush``: the window flush (Triton's split and fused flushes;
   Mosaic GPU at 8 bits).
 * ``dense_step`` / ``mosaic_dense``: the fp32 and bf16 per-step baselines' step.
