@@ -47,13 +47,13 @@ from leapquant_jax import windowed
 from leapquant_jax.compensators import (
     FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, fit_subspace, random_start,
 )
-from leapquant_jax.quantizers import FloatTensor, IntTensor, packed_rows, qmax_for_bits, round_codes, unsigned_codes
+from leapquant_jax.quantizers import FloatTensor, IntTensor, packed_rows, qmax_for_bits, round_codes
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
 from .shared import (
-    FP32_TILE, cholesky_qr_round, load_code_parts, num_parts, scale_cols_to_unit_max, tile_bits, tile_rows,
-    window_decay_part,
+    FP32_TILE, cholesky_qr_round, load_code_parts, num_parts, scale_cols_to_unit_max, store_codes, tile_bits,
+    tile_rows, window_decay_part,
 )
 from .support import unsupported_reason
 
@@ -73,30 +73,6 @@ def _records_term(kd, bu, dot):
     if kd.shape[0] >= 16:
         return dot(kd, bu)
     return sum(_row(kd, j)[:, None] * _row(bu, j)[None, :] for j in range(kd.shape[0]))
-
-
-def store_codes(codes_out, q_int, bits, dk, start, rows):
-    """Packs and stores signed codes: ``q_int`` holds one ``[rows, dv]`` int32 tile per code part
-    (key rows ``i * dk / parts + start + [0, rows)``), written to packed byte rows
-    ``start + [0, rows)`` of each plane (the planar layout of ``leapquant_jax.quantizers``, the
-    stored codes ``quantizers.unsigned_codes``)."""
-    if bits == 8:
-        codes_out[pl.ds(start, rows), :] = q_int[0].astype(jnp.int8)
-        return
-    u = [unsigned_codes(x, bits) for x in q_int]
-    if bits == 4:
-        lo, hi = u
-        codes_out[pl.ds(start, rows), :] = (lo | (hi << 4)).astype(jnp.uint8)
-    elif bits == 2:
-        packed = u[0]
-        for i in range(1, len(u)):
-            packed = packed | (u[i] << (2 * i))
-        codes_out[pl.ds(start, rows), :] = packed.astype(jnp.uint8)
-    else:
-        a, b, c_, d4 = u
-        m = dk // num_parts(bits)
-        for p_, quarter in enumerate((a, b, c_)):
-            codes_out[pl.ds(p_ * m + start, rows), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
 
 
 def _round_codes(t, bits):

@@ -1,6 +1,7 @@
 """Helpers of the Mosaic GPU kernels (``mosaic_step``, ``mosaic_dense``, ``mosaic_flush``):
 register layouts, the interpret-mode shim, barriers, how a launch is sized and run (inside
-``run_state``, folded under ``vmap``), and whether the device is a Hopper GPU (``on_hopper``).
+``run_state``, folded under ``vmap``), whether the device is a Hopper GPU (``on_hopper``), and the
+packed codes read in registers (``code_plane_rows``, ``signed_code_parts``: the step and the flush).
 
 Why one module: the kernels walk their tiles in one ``emit_pipeline`` per program, take the
 same register layout (rows over the warps and registers, columns over the lanes), share the
@@ -10,9 +11,12 @@ SM's shared-memory budget and run in the Mosaic GPU interpreter on a machine wit
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from leapquant_jax.quantizers import code_parts, packed_rows
 
 try:  # the Mosaic GPU interpreter (JAX 0.10+): how the kernels run on a machine without a GPU
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -122,6 +126,43 @@ def warp_parts(x, combine=jax.numpy.sum):
     ``meet_warps``."""
     n, cols = x.shape
     return combine(x.reshape(n // WARPS, WARPS, cols), axis=0)
+
+
+def code_plane_rows(codes_ref, bits: int, dk: int, start, n: int, layout, lay):
+    """The packed byte rows ``start + [0, n)`` of each plane of a head's codes ``codes_ref
+    [packed_rows, 128]`` (``quantizers``' planar layout: one plane at 8, 4 and 2 bits, three of
+    ``dk / 4`` rows at 6), loaded in ``layout`` (``shared.code_planes`` in a register layout);
+    ``signed_code_parts`` makes each key-row part's codes of them (part ``j``: key rows
+    ``j dk / parts + start + [0, n)``)."""
+    part_rows = dk // code_parts(bits)
+    return [lay.load(codes_ref.at[pl.ds(c * part_rows + start, n)], layout)
+            for c in range(packed_rows(dk, bits) // part_rows)]
+
+
+def signed_code_parts(planes, bits: int):
+    """The signed codes of each key-row part (``quantizers.signed_codes``, fp32, exact) from the
+    byte rows of a chunk, ``planes`` (``code_plane_rows``: int8 ``[n, 128]`` at 8 bits, uint8 below).
+    8 bits: int8 -> bf16 -> fp32 (exact for codes, cheaper than int8 -> fp32). Packed: a part's
+    field is masked in place in its byte (its top bit flipped first where the field ends the
+    byte, so that the byte as int8 is ``2**s (u - offset)``), converted as the 8-bit codes are,
+    then scaled by a power of two and shifted by a small integer, both exact in fp32."""
+    def value(x):
+        return x.astype(jnp.int8).astype(jnp.bfloat16).astype(jnp.float32)
+
+    if bits == 8:
+        return [value(planes[0])]
+    if bits == 4:
+        (x,) = planes
+        return [value(x & 0x0F) - 8.0, value((x ^ 0x80) & 0xF0) * 0.0625]
+    if bits == 2:
+        (x,) = planes
+        low = [value(x & (3 << 2 * i)) * 2.0 ** (1 - 2 * i) - 3.0 for i in range(3)]
+        return low + [value((x ^ 0x80) & 0xC0) * 0.03125 + 1.0]
+    if bits == 6:        # the fourth quarter from the planes' top two bits c_p: 64 (c_p - 2) each
+        top = [value((x ^ 0x80) & 0xC0) for x in planes]
+        fourth = top[0] * 2.0 ** -6 + top[1] * 2.0 ** -4 + top[2] * 2.0 ** -2 + 10.0
+        return [value(x & 0x3F) - 32.0 for x in planes] + [fourth]
+    raise ValueError(f"bits={bits}: integer codes are 8, 6, 4 or 2 bits")
 
 
 def resolve_interpret(interpret, what: str):
@@ -238,7 +279,7 @@ def run_kernel(kernel, values: dict) -> dict:
 
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
-           "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "default_programs", "fold_vmap",
-           "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
-           "rows_layout", "run_kernel", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout",
-           "warp_parts"]
+           "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "code_plane_rows", "default_programs",
+           "fold_vmap", "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
+           "rows_layout", "run_kernel", "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync",
+           "threads_layout", "warp_parts"]

@@ -26,8 +26,8 @@ sum_j u_j d_j (k_j . x)``. Records and Compensator Tokens go four rows at a time
 warps once per head, ``meet_warps``), ``"wgmma"`` (one bf16 ``wgmma`` against three exact bf16
 pieces of each vector) or ``"fma"`` (``chunk`` rows at a time, Mosaic GPU's generic reduction).
 Codes: int8 ``[dk, 128]`` at 8 bits; below, ``quantizers``' planar layout (uint8), unpacked in
-registers (``signed_code_parts``): the same byte rows of each plane give every code part's key
-rows, each times the vectors at those rows (``"rows"`` and ``"fma"``; ``"wgmma"`` 8 bits only).
+registers (``mosaic_shared.signed_code_parts``): the same byte rows of each plane give every code
+part's key rows, each times the vectors at those rows (``"rows"`` and ``"fma"``; ``"wgmma"`` 8 bits only).
 A rank ``r`` that is not a multiple of 4 ends on a group of four that overlaps the one before,
 its rows already counted zeroed (``token_row_groups``): six tokens, the default below 8 bits.
 Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
@@ -53,8 +53,8 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
-    WARPS, Layouts, check_launch, fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout, run_kernel,
-    sm_count, threads_layout,
+    WARPS, Layouts, check_launch, code_plane_rows, fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout,
+    run_kernel, signed_code_parts, sm_count, threads_layout,
 )
 from .support import check_token
 
@@ -72,48 +72,18 @@ MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 # ----------------------------------------------------------------------------- kernel
 
 
-def signed_code_parts(planes, bits: int):
-    """The signed codes of each key-row part (``quantizers.signed_codes``, fp32, exact) from the
-    packed byte rows of a chunk, ``planes`` (uint8 ``[n, 128]`` each: one plane at 4 and 2 bits,
-    three at 6; ``quantizers``' planar layout): a part's field is masked in place in its byte (its
-    top bit flipped first where the field ends the byte, so that the byte as int8 is ``2**s (u -
-    offset)``), converted int8 -> bf16 -> fp32 as the 8-bit codes are, then scaled by a power of
-    two and shifted by a small integer, both exact in fp32."""
-    def value(x):
-        return x.astype(jnp.int8).astype(jnp.bfloat16).astype(f32)
-
-    if bits == 4:
-        (x,) = planes
-        return [value(x & 0x0F) - 8.0, value((x ^ 0x80) & 0xF0) * 0.0625]
-    if bits == 2:
-        (x,) = planes
-        low = [value(x & (3 << 2 * i)) * 2.0 ** (1 - 2 * i) - 3.0 for i in range(3)]
-        return low + [value((x ^ 0x80) & 0xC0) * 0.03125 + 1.0]
-    if bits == 6:        # the fourth quarter from the planes' top two bits c_p: 64 (c_p - 2) each
-        top = [value((x ^ 0x80) & 0xC0) for x in planes]
-        fourth = top[0] * 2.0 ** -6 + top[1] * 2.0 ** -4 + top[2] * 2.0 ** -2 + 10.0
-        return [value(x & 0x3F) - 32.0 for x in planes] + [fourth]
-    raise ValueError(f"bits={bits}: packed codes are 6, 4 or 2 bits")
-
-
 def _code_products(t, factors, *, n, dk, lay, bits=8):
     """The codes times two vectors on the CUDA cores, ``n`` key rows of each code part at a time
-    (8 bits: int8 -> bf16 -> fp32, exact for codes, cheaper than int8 -> fp32; packed widths:
-    ``signed_code_parts`` of the same byte rows of each plane), summed elementwise over the steps:
-    two ``[n, 128]`` tiles in ``rows_layout(n)``. ``factors(rows)``: the two vectors at key rows
+    (``mosaic_shared.signed_code_parts`` of the same byte rows of each plane), summed elementwise
+    over the steps: two ``[n, 128]`` tiles in ``rows_layout(n)``. ``factors(rows)``: the two vectors at key rows
     ``rows`` (``[n]`` each, in ``rows_layout(n).reduce(1)``); part ``j`` of a step at byte rows
     ``s + [0, n)`` covers key rows ``j dk / parts + s + [0, n)``."""
     R = rows_layout(n)
     along_cols = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (n, LANES_COLS), (0,)), R)
     part_rows = dk // code_parts(bits)
-    planes = packed_rows(dk, bits) // part_rows
     acc1 = acc2 = None
     for k in range(part_rows // n):
-        if bits == 8:
-            zs = [lay.load(t["codes"].at[pl.ds(k * n, n)], R).astype(jnp.bfloat16).astype(f32)]
-        else:
-            zs = signed_code_parts([lay.load(t["codes"].at[pl.ds(c * part_rows + k * n, n)], R)
-                                    for c in range(planes)], bits)
+        zs = signed_code_parts(code_plane_rows(t["codes"], bits, dk, k * n, n, R, lay), bits)
         for j, z in enumerate(zs):
             rows = pl.ds(j * part_rows + k * n, n)
             y1, y2 = factors(rows)
@@ -638,4 +608,4 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
 
 __all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma", "code_sums_wgmma",
            "code_vectors", "default_programs", "launch", "leapquant_step", "mm_scratch",
-           "mosaic_step_bytes", "signed_code_parts", "token_row_groups", "unsupported_reason"]
+           "mosaic_step_bytes", "token_row_groups", "unsupported_reason"]

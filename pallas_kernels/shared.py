@@ -1,6 +1,6 @@
 """Kernel helpers the decode step and the window flushes share: the packed residual codes' planar
-layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``; an fp32 checkpoint
-tile, ``fp32-w``'s, is read through them as ``FP32_TILE`` "bits": ``tile_bits``), the window's
+layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``, ``store_codes``; an
+fp32 checkpoint tile, ``fp32-w``'s, is read through them as ``FP32_TILE`` "bits": ``tile_bits``), the window's
 log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on
 the tensor cores (``DIGIT_BITS``, ``int8_digits``, ``combine_digits``); CholeskyQR2 on columns held as pieces
 (``scale_cols_to_unit_max``, ``cholesky_qr_round``: the fused and Mosaic GPU flushes). Used
@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from leapquant_jax.compensators import NORMAL_TINY, gram_shift, unrolled_cholesky
-from leapquant_jax.quantizers import code_parts, packed_rows, signed_codes
+from leapquant_jax.quantizers import code_parts, packed_rows, signed_codes, unsigned_codes
 
 from ._compat import load, pl
 
@@ -78,6 +78,31 @@ def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = N
     whole part. Every part of a chunk comes from the same packed byte rows (planar layout).
     """
     return unpack_codes(code_planes(codes_ref, bits, dk // num_parts(bits), start, rows), bits, dtype)
+
+
+def store_codes(codes_out, q_int, bits, dk, start, rows):
+    """Packs and stores signed codes: ``q_int`` holds one ``[rows, dv]`` int32 tile per code part
+    (key rows ``i * dk / parts + start + [0, rows)``), written to packed byte rows
+    ``start + [0, rows)`` of each plane (the planar layout of ``leapquant_jax.quantizers``, the
+    stored codes ``quantizers.unsigned_codes``), with integer masks and shifts only (the Triton
+    flushes and the Mosaic GPU flush alike)."""
+    if bits == 8:
+        codes_out[pl.ds(start, rows), :] = q_int[0].astype(jnp.int8)
+        return
+    u = [unsigned_codes(x, bits) for x in q_int]
+    if bits == 4:
+        lo, hi = u
+        codes_out[pl.ds(start, rows), :] = (lo | (hi << 4)).astype(jnp.uint8)
+    elif bits == 2:
+        packed = u[0]
+        for i in range(1, len(u)):
+            packed = packed | (u[i] << (2 * i))
+        codes_out[pl.ds(start, rows), :] = packed.astype(jnp.uint8)
+    else:
+        a, b, c_, d4 = u
+        m = dk // num_parts(bits)
+        for p_, quarter in enumerate((a, b, c_)):
+            codes_out[pl.ds(p_ * m + start, rows), :] = (quarter | (((d4 >> (2 * p_)) & 3) << 6)).astype(jnp.uint8)
 
 
 def window_decays(g, live):
@@ -167,5 +192,5 @@ def cholesky_qr_round(cols, rank, sqrt=jnp.sqrt, zero_unless=_zero_unless):
 
 
 __all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "FP32_TILE", "cholesky_qr_round", "code_planes",
-           "combine_digits", "int8_digits", "load_code_parts", "num_parts", "scale_cols_to_unit_max", "tile_bits", "tile_rows",
-           "unpack_codes", "window_decay_part", "window_decays"]
+           "combine_digits", "int8_digits", "load_code_parts", "num_parts", "scale_cols_to_unit_max", "store_codes",
+           "tile_bits", "tile_rows", "unpack_codes", "window_decay_part", "window_decays"]

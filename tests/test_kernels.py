@@ -37,6 +37,7 @@ from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_fused, flush_split
 from pallas_kernels.leapquant_step import MIN_DOT_ROWS, int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
+from pallas_kernels.mosaic_shared import signed_code_parts
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
                      random_state, rel, token_at)
@@ -581,13 +582,13 @@ def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
 
 
 def test_signed_code_parts_match_the_packed_layout():
-    # every field of random packed bytes, as quantizers packs and signs them
-    for bits in (4, 6, 2):
+    # every field of random packed bytes (and the 8-bit codes as they are), as quantizers packs and signs them
+    for bits in (8, 4, 6, 2):
         u = jax.random.randint(jax.random.PRNGKey(bits), (128, 128), 0, 2 ** bits)
         packed = pack_codes(u, bits)
         rows = 128 // code_parts(bits)
         planes = [packed[c * rows:(c + 1) * rows] for c in range(packed.shape[0] // rows)]
-        parts = mosaic_step.signed_code_parts(planes, bits)
+        parts = signed_code_parts(planes, bits)
         assert all(z.dtype == jnp.float32 for z in parts)
         np.testing.assert_array_equal(jnp.concatenate(parts), signed_codes(u, bits).astype(jnp.float32))
     assert mosaic_step.token_row_groups(0) == []
