@@ -1,4 +1,4 @@
-"""LeapQuant window flush on Pallas Mosaic GPU (Hopper): 8-bit codes, GDN and KDA, 128 x 128 heads.
+"""LeapQuant window flush on Pallas Mosaic GPU (Hopper): GDN and KDA, 8 to 2 bits, 128 x 128 heads.
 
 Contract: ``leapquant_flush.flush_split``'s (``windowed.flush_reference``; with ``only_full`` only
 the sequences at ``pos >= p``, ``windowed.maybe_flush``); the buffer is left as it was (no read
@@ -22,22 +22,27 @@ rows, then one exchange between the warps, ``meet_warps``): (1) ``S`` and ``Z = 
 smoothing scales and column maxima in one pass; (5) the codes, written over the input codes in
 shared memory and copied out. Each pass is a loop over one chunk's code (``_chunks``); the kernel
 places its own barriers where threads exchange data (``auto_barriers=False``).
+Codes: int8 ``[dk, 128]`` at 8 bits; below, ``quantizers``' planar layout (uint8 ``[packed_rows,
+128]``). Passes (1) and (5) walk ``chunk`` byte rows of every plane at a time: (1) unpacks them in
+registers (``mosaic_shared.signed_code_parts``) into every code part's key rows, (5) rounds those
+rows (``quantizers.round_codes``) and packs them into the same byte rows (``shared.store_codes``).
 ``recon="wgmma"``: the records' part of the reconstruction on the tensor cores (``_rank_part``).
 
 Rounding: fp32 in the reference's order but for the summation order of the reconstruction and of
-the fit's dot products, ``sqrt`` as ``x rsqrt(x)`` and the divisions as products with reciprocals
-(Mosaic GPU lowers no ``sqrt``; a division costs about ten instructions); a code on a rounding
-boundary may differ by one step.
+the fit's dot products, ``sqrt`` as ``x rsqrt(x)``, ``floor`` through int32 (``GRID_MATH``) and the
+divisions as products with reciprocals (Mosaic GPU lowers no ``sqrt`` or ``floor``; a division
+costs about ten instructions); a code on a rounding boundary may differ by one step.
 
 Defaults, the fastest measured (H200, batch 512; docs/performance.md): one stage (106 / 110 KB of
 shared memory for GDN / KDA, two programs per SM), ``chunk = 16`` rows, ``sum_lanes = 8``, the
 tensor cores where ``takes_tensor_cores``. Tested with JAX 0.10.2 (Mosaic GPU interpret mode and
-lowering on the CPU) and 0.11.2 (compiled, H200).
+lowering on the CPU) and 0.11.2 (compiled, H200, 8 bits).
 """
 
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -45,15 +50,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from leapquant_jax.compensators import FP16_MAX, SMOOTH_FLOOR, WARM_START_TOPUP, random_start
-from leapquant_jax.quantizers import IntTensor, qmax_for_bits
+from leapquant_jax.quantizers import INT_WIDTHS, IntTensor, code_parts, packed_rows, qmax_for_bits, round_codes
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
-    SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, default_programs, fold_vmap, lane_params,
-    meet_warps, resolve_interpret, row_sums_layout, rows_layout, run_kernel, smem_union, swizzle32_layout,
-    threads_layout, warp_parts,
+    SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, code_plane_rows, default_programs, fold_vmap, lane_params,
+    meet_warps, resolve_interpret, row_sums_layout, rows_layout, run_kernel, signed_code_parts, smem_union,
+    swizzle32_layout, threads_layout, warp_parts,
 )
-from .shared import cholesky_qr_round, scale_cols_to_unit_max
+from .shared import cholesky_qr_round, scale_cols_to_unit_max, store_codes
 from .support import unsupported_reason as kernels_unsupported_reason
 
 f32 = jnp.float32
@@ -76,6 +81,17 @@ MM_SWIZZLE = 32          # bytes: the fp16 operands' swizzle: a wgmma's depth is
 def _sqrt(x):
     """``sqrt(x)`` for ``x >= 0`` as ``x rsqrt(x)`` (0 at 0): Mosaic GPU lowers ``rsqrt``, not ``sqrt``."""
     return jnp.where(x > 0, x * jax.lax.rsqrt(x), 0.0)
+
+
+def _floor(x):
+    """``floor(x)`` for ``|x| < 2**31``: Mosaic GPU lowers no ``floor``; the conversion to int32
+    truncates toward zero, one less where that went up (a negative non-integer)."""
+    t = x.astype(jnp.int32).astype(f32)
+    return jnp.where(t > x, t - 1.0, t)
+
+
+# The array module of quantizers.round_codes here: its rule as the reference's, floor as above.
+GRID_MATH = types.SimpleNamespace(floor=_floor, round=jnp.round, clip=jnp.clip)
 
 
 def _zero_unless(keep, x):
@@ -191,7 +207,7 @@ def _rank_part(t, kd_ref, s_ref, a16, *, r, p, lay):
 
 
 def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_channel, smoothing, fit_iters, chunk,
-                qmax, unroll, sum_lanes, recon, a16, lay):
+                bits, unroll, sum_lanes, recon, a16, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
     ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, max(r, 2), dk]`` and the reconstruction's key
@@ -200,16 +216,22 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
     (``meet_warps``); ``kd_ref``, ``fit_ref`` with ``outs``, and ``red`` share their memory, each
     used while the others are not (``red[0]`` lies in ``fit_ref``: the column maxima meet while the
     outputs wait for their copy); ``start``: the ref of the fit's first basis ``[r, dk]``. Each
-    pass walks the key rows ``chunk`` at a time in a loop (``_chunks``)."""
+    pass walks the key rows ``chunk`` at a time in a loop (``_chunks``); those that read or write
+    the ``bits``-bit codes, ``chunk`` byte rows of every plane at a time (each code part's
+    ``chunk`` key rows of them, ``key_rows``)."""
     CH = rows_layout(WARPS)      # a chunk's rows w, w + 4, ... on warp w: its sums over rows stay in a warp
     CROW = CH.reduce(1)          # [chunk] over the warps and registers: a row's factor
     VCOL = CH.reduce(0)          # [128] over the lanes: a column's factor (or a row of the fit)
     nch = DK // chunk
     rows = lambda k: pl.ds(k * chunk, chunk)
+    parts = code_parts(bits)
+    part_rows = DK // parts
+    key_rows = lambda k, j: pl.ds(j * part_rows + k * chunk, chunk)    # code part j's rows at byte rows k chunk
     along = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (0,)), CH)     # [chunk] -> rows
     across = lambda y: lay.cast(jax.lax.broadcast_in_dim(y, (chunk, DK), (1,)), CH)    # [128] -> columns
     zeros = lambda: lay.cast(jnp.zeros((chunk, DK), f32), CH)
     loop = functools.partial(_chunks, nch, unroll=unroll)
+    by_bytes = functools.partial(_chunks, part_rows // chunk, unroll=unroll)     # chunks of byte rows
 
     def col_sums(acc):
         # Each warp's sums over its rows, then one exchange between the warps for all of them.
@@ -227,27 +249,34 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
     else:
         ud += [lay.load(t["ru"].at[j], VCOL).astype(f32) for j in range(p)]
 
-    def build_loads(k):
-        # With recon="fma" the r + p factor rows are loaded next to their products, not all
-        # ahead (20 more vectors in registers).
-        x = dict(z=lay.load(t["codes"].at[rows(k)], CH), f=lay.load(kd_ref.at[r + p, rows(k)], CROW),
-                 q=[lay.load(start.at[c, rows(k)], CROW) for c in range(r)])
+    def build_loads(kr):
+        # Key rows kr's factors. With recon="fma" the r + p factor rows are loaded next to their
+        # products, not all ahead (20 more vectors in registers).
+        x = dict(f=lay.load(kd_ref.at[r + p, kr], CROW), q=[lay.load(start.at[c, kr], CROW) for c in range(r)])
         if recon == "wgmma":
-            x.update(acc=lay.load(s_ref.at[rows(k)], CH), kd=[lay.load(kd_ref.at[m, rows(k)], CROW) for m in range(r)])
+            x.update(acc=lay.load(s_ref.at[kr], CH), kd=[lay.load(kd_ref.at[m, kr], CROW) for m in range(r)])
         return x
 
-    def build(k, x, zacc):
-        z = x["z"].astype(jnp.bfloat16).astype(f32)   # exact for int8 codes
-        s = z * along(x["f"]) * across(scale)
-        if recon == "wgmma":
-            s = x["acc"] * unscale + s
-        for m, u in enumerate(ud):
-            kd = x["kd"][m] if recon == "wgmma" else lay.load(kd_ref.at[m, rows(k)], CROW)
-            s = s + along(kd) * across(u)
-        s_ref[rows(k)] = s
-        return tuple(zacc[c] + s * along(x["q"][c]) for c in range(r))
+    def build_fetch(k):
+        # the byte rows of every plane and the first part's factors; the other parts' next to their products
+        return code_plane_rows(t["codes"], bits, DK, k * chunk, chunk, CH, lay), build_loads(key_rows(k, 0))
 
-    zacc = loop(build_loads, build, tuple(zeros() for _ in range(r)))
+    def build(k, x, zacc):
+        planes, first = x
+        for j, z in enumerate(signed_code_parts(planes, bits)):     # exact codes, fp32
+            kr = key_rows(k, j)
+            y = first if j == 0 else build_loads(kr)
+            s = z * along(y["f"]) * across(scale)
+            if recon == "wgmma":
+                s = y["acc"] * unscale + s
+            for m, u in enumerate(ud):
+                kd = y["kd"][m] if recon == "wgmma" else lay.load(kd_ref.at[m, kr], CROW)
+                s = s + along(kd) * across(u)
+            s_ref[kr] = s
+            zacc = tuple(zacc[c] + s * along(y["q"][c]) for c in range(r))
+        return zacc
+
+    zacc = by_bytes(build_fetch, build, tuple(zeros() for _ in range(r)))
     lay.sync()      # every thread is past its reads of kd_ref, whose memory the fit's rows take next
 
     def times_z(zs):
@@ -327,21 +356,21 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
 
     cmax = loop(residual_loads, residual, zeros())
     lay.sync()      # every thread is past its reads of fit_ref, whose first rows red[0] takes
-    new_scale = meet_warps([warp_parts(cmax, jnp.max)], red, lay=lay, combine=jnp.maximum)[0] / qmax
+    new_scale = meet_warps([warp_parts(cmax, jnp.max)], red, lay=lay, combine=jnp.maximum)[0] / qmax_for_bits(bits)
     outs["scale"][...] = new_scale
     inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
-    # 5. The codes, over the input codes.
-    def codes(k, s, carry):
-        q = jnp.clip(jnp.round(s * inv), -qmax, qmax)
-        t["codes"][rows(k)] = q.astype(jnp.int32).astype(jnp.int8)
+    # 5. The codes, over the input codes: every part's rows of a chunk of byte rows, packed.
+    def codes(k, ss, carry):
+        q = [round_codes(s * inv, bits, xp=GRID_MATH).astype(jnp.int32) for s in ss]
+        store_codes(t["codes"], q, bits, DK, k * chunk, chunk)
         return carry
 
-    loop(lambda k: lay.load(s_ref.at[rows(k)], CH), codes, ())
+    by_bytes(lambda k: [lay.load(s_ref.at[key_rows(k, j)], CH) for j in range(parts)], codes, ())
 
 
 def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r, p, per_channel, smoothing, fit_iters,
-             warm_start, chunk, qmax, unroll, sum_lanes, recon, interpret):
+             warm_start, chunk, bits, unroll, sum_lanes, recon, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``keyed``: the inputs read
     per key head (``hk`` of the ``h`` heads)."""
     start_s, s_ref, (kd_ref, (fit_ref, slots), red) = scratch
@@ -370,7 +399,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         start = tile["start"] if warm_start else start_s
         _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, red, start, r=r, p=p, per_channel=per_channel,
-                    smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, qmax=qmax, unroll=unroll,
+                    smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, bits=bits, unroll=unroll,
                     sum_lanes=sum_lanes, recon=recon, a16=a16, lay=lay)
         plgpu.commit_smem()
         lay.sync()
@@ -407,12 +436,14 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
 
 def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | None:
     """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): the kernels'
-    ``support.unsupported_reason``, 8-bit codes, ``dk = dv = 128``."""
+    ``support.unsupported_reason``, integer codes at 8, 6, 4 or 2 bits (any rank it allows),
+    ``dk = dv = 128``."""
     why = kernels_unsupported_reason(config, state)
     if why is not None:
         return why
-    if config.bits != 8 or not isinstance(state.checkpoint.residual, IntTensor):
-        return f"the Mosaic GPU flush writes 8-bit integer codes only (bits={config.bits})"
+    if config.bits not in INT_WIDTHS or not isinstance(state.checkpoint.residual, IntTensor):
+        return (f"the Mosaic GPU flush writes 8-bit integer codes and packed 6-, 4- and 2-bit ones only "
+                f"(bits={config.bits}, residual_format={config.residual_format!r})")
     dk, dv = state.shape[2:]
     if dk != DK or dv != DK:
         return f"dk={dk}, dv={dv}: the Mosaic GPU flush takes {DK} x {DK} heads"
@@ -445,7 +476,7 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool) -> int:
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     comps = [2 * r * DK] * 2 if r else []
-    inputs = [4 * meta_cols(p, per_channel), DK * DK, 4 * DK, e * p * DK, e * p * DK] + comps
+    inputs = [4 * meta_cols(p, per_channel), packed_rows(DK, config.bits) * DK, 4 * DK, e * p * DK, e * p * DK] + comps
     inputs += ([4 * DK] if config.smoothing else []) + ([e * p * DK] if per_channel else [])
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
@@ -472,7 +503,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     flushed sequences. ``programs``: of the launch (``mosaic_shared.default_programs``); ``stages``: heads in
     flight per program (1, the default, lets two programs share an SM; from 2 a program
     prefetches its next head and a head's codes slot is refilled one head later);
-    ``chunk``: key rows per register tile (a multiple of 4 dividing 128); ``unroll``: each pass's
+    ``chunk``: key rows per register tile (a multiple of 4 dividing 128, and below 8 bits the 64 or
+    32 key rows of a code part); ``unroll``: each pass's
     chunks written out one after another instead of a loop over one chunk's code (to measure
     against: its straight-line code misses the instruction cache);
     ``sum_lanes``: lanes a row of ``S`` spans in the fit's ``Y = S Z``, which sums along rows: 8
@@ -490,8 +522,10 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_flush cannot run: {why}")
     check_launch(programs, stages)
-    if not isinstance(chunk, int) or chunk < WARPS or chunk % WARPS or DK % chunk:
-        raise ValueError(f"chunk={chunk!r} must be a multiple of {WARPS} dividing {DK}")
+    part_rows = DK // code_parts(config.bits)
+    if not isinstance(chunk, int) or chunk < WARPS or chunk % WARPS or part_rows % chunk:
+        where = f"{DK}" if part_rows == DK else f"the {part_rows} key rows of a {config.bits}-bit code part"
+        raise ValueError(f"chunk={chunk!r} must be a multiple of {WARPS} dividing {where}")
     if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
         raise ValueError(f"sum_lanes={sum_lanes!r} must be 32, or 8 with chunk a multiple of 16 (chunk={chunk}; "
                          "the default sum_lanes is 8)")
@@ -583,7 +617,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
                              hk=state.key_heads, per=per, stages=stages, r=r, p=p,
                              per_channel=state.per_channel_decay, smoothing=config.smoothing,
                              fit_iters=config.fit_iters, warm_start=config.warm_start, chunk=chunk,
-                             qmax=qmax_for_bits(config.bits), unroll=unroll, sum_lanes=sum_lanes, recon=recon,
+                             bits=config.bits, unroll=unroll, sum_lanes=sum_lanes, recon=recon,
                              interpret=bool(interpret))
 
     def kernel(refs):
@@ -611,7 +645,7 @@ def mosaic_flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: b
     packs (GDN's record log-decays among them) and the kernel reads."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
-    ckpt = dk * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
+    ckpt = packed_rows(dk, config.bits) * dv + 4 * dv + (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)
     records = e * p * (dk / group + dv + (dk if per_channel else 0))
     scalars = (e * p if not per_channel else 0) + 4 + 2 * 4 * meta_cols(p, per_channel)
     return 2 * ckpt + records + scalars

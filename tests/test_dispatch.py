@@ -74,9 +74,12 @@ def test_auto_takes_the_mosaic_kernels_on_hopper_only(monkeypatch):
     assert dispatch.resolve("step", "auto", config, state_of(config, 128, 128, per_channel_decay=True)) is Impl.MOSAIC
     assert dispatch.resolve("flush", "auto", config, st) is Impl.MOSAIC
     assert dispatch.resolve("dense_step", "auto", values, token_of()) is Impl.MOSAIC
-    c6 = LeapQuantConfig(bits=6, window=8)     # 128 x 128 heads; the Mosaic GPU flush writes 8 bits only
-    assert dispatch.resolve("step", "auto", c6, state_of(c6, 128, 128)) is Impl.MOSAIC
-    assert dispatch.resolve("flush", "auto", c6, state_of(c6, 128, 128)) is Impl.SPLIT
+    for bits in (6, 4, 2):     # 128 x 128 heads: the Mosaic GPU step and flush at every width
+        cb = LeapQuantConfig(bits=bits, window=8)
+        for per_channel_decay in (False, True):
+            sb = state_of(cb, 128, 128, per_channel_decay=per_channel_decay)
+            assert dispatch.resolve("step", "auto", cb, sb) is Impl.MOSAIC
+            assert dispatch.resolve("flush", "auto", cb, sb) is Impl.MOSAIC
     assert dispatch.resolve("step", "auto", config, state_of(config, 64, 128)) is Impl.TRITON
     assert dispatch.resolve("dense_step", "auto", values[..., :64, :], token_of(64)) is Impl.TRITON
     monkeypatch.setattr(api, "on_hopper", lambda: False)
@@ -90,9 +93,8 @@ def test_an_explicit_choice_runs_or_fails_fast_with_its_reason():
     assert dispatch.resolve("step", "mosaic", config, st) is Impl.MOSAIC                # interpreted here
     assert dispatch.resolve("flush", "fused", config, st) is Impl.FUSED
     assert dispatch.resolve("flush", "triton", config, st) is Impl.SPLIT               # the flush's Triton name
-    c6 = LeapQuantConfig(bits=6, window=8)
-    with pytest.raises(ValueError, match="impl='mosaic' cannot run the flush here: .*8-bit"):
-        dispatch.resolve("flush", "mosaic", c6, state_of(c6, 128, 128))
+    with pytest.raises(ValueError, match="impl='mosaic' cannot run the flush here: dk=64, dv=128"):
+        dispatch.resolve("flush", "mosaic", config, state_of(config, 64, 128))
     svd = LeapQuantConfig(fit="svd")
     with pytest.raises(ValueError, match="impl='pallas' cannot run the step here: .*subspace"):
         dispatch.resolve("step", "pallas", svd, state_of(svd))

@@ -447,23 +447,22 @@ def test_supported_configs_have_no_reason():
             assert support.unsupported_reason(config, state_shapes(config, 2, 2, 64, 128, kda)) is None
 
 
-def test_two_bit_codes_need_16_row_parts_and_flush_on_triton(monkeypatch):
+def test_two_bit_codes_need_16_row_parts_and_run_on_the_mosaic_kernels(monkeypatch):
     # 2 bits: four code parts of dk / 4 rows, each at least a Triton dot's 16 (dk = 64, not 32);
-    # the Mosaic GPU step reads them, the Mosaic GPU flush writes 8 bits only, so auto takes the
-    # Mosaic GPU step and the split flush on Hopper
+    # the Mosaic GPU step reads them and the Mosaic GPU flush writes them, so auto takes both on
+    # Hopper at 128 x 128 heads
     config = LeapQuantConfig(bits=2, window=8)
     why = support.unsupported_reason(config, state_shapes(config, 1, 1, 32, 64))
     assert why is not None and "dk=32 at 2 bits" in why and "16 rows" in why
     st = state_shapes(config, 4, 2, 128, 128)
     assert dispatch.resolve("step", "mosaic", config, st) is Impl.MOSAIC
-    with pytest.raises(ValueError, match="impl='mosaic' cannot run the flush here: .*8-bit.*bits=2"):
-        dispatch.resolve("flush", "mosaic", config, st)
+    assert dispatch.resolve("flush", "mosaic", config, st) is Impl.MOSAIC
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(api, "on_hopper", lambda: True)
     c8 = LeapQuantConfig(bits=8, window=8)
     assert dispatch.resolve("step", "auto", c8, state_shapes(c8, 4, 2, 128, 128)) is Impl.MOSAIC
     assert dispatch.resolve("step", "auto", config, st) is Impl.MOSAIC
-    assert dispatch.resolve("flush", "auto", config, st) is Impl.SPLIT
+    assert dispatch.resolve("flush", "auto", config, st) is Impl.MOSAIC
 
 
 @pytest.mark.parametrize("bits, kda, dk", [(8, False, 64), (8, True, 64), (6, True, 64), (4, False, 64),

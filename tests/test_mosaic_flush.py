@@ -4,6 +4,8 @@ lowered for CUDA (which checks every register layout and copy it names without a
 States as in ``test_kernels``: a random dense state with outlier value columns, then reference
 steps at realistic keys and decays, set to ragged window positions (``check_flush``: codes within
 one step of the reference's, the decoded state's error against the exact state as the reference's).
+At 8 bits every option; at 6, 4 and 2 bits (packed codes read and written in registers, six
+Compensator Tokens) each width in GDN and KDA, both reconstructions, and lowered.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from leapquant_jax import dispatch, windowed
+from leapquant_jax.quantizers import round_codes
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import mosaic_flush
 
@@ -49,6 +52,47 @@ def test_mosaic_flush_other_configs(options):
     config = LeapQuantConfig(bits=8, **{"window": 8, **options})
     st, _ = live_state(config, jax.random.PRNGKey(40), 1, 2, 128, 128, False, pos=[config.window])
     check_flush(config, st, flush=mosaic(programs=2))
+
+
+@pytest.mark.parametrize("bits, kda, opts", [
+    (6, False, dict(programs=2)),
+    (6, True, dict(programs=3, chunk=32, recon="fma")),       # a whole 6-bit code part per chunk
+    (4, False, dict(programs=2, stages=2, recon="fma")),
+    (4, True, dict(programs=2)),
+    (2, False, dict(programs=2, recon="fma")),
+    (2, True, dict(programs=2)),
+], ids=["int6-gdn", "int6-kda-fma-chunk-32", "int4-gdn-fma-two-stages", "int4-kda", "int2-gdn-fma", "int2-kda"])
+def test_mosaic_flush_packed_codes_match_reference(bits, kda, opts):
+    # The old codes unpacked and the new ones packed in registers, quantizers' planar layout; the
+    # default six Compensator Tokens (recon: the records' part on the tensor cores by default at
+    # p = 16, else on the CUDA cores).
+    config = LeapQuantConfig(bits=bits, window=16)
+    assert config.effective_rank == 6
+    assert mosaic_flush.unsupported_reason(config, state_shapes(config, 2, 2, 128, 128, kda)) is None
+    st, _ = live_state(config, jax.random.PRNGKey(50 + 2 * bits + kda), 2, 1, 128, 128, kda, pos=[16, 9])
+    ker, ref = check_flush(config, st, flush=mosaic(**opts))
+    assert ker.checkpoint.residual.codes.dtype == ref.checkpoint.residual.codes.dtype == np.uint8
+    assert np.any(np.asarray(ker.checkpoint.residual.codes) != np.asarray(st.checkpoint.residual.codes))
+    if bits == 2:
+        # a zero state: 2 bits have no zero code (the odd levels), the tie goes up to 1, as the
+        # reference's. The reference first and the kernel waited for: no eager op of this thread
+        # meets the interpreter's callbacks mid-run.
+        st = windowed.init_state(config, 2, 1, 128, 128, kda)
+        ref = jax.block_until_ready(windowed.flush_reference(config, st))
+        ker = jax.block_until_ready(mosaic(**opts)(config, copy_tree(st), only_full=False))
+        np.testing.assert_array_equal(ker.checkpoint.residual.codes, ref.checkpoint.residual.codes)
+        assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
+
+
+def test_mosaic_flush_rounds_codes_as_the_reference():
+    # The codes' rule in the kernel (round_codes through GRID_MATH: floor through int32) on every
+    # rounding boundary and between them, at every width: the reference's to the bit.
+    t = np.concatenate([np.arange(-40, 40.25, 0.25), np.nextafter(np.arange(-40.0, 41.0), np.inf),
+                        np.nextafter(np.arange(-40.0, 41.0), -np.inf),
+                        np.asarray(jax.random.uniform(jax.random.PRNGKey(0), (4096,), minval=-40, maxval=40))])
+    t = jax.numpy.asarray(t, jax.numpy.float32)
+    for bits in (8, 6, 4, 2):
+        np.testing.assert_array_equal(round_codes(t, bits, xp=mosaic_flush.GRID_MATH), round_codes(t, bits))
 
 
 def test_mosaic_flush_only_full_windows_and_shared_key_records():
@@ -113,9 +157,8 @@ def test_the_mosaic_flush_through_dispatch():
     a = dispatch.leapquant_flush(config, copy_tree(st), only_full=True, impl="mosaic")
     b = mosaic_flush.leapquant_flush(config, copy_tree(st), only_full=True)
     chex.assert_trees_all_equal(a, b)
-    c6 = LeapQuantConfig(bits=6, window=8)
-    with pytest.raises(ValueError, match="8-bit"):
-        traced(functools.partial(dispatch.leapquant_flush, c6, impl="mosaic"), state_shapes(c6, 1, 2, 128, 128))
+    with pytest.raises(ValueError, match="dk=64"):
+        traced(functools.partial(dispatch.leapquant_flush, config, impl="mosaic"), state_shapes(config, 1, 2, 64, 128))
 
 
 def test_mosaic_flush_fully_decayed_heads_and_zero_state():
@@ -142,6 +185,24 @@ def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes):
     st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
     f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, stages=stages, unroll=unroll,
                                                        sum_lanes=sum_lanes, interpret=False))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+    text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
+    assert "mosaic_gpu" in text
+    assert text.count("stablehlo.output_operand_alias<") == 5
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("bits", [6, 4, 2])
+def test_mosaic_flush_lowers_packed_codes_for_cuda(bits, kda):
+    # The packed codes' loads, unpacking, packing and stores in their register layouts, lowered:
+    # GDN with the records on the tensor cores (the default at p = 16), KDA on the CUDA cores
+    # with chunks of a whole 6- or 2-bit code part (32 rows); the default six Compensator Tokens.
+    from jax import export
+
+    config = LeapQuantConfig(bits=bits, window=16)
+    st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
+    opts = dict(recon="fma", chunk=32) if kda else {}
+    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, interpret=False, **opts))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
     text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
     assert "mosaic_gpu" in text
@@ -189,7 +250,6 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
 
     c8 = LeapQuantConfig(bits=8, window=8)
     for config, st, match in [
-        (LeapQuantConfig(bits=6, window=8), state(LeapQuantConfig(bits=6, window=8)), "8-bit"),
         (c8, state(c8, dv=64), "dv=64"),
         (c8, state(c8, dk=64), "dk=64"),
         (c8, state(LeapQuantConfig(bits=8, window=4)), "slots"),
@@ -208,6 +268,13 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
         with pytest.raises(ValueError, match="float16 records"):
             traced(functools.partial(mosaic_flush.leapquant_flush, config, recon="wgmma"),
                    state_shapes(config, 2, 2, 128, 128))
+    # below 8 bits a chunk lies within a code part (the 32 or 64 key rows of its byte rows)
+    for bits, chunk, rows in ((6, 64, 32), (2, 128, 32), (4, 128, 64)):
+        config = LeapQuantConfig(bits=bits, window=8)
+        with pytest.raises(ValueError, match=f"chunk={chunk} must be a multiple of 4 dividing the {rows} key rows "
+                                             f"of a {bits}-bit code part"):
+            traced(functools.partial(mosaic_flush.leapquant_flush, config, chunk=chunk),
+                   state_shapes(config, 2, 2, 128, 128))
 
 
 def test_mosaic_flush_bytes_read_the_checkpoint_once():
@@ -224,3 +291,11 @@ def test_mosaic_flush_bytes_read_the_checkpoint_once():
     for per_channel in (False, True):
         assert (mosaic_flush.smem_bytes(config, 1, per_channel) * 2 < 232448
                 < mosaic_flush.smem_bytes(config, 2, per_channel) * 2)
+    # packed codes: fewer bytes read and written, less shared memory; two programs per SM with
+    # one stage and the default six Compensator Tokens too
+    for bits, rows in ((6, 96), (4, 64), (2, 32)):
+        cb = LeapQuantConfig(bits=bits, window=16)
+        assert mosaic_flush.mosaic_flush_bytes(cb, 128, 128, False) == (
+            b - 2 * (128 - rows) * 128 + 2 * 2 * 2 * 128 * (cb.effective_rank - config.effective_rank))
+        for per_channel in (False, True):
+            assert mosaic_flush.smem_bytes(cb, 1, per_channel) * 2 < 232448
