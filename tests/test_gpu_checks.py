@@ -3,15 +3,18 @@
 The checks of ``bench.kernels`` (``bench.kernel_checks``, the same functions and inputs), with
 their pass criteria: one step and one flush from the same state at ragged window positions (8, 6,
 4 and 2 bits, every width the kernels take; on Hopper the Mosaic GPU step and flush where ``auto``
-takes them; beside them the Mosaic GPU step with each of its code sums, ``dot``, at every width
-it reads), the Pallas dense steps over 8 tokens, and 64 tokens at ragged window positions
-through ``make_method("leapquant", impl="pallas")`` against ``impl="reference"``, and the split,
+takes them; beside them the Mosaic GPU step with each of its code sums, ``dot``, and the Mosaic GPU
+flush with each of its reconstructions, ``recon``, at every width), the Pallas dense steps over 8
+tokens, and 64 tokens at ragged window positions through ``make_method("leapquant",
+impl="pallas")`` against ``impl="reference"``, and the split,
 fused and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and
 random heads at 8, 6, 4 and 2 bits), and ``fp32-w`` on its kernels (``-k fp32w``). The normal suite deselects them (``conftest``); selected without a
 GPU, they are skipped.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -24,9 +27,9 @@ from bench.kernel_checks import (
 from leapquant_jax import dispatch, windowed
 from leapquant_jax.impls import Impl
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels import mosaic_step
+from pallas_kernels import mosaic_flush, mosaic_step
 
-from helpers import copy_tree, live_state, rel
+from helpers import check_flush, copy_tree, live_state, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -60,6 +63,24 @@ def test_mosaic_step_code_sums_match_reference(bits, kda):
         np.testing.assert_array_equal(n_k.buffer.k, n_r.buffer.k)
         np.testing.assert_array_equal(n_k.buffer.g, n_r.buffer.g)
         assert rel(n_k.buffer.u, n_r.buffer.u) < 1e-3, dot
+
+
+@MODES
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
+def test_mosaic_flush_matches_reference_compiled(bits, kda):
+    # both reconstructions (the records' part on the tensor cores or the CUDA cores), compiled, every
+    # sequence flushed or only the full windows; below 8 bits the packed codes read and written in
+    # registers and the default six Compensator Tokens (check_flush: stored codes within one step of
+    # the reference's, the decoded state as close to the exact one)
+    config = LeapQuantConfig(bits=bits, window=16)
+    pos = [16, 5, 11, 16, 3, 16, 14, 0]
+    st, _ = live_state(config, jax.random.PRNGKey(95 + bits + kda), 8, 4, 128, 128, kda, pos=pos)
+    if not dispatch.takes("flush", Impl.MOSAIC, config, st):
+        pytest.skip("the Mosaic GPU flush runs on Hopper GPUs only")
+    for recon in mosaic_flush.RECONS:
+        flush = functools.partial(mosaic_flush.leapquant_flush, recon=recon)
+        for only_full in (False, True):
+            check_flush(config, st, only_full=only_full, flush=flush)
 
 
 @MODES
