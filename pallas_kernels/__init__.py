@@ -6,7 +6,7 @@ Modules, each read top to bottom as kernel, wrapper, reference:
 
 * ``leapquant_step`` / ``mosaic_step``: one in-window decode step (Triton; Mosaic GPU at 8, 6, 4 and 2 bits).
 * ``leapquant_flush`` / ``mosaic_flush``: the window flush (Triton's split and fused flushes;
-  Mosaic GPU at 8 bits).
+  Mosaic GPU at 8, 6, 4 and 2 bits).
 * ``dense_step`` / ``mosaic_dense``: the fp32 and bf16 per-step baselines' step.
 * ``chunk_scan``, ``kda_scores``: the chunked form's serial scan and KDA's pair scores (prefill).
 * ``shared``, ``mosaic_shared``: helpers of the Triton and the Mosaic GPU kernels; ``support``:
