@@ -35,7 +35,8 @@ Rounding: fp32 throughout (the code products exact); the record rounded to the r
 Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``, two
 programs per SM, three heads in flight (two where the tensor cores' tile or KDA's decays would
 leave one program per SM). Bytes per step and value head: ``mosaic_step_bytes``. Tested with JAX
-0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled, H200, 8 bits).
+0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled: H200 and H100 at 8
+bits, H100 at 6, 4 and 2).
 """
 
 from __future__ import annotations
