@@ -36,6 +36,15 @@ pytestmark = pytest.mark.gpu
 MODES = pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 
 
+def mosaic_live_state(op, config, seed, pos, kda):
+    """A live state of 8 sequences x 4 heads of 128 x 128 at window positions ``pos`` and its token;
+    the test skipped where the Mosaic GPU ``op`` does not run."""
+    st, tok = live_state(config, jax.random.PRNGKey(seed), 8, 4, 128, 128, kda, pos=pos)
+    if not dispatch.takes(op, Impl.MOSAIC, config, st):
+        pytest.skip(f"the Mosaic GPU {op} runs on Hopper GPUs only")
+    return st, tok
+
+
 @MODES
 @pytest.mark.parametrize("bits", [8, 6, 4, 2])
 def test_step_and_flush_kernels_match_reference(bits, kda):
@@ -51,10 +60,7 @@ def test_mosaic_step_code_sums_match_reference(bits, kda):
     # every dot the Mosaic GPU step has at this width (wgmma: 8 bits), compiled; below 8 bits the
     # default six Compensator Tokens (a last group of four that overlaps the first)
     config = LeapQuantConfig(bits=bits, window=16)
-    pos = [0, 5, 11, 15, 3, 8, 14, 1]
-    st, tok = live_state(config, jax.random.PRNGKey(90 + bits + kda), 8, 4, 128, 128, kda, pos=pos)
-    if not dispatch.takes("step", Impl.MOSAIC, config, st):
-        pytest.skip("the Mosaic GPU step runs on Hopper GPUs only")
+    st, tok = mosaic_live_state("step", config, 90 + bits + kda, [0, 5, 11, 15, 3, 8, 14, 1], kda)
     o_r, n_r = windowed.step_reference(config, st, tok)
     for dot in mosaic_step.DOTS if bits == 8 else ("rows", "fma"):
         o_k, n_k = mosaic_step.leapquant_step(config, copy_tree(st), tok, dot=dot)
@@ -73,10 +79,7 @@ def test_mosaic_flush_matches_reference_compiled(bits, kda):
     # registers and the default six Compensator Tokens (check_flush: stored codes within one step of
     # the reference's, the decoded state as close to the exact one)
     config = LeapQuantConfig(bits=bits, window=16)
-    pos = [16, 5, 11, 16, 3, 16, 14, 0]
-    st, _ = live_state(config, jax.random.PRNGKey(95 + bits + kda), 8, 4, 128, 128, kda, pos=pos)
-    if not dispatch.takes("flush", Impl.MOSAIC, config, st):
-        pytest.skip("the Mosaic GPU flush runs on Hopper GPUs only")
+    st, _ = mosaic_live_state("flush", config, 95 + bits + kda, [16, 5, 11, 16, 3, 16, 14, 0], kda)
     for recon in mosaic_flush.RECONS:
         flush = functools.partial(mosaic_flush.leapquant_flush, recon=recon)
         for only_full in (False, True):
