@@ -39,6 +39,7 @@ value head: ``flush_bytes``. Tested with JAX 0.10.2 (interpret mode, CPU) and 0.
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -75,28 +76,22 @@ def _records_term(kd, bu, dot):
     return sum(_row(kd, j)[:, None] * _row(bu, j)[None, :] for j in range(kd.shape[0]))
 
 
-def _round_codes(t, bits):
-    """``quantizers.round_codes`` in a kernel: the nearest integer, ties to even
-    (``round_half_even``: Triton lowers no ``round``), at 2 bits the reference's own rule, the
-    nearest odd integer ``2 floor(t / 2) + 1`` (ties, the even integers, go up), clipped to
-    ``[-qmax, qmax]``."""
-    if bits == 2:
-        return round_codes(t, bits)
-    qmax = qmax_for_bits(bits)
-    return jnp.clip(round_half_even(t), -qmax, qmax)
+# The array module of quantizers.round_codes in a Triton kernel: its rule as the reference's,
+# round (ties to even) from floor (``round_half_even``: Triton lowers no ``round``).
+GRID_MATH = types.SimpleNamespace(floor=jnp.floor, round=round_half_even, clip=jnp.clip)
 
 
 def _quantize_parts(S, bits):
     """Quantizes smoothed residual parts ``S`` (``[n, BV]`` each) with one scale per value column,
     ``colmax / qmax``: ``(codes, scale [BV])``, ``codes`` one int32 ``[n, BV]`` tile per part
-    (``_round_codes``; an all-zero column gets scale 0 and the codes of 0: 0, or 1 at 2 bits)."""
+    (``round_codes`` through ``GRID_MATH``; an all-zero column gets scale 0 and the codes of 0: 0, or 1 at 2 bits)."""
     colmax = None
     for s in S:
         m = jnp.max(jnp.abs(s), axis=0)
         colmax = m if colmax is None else jnp.maximum(colmax, m)
     new_scale = colmax / qmax_for_bits(bits)
     div = jnp.where(new_scale > 0, new_scale, 1.0)
-    return [_round_codes(s / div[None, :], bits).astype(jnp.int32) for s in S], new_scale
+    return [round_codes(s / div[None, :], bits, xp=GRID_MATH).astype(jnp.int32) for s in S], new_scale
 
 
 def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, outs):

@@ -20,7 +20,7 @@ import pytest
 from leapquant_jax import dispatch, windowed
 from leapquant_jax.quantizers import round_codes
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels import mosaic_flush
+from pallas_kernels import leapquant_flush, mosaic_flush
 
 from helpers import check_flush, copy_tree, expanded_state, live_state
 from kernel_helpers import state_shapes, traced
@@ -84,15 +84,17 @@ def test_mosaic_flush_packed_codes_match_reference(bits, kda, opts):
         assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-def test_mosaic_flush_rounds_codes_as_the_reference():
-    # The codes' rule in the kernel (round_codes through GRID_MATH: floor through int32) on every
-    # rounding boundary and between them, at every width: the reference's to the bit.
+@pytest.mark.parametrize("kernels", [mosaic_flush, leapquant_flush], ids=["mosaic", "triton"])
+def test_flushes_round_codes_as_the_reference(kernels):
+    # The codes' rule in the flush kernels (round_codes through their GRID_MATH: Mosaic GPU's floor
+    # through int32, Triton's round from floor) on every rounding boundary and between them, at
+    # every width: the reference's to the bit.
     t = np.concatenate([np.arange(-40, 40.25, 0.25), np.nextafter(np.arange(-40.0, 41.0), np.inf),
                         np.nextafter(np.arange(-40.0, 41.0), -np.inf),
                         np.asarray(jax.random.uniform(jax.random.PRNGKey(0), (4096,), minval=-40, maxval=40))])
     t = jax.numpy.asarray(t, jax.numpy.float32)
     for bits in (8, 6, 4, 2):
-        np.testing.assert_array_equal(round_codes(t, bits, xp=mosaic_flush.GRID_MATH), round_codes(t, bits))
+        np.testing.assert_array_equal(round_codes(t, bits, xp=kernels.GRID_MATH), round_codes(t, bits))
 
 
 def test_mosaic_flush_only_full_windows_and_shared_key_records():
