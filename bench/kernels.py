@@ -29,7 +29,8 @@ In this order:
    step amortised over a full window including its flush (``p`` steps + 1 flush, divided by
    ``p``), the step alone and the flush alone (host clock around many back-to-back calls of a
    jitted window after warm-up, median over repeats), and a device-to-device copy (bytes read +
-   written) for the bandwidth ceiling.
+   written) for the bandwidth ceiling. ``--extra-bits``: the window, steps and flush at other
+   widths, at every batch (the largest first).
 4. ``--correctness full``: ``make_method("leapquant", impl="pallas")`` against
    ``impl="reference"`` over 64 tokens at ragged window positions (sequences start at
    different steps, so flushes fall at different steps), both against the exact fp32
@@ -107,7 +108,7 @@ def main(argv=None):
     ap.add_argument("--flush-stages", action="store_true",
                     help="time the split flush's stages at the largest batch (also done by --sweep)")
     ap.add_argument("--extra-bits", type=int, nargs="*", default=[],
-                    help="other bit widths to time (window, steps, flush) at the largest batch")
+                    help="other bit widths to time (window, steps, flush) at every batch")
     ap.add_argument("--long-decode", type=int, default=0, metavar="TOKENS",
                     help="decode this many tokens of the extreme-decay heads per mode and impl (0: skip)")
     ap.add_argument("--checks-only", action="store_true", help="stop after the single-op and long-decode checks")
@@ -195,8 +196,9 @@ def main(argv=None):
     for bsz in args.batches:
         for kda in kda_modes:
             time_batch(run, best, bsz, kda, fla=fla, copy_bw=copy_bw, swept=args.sweep)
-    for bits in args.extra_bits:
-        time_other_bits(run, best, bits, largest, kda_modes)
+    for bsz in sorted(args.batches, reverse=True):      # the largest first: the targets read it
+        for bits in args.extra_bits:
+            time_other_bits(run, best, bits, bsz, kda_modes)
     if args.correctness == "full":
         results["correctness"] += check_correctness(log, kda_modes, bits_list=tuple(args.check_bits), fla=fla)
         save()

@@ -47,22 +47,30 @@ def timing(mode, kind, us, *, bsz=512, h=32, nbytes=1.0, fla=None, frac=None, **
 def test_targets_directions_and_missing_rows():
     rows = [timing("GDN", "lq-window", 10.0, fla=4.4, bits=8, flush_impl="fused"),
             timing("GDN", "lq-window", 10.0, bsz=32, fla=1.0, bits=8),              # not the largest batch
-            timing("KDA", "lq-window", 10.0, fla=3.0, bits=8, flush_impl="split"),
+            timing("KDA", "lq-window", 10.0, fla=2.0, bits=8, flush_impl="split"),
             timing("GDN", "lq-steps", 1.0, frac=0.77, bits=8),
             timing("GDN", "lq-flush", 750.0, nbytes=55e3 * 512 * 32, bits=8, flush_impl="fused"),
             timing("KDA", "lq-flush", 500.0, nbytes=66e3 * 512 * 32, bits=8, flush_impl="fused")]
     tg = kernel_report.targets(dict(timings=rows))
-    assert len(tg) == len(kernel_report.TARGETS)                      # every target reported, measured or not
+    # every target reported, measured or not: the bit widths' per mode
+    assert len(tg) == len(kernel_report.TARGETS) + 2 * len(kernel_report.BITS_TARGETS)
     got = tg[0]
     assert got["batch"] == 512 and got["met"] and got["missing_factor"] is None
     assert got["target"] == "GDN: LeapQuant int8 amortised per token-step vs FLA fp32, flush fused"
     kda = tg[1]
-    assert not kda["met"] and kda["missing_factor"] == pytest.approx(3.5 / 3.0)
+    assert not kda["met"] and kda["missing_factor"] == pytest.approx(2.5 / 2.0)
     flush = [t for t in tg if t["key"] == "us"]
     assert [(t["met"], t["missing_factor"]) for t in flush] == [(False, pytest.approx(750 / 600)), (True, None)]
     kb = [t for t in tg if t["key"] == "kb_per_head"]
     assert [t["measured"] for t in kb] == [pytest.approx(55.0), pytest.approx(66.0)]
     assert [(t["met"], t["missing_factor"]) for t in kb] == [(True, None), (False, pytest.approx(1.1))]
+    other = [dict(impl="LeapQuant int4 window", batch=512, mode="GDN", bits=4, speedup_vs_fla_fp32=3.3),
+             dict(impl="LeapQuant int6 window", batch=32, mode="GDN", bits=6, speedup_vs_fla_fp32=9.9)]
+    widths = {t["target"]: t for t in kernel_report.targets(dict(timings=rows, other_bits=other))
+              if t["key"] == "of_int8"}
+    int4, int6 = (widths[f"GDN: LeapQuant int{b} amortised ratio to FLA / int8's"] for b in (4, 6))
+    assert int4["measured"] == pytest.approx(3.3 / 4.4) and int4["missing_factor"] == pytest.approx(4.4 / 3.3)
+    assert int6["measured"] is None and int6["met"] is None            # only timed at another batch
     dense = [t for t in tg if t["target"].endswith("Pallas fp32 dense step vs FLA fp32")]
     assert [(t["wanted"], t["met"]) for t in dense] == [(0.95, None), (1.0, None)]   # no dense rows: not measured
 
@@ -70,7 +78,7 @@ def test_targets_directions_and_missing_rows():
 def test_markdown_sections():
     env = dict(date="d", jax="j", devices=["cpu"], command="c")
     rows = [timing(m, "lq-window", 10.0, fla=f, bits=8, flush_impl="split", nbytes=2e6, frac=0.5, GBps=1.0)
-            for m, f in (("GDN", 4.2), ("KDA", 3.1))]
+            for m, f in (("GDN", 4.2), ("KDA", 2.2))]
     for r in rows:
         r.update(speedup_vs_pallas_fp32=2.0)
     lo = [dict(kernel="load-only", mode="GDN", batch=512, heads=32, dk=128, dv=128, options=dict(num_warps=2),
@@ -84,10 +92,12 @@ def test_markdown_sections():
     assert "## Load-only kernel (the step's bytes)" in md
     assert "| GDN | {'num_warps': 2} | 1.0 | 1.0 | 1000 | 80 |" in md
     assert "error: TypeError: x / y" in md
-    assert "| 8 | 10.0 | 4.20 | 10.0 | 3.10 |" in md
-    assert "| 6 | 9.0 | 4.60 | 9.0 | 3.40 |" in md
-    assert "| 4 | 9.0 | 5.00 | - | - |" in md
-    assert "| KDA: LeapQuant int8 amortised per token-step vs FLA fp32, flush split | 3.10× | ≥ 3.50× | no | 1.13× |" in md
+    assert "| 512 | 8 | 10.0 | 4.20 | 10.0 | 2.20 |" in md
+    assert "| 512 | 6 | 9.0 | 4.60 | 9.0 | 3.40 |" in md
+    assert "| 512 | 4 | 9.0 | 5.00 | - | - |" in md
+    assert "| GDN: LeapQuant int4 amortised ratio to FLA / int8's | 1.19 of int8 | ≥ 1.00 of int8 | yes | - |" in md
+    assert "| KDA: LeapQuant int4 amortised ratio to FLA / int8's | - | ≥ 1.00 of int8 | not measured | - |" in md
+    assert "| KDA: LeapQuant int8 amortised per token-step vs FLA fp32, flush split | 2.20× | ≥ 2.50× | no | 1.14× |" in md
 
 
 def test_modes_and_time_budget_shape_the_run(tmp_path):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.ceilings import ceilings, main
+from bench.ceilings import WANTED, ceilings, main
 
 
 def _run(fla=800.0, window=250.0, step=170.0, flush=1280.0, loads=(130.0, 120.0), mode="GDN"):
@@ -34,10 +34,11 @@ def test_bounds_follow_the_window_arithmetic():
     assert c["load_only_us"] == 120.0
     assert rows["load-only step, flush at 600 µs"][0] == pytest.approx(120.0 + 600.0 / 16)
     assert rows["load-only step, no flush"] == (120.0, 800.0 / 120.0)
-    # GDN's target is 4x: 200 µs per token-step; 16 (200 - 170) µs of flush; 200 - 37.5 of step
-    assert c["goal_us"] == pytest.approx(200.0)
-    assert c["flush_us_for_target"] == pytest.approx(16 * 30.0)
-    assert c["step_us_for_target"] == pytest.approx(200.0 - 37.5)
+    # GDN's target ratio r: 800 / r µs per token-step; 16 (goal - 170) µs of flush; goal - 37.5 of step
+    goal = 800.0 / WANTED["GDN"]
+    assert c["goal_us"] == pytest.approx(goal)
+    assert c["flush_us_for_target"] == pytest.approx(16 * (goal - 170.0))
+    assert c["step_us_for_target"] == pytest.approx(goal - 37.5)
 
 
 def test_a_mode_without_its_rows_is_skipped_with_the_reason():
@@ -61,7 +62,7 @@ def test_cli_writes_the_tables(tmp_path, capsys):
     out = tmp_path / "c.md"
     main([str(path), "--out", str(out)])
     text = out.read_text()
-    assert "## KDA" in text and "| last step free |" in text and "target ≥ 3.5×" in text
+    assert "## KDA" in text and "| last step free |" in text and f"target ≥ {WANTED['KDA']:.1f}×" in text
     assert text.strip() == capsys.readouterr().out.strip()
     with pytest.raises(SystemExit, match="cannot read"):
         main([str(tmp_path / "missing.json")])
