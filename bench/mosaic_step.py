@@ -1,16 +1,16 @@
 """The Mosaic GPU step (``pallas_kernels.mosaic_step``) against the Triton step, in one process:
 compiled correctness against the reference at ragged window positions, then µs per step over a
 window (``p`` steps from position 0, the state donated), and optionally a whole window with the
-split flush, the same pipeline with its arithmetic left out (``--load-only``) and with the code
+flush ``auto`` takes, the same pipeline with its arithmetic left out (``--load-only``) and with the code
 sums alone (``--codes-only``).
 
-    python -m bench.mosaic_step [--batch 512] [--heads 32] [--kda] [--variants JSON] [--window] [--load-only]
-                                [--codes-only] [--out DIR]
+    python -m bench.mosaic_step [--batch 512] [--heads 32] [--bits 8] [--kda] [--variants JSON] [--window]
+                                [--load-only] [--codes-only] [--out DIR]
     python -m bench.mosaic_step --ncu JSON    # only run that variant 4 times, for Nsight Compute
 
 ``--variants`` is a JSON list of option dicts for ``mosaic_step.leapquant_step`` (``programs``,
 ``stages``, ``chunk``, ``dot``); the default is its defaults. GDN (``--kda``: KDA's per-channel
-decays), 8 bits, 128 x 128, window 16. Writes
+decays), ``--bits`` 8, 6, 4 or 2 (the rank the config takes at that width), 128 x 128, window 16. Writes
 ``mosaic-step-<UTC time>.json`` and ``.log`` under ``--out`` (default ``bench/results``). Bandwidth
 is counted with ``step_bytes`` (the Triton step's masked loads) for the Triton rows and with
 ``mosaic_step_bytes`` (every record slot) for the Mosaic rows.
@@ -51,7 +51,8 @@ def ragged_state(config, bsz, h, dk, dv, seed=0, kda=False):
 
 
 def window_fn(step, config, flush=False):
-    """Jitted ``p`` steps from position 0 (and with ``flush`` the flush of the full windows)."""
+    """Jitted ``p`` steps from position 0 (and with ``flush`` the flush of the full windows, as
+    ``dispatch`` runs it on the kernels)."""
     def run(state, toks):
         state = state.replace(pos=jnp.zeros_like(state.pos))
         o = None
@@ -71,17 +72,17 @@ def load_only_head(i, meta_all, rg_all, tiles, *, lay, **_):
     return v, v, lay.load(tiles["w"], vcol)
 
 
-def codes_only_head(i, meta_all, rg_all, tiles, *, dk, smoothing, chunk, lay, mm, red, dot, **_):
+def codes_only_head(i, meta_all, rg_all, tiles, *, dk, smoothing, chunk, lay, mm, red, dot, bits=8, **_):
     """A head's arithmetic with the records and Compensator Tokens left out: the code sums alone
     (on the tensor cores or the CUDA cores, as ``dot`` chose; GDN), what the step would cost were
     the other dots free."""
     if dot == "rows":
         mosaic_step.code_vectors(tiles, mm[0], smoothing=smoothing, lay=lay)
         lay.sync()
-        parts = mosaic_step.code_partials_rows(tiles, mm[0], dk=dk, lay=lay)
+        parts = mosaic_step.code_partials_rows(tiles, mm[0], dk=dk, lay=lay, bits=bits)
         s1, s2 = mosaic_shared.meet_warps(parts, red, lay=lay)
     elif dot == "fma":
-        s1, s2 = mosaic_step.code_sums_fma(tiles, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay)
+        s1, s2 = mosaic_step.code_sums_fma(tiles, dk=dk, smoothing=smoothing, chunk=chunk, lay=lay, bits=bits)
     else:
         s1, s2 = mosaic_step.code_sums_wgmma(tiles, mm, dk=dk, smoothing=smoothing, lay=lay)
     return s1, s2, lay.load(tiles["w"], mosaic_shared.rows_layout(16).reduce(0))
@@ -95,6 +96,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--bits", type=int, default=8, choices=(8, 6, 4, 2))
     ap.add_argument("--kda", action="store_true", help="KDA's per-channel decays instead of GDN's scalar ones")
     ap.add_argument("--variants", default="[{}]", help="JSON list of option dicts for mosaic_step.leapquant_step")
     ap.add_argument("--window", action="store_true", help="also time whole windows with the split flush")
@@ -106,7 +108,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
     bsz, h, dk, dv = a.batch, a.heads, 128, 128
-    config = LeapQuantConfig(bits=8, impl="reference")
+    config = LeapQuantConfig(bits=a.bits, impl="reference")
     kda = a.kda
     st, tok = ragged_state(config, bsz, h, dk, dv, kda=kda)
     if a.ncu:
@@ -118,7 +120,7 @@ def main(argv=None):
     rows = []
 
     say("jax", jax.__version__, jax.devices(), "commit", git_commit(), "command", " ".join(sys.argv),
-        "mode", "KDA" if kda else "GDN")
+        "mode", "KDA" if kda else "GDN", "bits", a.bits, "rank", config.effective_rank)
     o_ref, st_ref = jax.jit(lambda s, t: windowed.step_reference(config, s, t))(st, tok)
 
     def errors(o, new):
@@ -166,9 +168,9 @@ def main(argv=None):
     for opts in ok if not a.skip_steps else ():
         timed(label(opts), lambda c, s, t, o=opts: mosaic_step.leapquant_step(c, s, t, **o), mosaic_bytes)
     if a.window:
-        timed("triton window (p steps + split flush)", triton_step.leapquant_step, None, flush=True)
+        timed("triton window (p steps + flush)", triton_step.leapquant_step, None, flush=True)
         for opts in ok:
-            timed(label(opts) + " window (p steps + split flush)",
+            timed(label(opts) + " window (p steps + flush)",
                   lambda c, s, t, o=opts: mosaic_step.leapquant_step(c, s, t, **o), None, flush=True)
     if a.load_only:
         for opts in ok:
@@ -178,7 +180,7 @@ def main(argv=None):
         for opts in ok:
             timed(label(opts) + " CODES-ONLY",
                   lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, codes_only_head, **o), mosaic_bytes)
-    json.dump(dict(jax=jax.__version__, commit=git_commit(), copy_bw=copy_bw, batch=bsz, heads=h, kda=kda,
+    json.dump(dict(jax=jax.__version__, commit=git_commit(), copy_bw=copy_bw, batch=bsz, heads=h, kda=kda, bits=a.bits,
                    rows=rows), open(base + ".json", "w"), indent=1)
     return 0
 
