@@ -168,8 +168,9 @@ def markdown(results) -> str:
                 out.append(f"| {r['batch']} | {r['mode']} | {r['impl']} | error: {_cell(r['error'])} | | | | | |")
                 continue
             fla = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
+            pallas = f"{r['speedup_vs_pallas_fp32']:.2f}" if r.get("speedup_vs_pallas_fp32") else "-"
             out.append(f"| {r['batch']} | {r['mode']} | {r['impl']} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
-                       f"{r['GBps']:.0f} | {100 * r['frac_copy_bw']:.0f} | {fla} | {r['speedup_vs_pallas_fp32']:.2f} |")
+                       f"{r['GBps']:.0f} | {100 * r['frac_copy_bw']:.0f} | {fla} | {pallas} |")
         out.append("")
     if results.get("load_only"):
         lo = results["load_only"]

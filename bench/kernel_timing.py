@@ -320,11 +320,12 @@ def sweep(run: Run, best: dict, bsz, kda_modes):
         flush_stages(run, kda, bsz)
 
 
-def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool):
+def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool, dense: bool = True):
     """The timing rows of one batch size and mode: FLA fp32, the Pallas fp32 and bf16 dense steps
-    (the Mosaic GPU one and the Triton one where ``auto`` takes the former), and the LeapQuant
-    window, steps and flush (with the Triton step beside the Mosaic GPU one), with bytes, GB/s,
-    fraction of ``copy_bw`` and ratios to FLA and to the Pallas fp32 dense step."""
+    (the Mosaic GPU one and the Triton one where ``auto`` takes the former; left out without
+    ``dense``), and the LeapQuant window, steps and flush (with the Triton step beside the Mosaic
+    GPU one), with bytes, GB/s, fraction of ``copy_bw`` and ratios to FLA and to the Pallas fp32
+    dense step."""
     config, h, d, p = run.config, run.heads, run.dim, run.config.window
     dk = dv = d
     bits = config.bits
@@ -335,7 +336,7 @@ def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool):
         rows.append(dict(impl="FLA fp32 fused_recurrent", kind="fla", us=time_fla(fla[kda], bsz, h, dk, dv, kda),
                          bytes=dense_b))
     toks = window_tokens(bsz, h, dk, dv, kda, p)
-    for dt, isz in (("float32", 4), ("bfloat16", 2)):
+    for dt, isz in (("float32", 4), ("bfloat16", 2)) if dense else ():
         fresh = lambda dt=dt: run.state(bsz).astype(dt)  # noqa: E731
         nb = dense_step_bytes(dk, dv, isz, kda) * bsz * h
         s = fresh()
@@ -385,12 +386,12 @@ def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool):
             rows[-1]["error"] = err
     del toks, s
     fla_us = rows[0]["us"] if fla is not None else None
-    pallas_us = next(r["us"] for r in rows if r["impl"].startswith("Pallas float32"))
+    pallas_us = next((r["us"] for r in rows if r["impl"].startswith("Pallas float32")), None)
     for r in rows:
         r.update(batch=bsz, heads=h, dk=dk, dv=dv, mode=mode, GBps=r["bytes"] / (r["us"] * 1e-6) / 1e9)
         r["frac_copy_bw"] = r["bytes"] / (r["us"] * 1e-6) / copy_bw
         r["speedup_vs_fla_fp32"] = fla_us / r["us"] if fla_us else None
-        r["speedup_vs_pallas_fp32"] = pallas_us / r["us"]
+        r["speedup_vs_pallas_fp32"] = pallas_us / r["us"] if pallas_us else None
         run.log(r)
     run.results["timings"] += rows
     run.save()

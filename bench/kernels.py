@@ -1,7 +1,8 @@
 """Kernel benchmark (docs/design.md §6): correctness, variant sweep, then µs per token-step on one layer.
 
     python -m bench.kernels [--batches 32 128 512] [--heads 32] [--window 16] [--bits 8] [--sweep]
-                            [--load-only] [--extra-bits 6 4] [--correctness full|ops|none] [--check-bits 8 6 4]
+                            [--load-only] [--extra-bits 6 4] [--no-dense] [--correctness full|ops|none]
+                            [--check-bits 8 6 4]
                             [--check-flush-impls auto split] [--decoded-state-impls split fused mosaic]
                             [--decoded-state-batch 16] [--modes gdn kda] [--time-budget SECONDS]
                             [--long-decode TOKENS] [--commit HASH] [--out bench/results]
@@ -107,6 +108,8 @@ def main(argv=None):
                          'GPU flush); --sweep replaces it with the fastest of its flush variants')
     ap.add_argument("--flush-stages", action="store_true",
                     help="time the split flush's stages at the largest batch (also done by --sweep)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="leave out the Pallas dense-step rows (FLA and the LeapQuant rows only): a shorter device call")
     ap.add_argument("--extra-bits", type=int, nargs="*", default=[],
                     help="other bit widths to time (window, steps, flush) at every batch")
     ap.add_argument("--long-decode", type=int, default=0, metavar="TOKENS",
@@ -195,7 +198,7 @@ def main(argv=None):
     log(results["chosen_variants"])
     for bsz in args.batches:
         for kda in kda_modes:
-            time_batch(run, best, bsz, kda, fla=fla, copy_bw=copy_bw, swept=args.sweep)
+            time_batch(run, best, bsz, kda, fla=fla, copy_bw=copy_bw, swept=args.sweep, dense=not args.no_dense)
     for bsz in sorted(args.batches, reverse=True):      # the largest first: the targets read it
         for bits in args.extra_bits:
             time_other_bits(run, best, bits, bsz, kda_modes)
