@@ -199,7 +199,7 @@ def main(argv=None):
     for bsz in args.batches:
         for kda in kda_modes:
             time_batch(run, best, bsz, kda, fla=fla, copy_bw=copy_bw, swept=args.sweep, dense=not args.no_dense)
-    for bsz in sorted(args.batches, reverse=True):      # the largest first: the targets read it
+    for bsz in sorted(args.batches, reverse=True):      # the targets' batch first, before the budget runs out
         for bits in args.extra_bits:
             time_other_bits(run, best, bits, bsz, kda_modes)
     if args.correctness == "full":

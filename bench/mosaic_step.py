@@ -99,7 +99,7 @@ def main(argv=None):
     ap.add_argument("--bits", type=int, default=8, choices=(8, 6, 4, 2))
     ap.add_argument("--kda", action="store_true", help="KDA's per-channel decays instead of GDN's scalar ones")
     ap.add_argument("--variants", default="[{}]", help="JSON list of option dicts for mosaic_step.leapquant_step")
-    ap.add_argument("--window", action="store_true", help="also time whole windows with the split flush")
+    ap.add_argument("--window", action="store_true", help="also time whole windows with the flush dispatch runs")
     ap.add_argument("--load-only", action="store_true", help="also time the pipeline without the arithmetic")
     ap.add_argument("--codes-only", action="store_true",
                     help="also time the pipeline with the code sums alone (no records, no Compensator Tokens)")
