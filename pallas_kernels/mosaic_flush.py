@@ -54,7 +54,7 @@ from leapquant_jax.quantizers import INT_WIDTHS, IntTensor, code_parts, packed_r
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
-    SMEM_LIMIT, WARPS, Layouts, aligned, check_launch, code_plane_rows, default_programs, fold_vmap, lane_params,
+    SMEM_LIMIT, WARPS, Layouts, aligned, check_chunk, check_launch, code_plane_rows, default_programs, fold_vmap, lane_params,
     meet_warps, resolve_interpret, row_sums_layout, rows_layout, run_kernel, signed_code_parts, smem_union,
     swizzle32_layout, threads_layout, warp_parts,
 )
@@ -522,10 +522,7 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_flush cannot run: {why}")
     check_launch(programs, stages)
-    part_rows = DK // code_parts(config.bits)
-    if not isinstance(chunk, int) or chunk < WARPS or chunk % WARPS or part_rows % chunk:
-        where = f"{DK}" if part_rows == DK else f"the {part_rows} key rows of a {config.bits}-bit code part"
-        raise ValueError(f"chunk={chunk!r} must be a multiple of {WARPS} dividing {where}")
+    check_chunk(chunk, config.bits, DK)
     if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
         raise ValueError(f"sum_lanes={sum_lanes!r} must be 32, or 8 with chunk a multiple of 16 (chunk={chunk}; "
                          "the default sum_lanes is 8)")

@@ -192,6 +192,15 @@ def check_launch(programs, stages) -> None:
         raise ValueError(f"stages={stages!r} must be a positive integer")
 
 
+def check_chunk(chunk, bits: int, dk: int) -> None:
+    """``ValueError`` unless ``chunk`` (key rows of each code part per register tile) is a
+    positive multiple of ``WARPS`` dividing the ``dk / parts`` key rows of a ``bits``-bit code part."""
+    part_rows = dk // code_parts(bits)
+    if not isinstance(chunk, int) or chunk < WARPS or chunk % WARPS or part_rows % chunk:
+        where = f"dk={dk}" if part_rows == dk else f"the {part_rows} key rows of a {bits}-bit code part"
+        raise ValueError(f"chunk={chunk!r} must be a multiple of {WARPS} dividing {where}")
+
+
 def aligned(*sizes: int) -> int:
     """Bytes of shared memory that buffers of ``sizes`` bytes take, each from a ``SMEM_ALIGN`` boundary."""
     return sum(-(-x // SMEM_ALIGN) * SMEM_ALIGN for x in sizes)
@@ -279,7 +288,7 @@ def run_kernel(kernel, values: dict) -> dict:
 
 
 __all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
-           "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_launch", "code_plane_rows", "default_programs",
+           "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_chunk", "check_launch", "code_plane_rows", "default_programs",
            "fold_vmap", "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
            "rows_layout", "run_kernel", "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync",
            "threads_layout", "warp_parts"]

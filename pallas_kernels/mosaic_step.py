@@ -54,8 +54,8 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
-    WARPS, Layouts, check_launch, code_plane_rows, fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout,
-    run_kernel, signed_code_parts, sm_count, threads_layout,
+    WARPS, Layouts, check_chunk, check_launch, code_plane_rows, fold_vmap, lane_params, meet_warps, resolve_interpret,
+    rows_layout, run_kernel, signed_code_parts, sm_count, threads_layout,
 )
 from .support import check_token
 
@@ -520,11 +520,8 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
         raise ValueError(f"chunk={chunk}: only dot='fma' reads the codes in chunks (dot={dot!r})")
     if dot == "wgmma" and bits != 8:
         raise ValueError(f"dot='wgmma' reads 8-bit codes only (bits={bits}): take dot='rows' or dot='fma'")
-    part_rows = dk // code_parts(bits)
-    chunk = part_rows if chunk is None else chunk
-    if chunk % WARPS or part_rows % chunk:
-        where = f"dk={dk}" if part_rows == dk else f"the {part_rows} key rows of a {bits}-bit code part"
-        raise ValueError(f"chunk={chunk} must be a multiple of {WARPS} dividing {where}")
+    chunk = dk // code_parts(bits) if chunk is None else chunk
+    check_chunk(chunk, bits, dk)
     n = bsz * h
     per_channel = state.per_channel_decay
     stages = (2 if dot == "wgmma" or per_channel else 3) if stages is None else stages

@@ -684,8 +684,9 @@ def test_mosaic_step_rejects_what_it_cannot_run():
     tok = delta_rule_token(q=jnp.zeros((2, 4, 128)), k=jnp.zeros((2, 4, 128)), v=jnp.zeros((2, 4, 128)),
                            g=jnp.zeros((2, 4)), beta=jnp.zeros((2, 4)))
     step = functools.partial(mosaic_step.leapquant_step, c8)
-    with pytest.raises(ValueError, match="chunk=24"):
-        traced(functools.partial(step, dot="fma", chunk=24), st, tok)
+    for chunk in (24, 0, -4, 8.0):       # named, not a division by zero or a float slice
+        with pytest.raises(ValueError, match=f"chunk={chunk!r} must be a multiple of 4 dividing dk=128"):
+            traced(functools.partial(step, dot="fma", chunk=chunk), st, tok)
     for dot in ("rows", "wgmma"):
         with pytest.raises(ValueError, match="only dot='fma'"):
             traced(functools.partial(step, dot=dot, chunk=32), st, tok)
