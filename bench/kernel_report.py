@@ -205,11 +205,12 @@ def markdown(results) -> str:
         out.append("")
     if results.get("other_bits"):
         out += ["## Other bit widths (µs per token-step; flush: per flush)", "",
-                *_table("batch", "bits", "mode", "what", "µs", "× vs FLA fp32")]
+                *_table("batch", "bits", "mode", "what", "step kernel", "µs", "× vs FLA fp32")]
         for r in results["other_bits"]:
             sp = f"{r['speedup_vs_fla_fp32']:.2f}" if r.get("speedup_vs_fla_fp32") else "-"
             us = f"error: {_cell(r['error'])}" if r.get("error") else f"{r['us']:.1f}"
-            out.append(f"| {r['batch']} | {r['bits']} | {r['mode']} | {r['impl']} | {us} | {sp} |")
+            out.append(f"| {r['batch']} | {r['bits']} | {r['mode']} | {r['impl']} | {r.get('step_kernel', '-')} | {us} "
+                       f"| {sp} |")
         out.append("")
         # the amortised window (p steps + flush, per step) of every bit width timed, against FLA fp32
         amort = {}

@@ -397,9 +397,11 @@ def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool, den
     run.save()
 
 
-def time_other_bits(run: Run, best: dict, bits, bsz, kda_modes):
-    """The window, steps and flush at another bit width (batch ``bsz``), with the step options of
-    the main width where they fit, into ``results["other_bits"]``."""
+def time_other_bits(run: Run, best: dict, bits, bsz, kda_modes, swept: bool = False):
+    """The window, steps and flush at another bit width (batch ``bsz``) into
+    ``results["other_bits"]``: with the step options of the main width where they fit (``swept``),
+    else on the step ``auto`` runs (the Mosaic GPU step where it takes the state, as ``time_batch``);
+    each row names its step kernel."""
     h, d, p = run.heads, run.dim, run.config.window
     cfg = LeapQuantConfig(bits=bits, window=p, impl="pallas")
     for kda in kda_modes:
@@ -420,8 +422,13 @@ def time_other_bits(run: Run, best: dict, bits, bsz, kda_modes):
                 # the step options of the main bit width, where they fit this one's code parts
                 opts = dict(best[kda]["step"])
                 state = windowed.from_dense(cfg, s, per_channel_decay=kda)
-                if opts.get("kernel") == "mosaic" and not takes_mosaic("step", cfg, state):
+                mosaic = takes_mosaic("step", cfg, state)
+                if not swept and mosaic:
+                    opts = dict(kernel="mosaic")     # what auto runs on Hopper
+                if opts.get("kernel") == "mosaic" and not mosaic:
                     opts = {}                  # the Mosaic GPU step does not take it: the Triton step's defaults
+                if what != "flush":
+                    row["step_kernel"] = "mosaic" if opts.get("kernel") == "mosaic" else "triton"
                 if "chunk" in opts:
                     opts["chunk"] = min(opts["chunk"], d // num_parts(bits))
                     if opts.get("reduce") == "dot" and opts["chunk"] < 32:

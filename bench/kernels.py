@@ -201,7 +201,7 @@ def main(argv=None):
             time_batch(run, best, bsz, kda, fla=fla, copy_bw=copy_bw, swept=args.sweep, dense=not args.no_dense)
     for bsz in sorted(args.batches, reverse=True):      # the targets' batch first, before the budget runs out
         for bits in args.extra_bits:
-            time_other_bits(run, best, bits, bsz, kda_modes)
+            time_other_bits(run, best, bits, bsz, kda_modes, swept=args.sweep)
     if args.correctness == "full":
         results["correctness"] += check_correctness(log, kda_modes, bits_list=tuple(args.check_bits), fla=fla)
         save()

@@ -9,11 +9,11 @@ sums alone (``--codes-only``).
     python -m bench.mosaic_step --ncu JSON    # only run that variant 4 times, for Nsight Compute
 
 ``--variants`` is a JSON list of option dicts for ``mosaic_step.leapquant_step`` (``programs``,
-``stages``, ``chunk``, ``dot``); the default is its defaults. GDN (``--kda``: KDA's per-channel
+``stages``, ``chunk``, ``dot``, ``slot_copy``); the default is its defaults. GDN (``--kda``: KDA's per-channel
 decays), ``--bits`` 8, 6, 4 or 2 (the rank the config takes at that width), 128 x 128, window 16. Writes
 ``mosaic-step-<UTC time>.json`` and ``.log`` under ``--out`` (default ``bench/results``). Bandwidth
 is counted with ``step_bytes`` (the Triton step's masked loads) for the Triton rows and with
-``mosaic_step_bytes`` (every record slot) for the Mosaic rows.
+``mosaic_step_bytes`` (the record slots it copies, ``slot_copy`` at a time) for the Mosaic rows.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def main(argv=None):
     say(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
     p = config.window
     triton_bytes = np.mean([triton_step.step_bytes(config, dk, dv, pos, kda) for pos in range(p)]) * bsz * h
-    mosaic_bytes = mosaic_step.mosaic_step_bytes(config, dk, dv, per_channel=kda) * bsz * h
+    mosaic_bytes = lambda o: mosaic_step.mosaic_step_bytes(config, dk, dv, per_channel=kda,
+                                                           slot_copy=o.get("slot_copy")) * bsz * h
 
     def timed(name, step, nbytes, flush=False):
         try:
@@ -166,7 +167,7 @@ def main(argv=None):
     if not a.skip_steps:
         timed("triton step", triton_step.leapquant_step, triton_bytes)
     for opts in ok if not a.skip_steps else ():
-        timed(label(opts), lambda c, s, t, o=opts: mosaic_step.leapquant_step(c, s, t, **o), mosaic_bytes)
+        timed(label(opts), lambda c, s, t, o=opts: mosaic_step.leapquant_step(c, s, t, **o), mosaic_bytes(opts))
     if a.window:
         timed("triton window (p steps + flush)", triton_step.leapquant_step, None, flush=True)
         for opts in ok:
@@ -175,11 +176,11 @@ def main(argv=None):
     if a.load_only:
         for opts in ok:
             timed(label(opts) + " LOAD-ONLY",
-                  lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, load_only_head, **o), mosaic_bytes)
+                  lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, load_only_head, **o), mosaic_bytes(opts))
     if a.codes_only:
         for opts in ok:
             timed(label(opts) + " CODES-ONLY",
-                  lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, codes_only_head, **o), mosaic_bytes)
+                  lambda c, s, t, o=opts: mosaic_step.launch(c, s, t, codes_only_head, **o), mosaic_bytes(opts))
     json.dump(dict(jax=jax.__version__, commit=git_commit(), copy_bw=copy_bw, batch=bsz, heads=h, kda=kda, bits=a.bits,
                    rows=rows), open(base + ".json", "w"), indent=1)
     return 0

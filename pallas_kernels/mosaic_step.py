@@ -12,8 +12,9 @@ heads in flight, and the registers read them once.
 Structure: ``programs`` programs of one warpgroup (128 threads) each walk ``per`` consecutive heads
 of the flattened ``[B H]`` in an ``emit_pipeline`` (heads past ``B H`` repeat the last and store
 nothing). Per head: the token's vectors, the codes ``[packed_rows, 128]``, the scales, the
-Compensator Tokens and all ``p`` record slots (a copy has a static size: dead slots are masked in the
-arithmetic, so it moves more than the Triton step, ``mosaic_step_bytes``). A head's scalars (GDN:
+Compensator Tokens and the record slots in parts of ``slot_copy`` (a copy has a static size: a part
+with no live slot is copied from the head's first part, which the L2 holds, and dead slots are
+masked in the arithmetic; ``mosaic_step_bytes``). A head's scalars (GDN:
 ``g``, ``beta``, ``pos``, ``D0``, ``exp(g)`` and the records' decays, packed by XLA with
 ``windowed.window_decays``; KDA: ``beta``, ``pos``) come in ``GROUP_HEADS`` heads per copy; KDA's
 per-channel decays are made in the kernel from the records' log-decays, one channel per thread
@@ -66,6 +67,7 @@ META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
 DOTS = ("fma", "rows", "wgmma")   # the code sums on the CUDA cores (two ways) or the tensor cores
 DEFAULT_DOT = "rows"      # the fastest of the three measured (docs/performance.md)
+DEFAULT_SLOT_COPY = WARPS  # GDN's record slots per copy: one group of the records' rows (docs/performance.md)
 PIECE_ROWS = 8       # the wgmma's N: three bf16 pieces of each of the two vectors, two zero rows
 MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 
@@ -211,18 +213,27 @@ def code_partials_rows(t, xv, *, dk, lay, bits=8):
                           n=WARPS, dk=dk, lay=lay, bits=bits)
 
 
+def slot_rows(parts, start, n=None):
+    """Record slot ``start`` (``n=None``) or slots ``start + [0, n)`` of a head's record tile,
+    which comes as ``parts``: a list of shared-memory refs ``[slot_copy, d]`` of consecutive slots
+    (``_launch``); the ``n`` slots lie in one part."""
+    size = parts[0].shape[0]
+    part = parts[start // size]
+    return part.at[start % size] if n is None else part.at[pl.ds(start % size, n)]
+
+
 def _kda_decays(i, meta_all, t, dec, *, p, lay):
     """KDA's decays of head ``i`` into ``dec [p + 3, dk]`` fp32, as ``windowed.window_decays`` makes
     them: the records' ``d_j = exp(G_l - G_j)`` (rows ``j < p``; 0 past ``pos``), ``D0 = exp(G_l)``
     (row ``p``), ``D0 exp(g)`` (row ``p + 1``) and the token's ``exp(g)`` (row ``p + 2``), from the
-    running sums of the live records' log-decays ``t["bg"] [p, dk]`` (masked before ``exp``). One
+    running sums of the live records' log-decays ``t["bg"]`` (``slot_rows``; masked before ``exp``). One
     key channel per thread (``threads_layout``): 16 exponentials a thread, none repeated. Returns
     ``(D0, D0 exp(g))`` (that layout, for ``code_vectors``); the caller syncs before ``dec`` is read."""
     D = threads_layout()
     pos = meta_all[i, 2]
     G, Gs = None, []
     for j in range(p):
-        gj = jnp.where(j < pos, lay.load(t["bg"].at[j], D).astype(f32), 0.0)
+        gj = jnp.where(j < pos, lay.load(slot_rows(t["bg"], j), D).astype(f32), 0.0)
         G = gj if G is None else G + gj
         Gs.append(G)
     for j in range(p):       # dead slots added zero: G is the sum of the live records' log-decays
@@ -305,10 +316,15 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
     groups = [("rk", "ru", m * WARPS, 0) for m in range(p // WARPS)]
     groups += [("ck", "cu", start, skip) for start, skip in token_row_groups(r)]
-    for kname, uname, start, skip in groups:
+    pos = meta_all[i, 2]
+
+    def terms(kname, uname, start, skip):
         rows = pl.ds(start, WARPS)
-        k = lay.load(t[kname].at[rows], W).astype(f32)                             # [WARPS, dk]
-        u = lay.load(t[uname].at[rows], W).astype(f32)                             # [WARPS, 128]
+        if kname == "rk":        # a record group lies in one copied part of the slots (slot_rows)
+            k, u = (lay.load(slot_rows(t[name], start, WARPS), W).astype(f32) for name in (kname, uname))
+        else:
+            k = lay.load(t[kname].at[rows], W).astype(f32)                         # [WARPS, dk]
+            u = lay.load(t[uname].at[rows], W).astype(f32)                         # [WARPS, 128]
         if skip:                 # rows the group before counted
             if lay.interpret:
                 row = jax.lax.broadcasted_iota(jnp.int32, (WARPS, LANES_COLS), 0)
@@ -327,8 +343,16 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
                 d = D0
             k1 = jnp.sum(k * rows_x1, axis=1) * d                                  # [WARPS] WROW
             k2 = jnp.sum(k * rows_x2, axis=1) * d
-        t1, t2 = u * along_cols(k1), u * along_cols(k2)
-        part1, part2 = (t1, t2) if part1 is None else (part1 + t1, part2 + t2)
+        return u * along_cols(k1), u * along_cols(k2)
+
+    for group in groups:
+        if part1 is None:
+            part1, part2 = terms(*group)
+        elif group[0] == "rk" and group[2]:      # a record group past pos adds zero: skipped
+            add = lambda parts, group=group: tuple(x + y for x, y in zip(parts, terms(*group)))
+            part1, part2 = jax.lax.cond(group[2] < pos, add, lambda parts: parts, (part1, part2))
+        else:
+            part1, part2 = (x + y for x, y in zip((part1, part2), terms(*group)))
     y1, y2 = meet_warps([part1, part2], red, lay=lay)
     r1, r2 = (y1, y2) if r1 is None else (r1 + y1, r2 + y2)
     u = beta * (lay.load(t["v"], VCOL) - r1)
@@ -336,10 +360,14 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     return r2 + u * jnp.sum(w * qv), u, w
 
 
-def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, hk, group, smoothing, chunk,
-             per_channel, dot, bits, interpret):
+def _program(refs, scratch, *, head, names, keyed, slotted, slot_copy, n, per, stages, dk, p, r, h, hk, group,
+             smoothing, chunk, per_channel, dot, bits, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
-    GMEM refs by name; ``keyed``: the names read per key head; ``head``: a head's arithmetic
+    GMEM refs by name; ``keyed``: the names read per key head; ``slotted``: the record arrays
+    ``[., p, d]``, copied in parts of ``slot_copy`` slots, a part past the head's ``pos`` (no live
+    slot) from the head's first part instead (an L2 hit: no device-memory bytes), so that a step
+    reads about the live slots alone; the head's tile of such an array is the list of its parts
+    (``slot_rows``). ``head``: a head's arithmetic
     (``_head_step``). ``scratch``: the scalars, then GDN's record log-decays ``[per, p]`` or KDA's
     decays ``[p + 3, dk]`` (``_kda_decays``), the output and record slots, the warps' partial
     sums, KDA's log-decay record slots, the code sums' scratch (``_head_step``'s ``mm``)."""
@@ -372,7 +400,9 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
     def body(idx, *tiles):
         i = idx[0]
         t = c * per + i
-        tile = dict(zip(names, tiles))
+        tiles = list(tiles)
+        tile = {name: [tiles.pop(0) for _ in range(p // slot_copy)] if name in slotted else tiles.pop(0)
+                for name in names}
         o, u, w = head(i, meta_all, dec, tile, dk=dk, p=p, r=r, smoothing=smoothing, chunk=chunk, lay=lay, red=red,
                        mm=mm, per_channel=per_channel, dot=dot, bits=bits)
         pos = meta_all[i, 2].astype(jnp.int32)
@@ -405,8 +435,23 @@ def _program(refs, scratch, *, head, names, keyed, n, per, stages, dk, p, r, h, 
         zeros = (0,) * (x.ndim - 1)
         return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (key(jnp.minimum(c * per + i, n - 1)),) + zeros)
 
-    ins = [refs[name] for name in names]
-    specs = [spec(x, key_head if name in keyed else (lambda t: t)) for name, x in zip(names, ins)]
+    def slot_spec(x, key, part):
+        def index(i):
+            head_ = key(jnp.minimum(c * per + i, n - 1))
+            if part == 0:
+                return head_, 0, 0
+            live = part * slot_copy < meta_all[i, 2]      # a slot below pos lies in this part
+            return head_, jnp.where(live, part, 0).astype(jnp.int32), 0
+        return plgpu.BlockSpec((None, slot_copy, x.shape[-1]), index)
+
+    ins, specs = [], []
+    for name in names:
+        key = key_head if name in keyed else (lambda t: t)
+        x = refs[name]
+        parts = range(p // slot_copy) if name in slotted else [None]
+        for part in parts:
+            ins.append(x)
+            specs.append(spec(x, key) if part is None else slot_spec(x, key, part))
     plgpu.emit_pipeline(body, grid=(per,), in_specs=specs, max_concurrent_steps=stages)(*ins)
     plgpu.commit_smem()
     for j, start in groups:
@@ -459,6 +504,14 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     return None
 
 
+def default_slot_copy(p: int, per_channel: bool = False) -> int:
+    """Record slots per copy where the caller leaves it ``None``: for GDN ``DEFAULT_SLOT_COPY``
+    where it divides the window ``p``; the whole window for KDA, whose three record arrays in
+    parts made its step slower (more copies per head behind its two heads in flight;
+    docs/performance.md), and where it does not divide ``p``."""
+    return DEFAULT_SLOT_COPY if p % DEFAULT_SLOT_COPY == 0 and not per_channel else p
+
+
 def default_programs(n: int) -> int:
     """Programs of a launch: two per SM (the fastest measured, docs/performance.md), at most one
     per head group."""
@@ -469,9 +522,10 @@ def _flat(x, n):
     return x.reshape((n,) + x.shape[2:])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "programs", "stages", "chunk", "dot", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "programs", "stages", "chunk", "dot", "slot_copy", "interpret"))
 def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token, *, programs: int | None = None,
-                   stages: int | None = None, chunk: int | None = None, dot: str | None = None, interpret=None):
+                   stages: int | None = None, chunk: int | None = None, dot: str | None = None,
+                   slot_copy: int | None = None, interpret=None):
     """One in-window decode step (``windowed.step_reference``'s contract) on Mosaic GPU.
 
     state: ``LeapQuantState`` (``unsupported_reason`` says which); token: ``Token`` with
@@ -483,15 +537,18 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     rows of each code part per code read with ``dot="fma"`` (default a whole part, ``dk`` at 8 bits,
     the faster); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
     ``DEFAULT_DOT``; ``"fma"``; ``"wgmma"``, 8 bits only). ``interpret``: ``None`` runs compiled on a
-    GPU and in the Mosaic GPU interpreter elsewhere.
+    GPU and in the Mosaic GPU interpreter elsewhere. ``slot_copy``: record slots per copy (a
+    multiple of 4 dividing ``p``; default ``default_slot_copy``):
+    parts with no live slot move no device-memory bytes (``_program``).
     """
     return launch(config, state, token, _head_step, programs=programs, stages=stages, chunk=chunk, dot=dot,
-                  interpret=interpret)
+                  slot_copy=slot_copy, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "head", "programs", "stages", "chunk", "dot", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "head", "programs", "stages", "chunk", "dot", "slot_copy",
+                                             "interpret"))
 def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *, programs=None, stages=None,
-           chunk=None, dot=None, interpret=None):
+           chunk=None, dot=None, slot_copy=None, interpret=None):
     """``leapquant_step`` with ``head`` (``_head_step``'s signature) as each head's arithmetic:
     the same pipeline around other arithmetic (``bench.mosaic_step``'s load-only variant). Under
     ``vmap`` the mapped axis joins the batch (``mosaic_shared.fold_vmap``)."""
@@ -504,12 +561,16 @@ def launch(config: LeapQuantConfig, state: LeapQuantState, token: Token, head, *
     interpret = resolve_interpret(interpret, "the Mosaic GPU step")
     token = windowed.match_key_heads(token, state.key_heads)
     check_token(state, token)
+    slot_copy = default_slot_copy(config.window, state.per_channel_decay) if slot_copy is None else slot_copy
+    if not isinstance(slot_copy, int) or slot_copy < WARPS or slot_copy % WARPS or config.window % slot_copy:
+        raise ValueError(f"slot_copy={slot_copy!r}: record slots per copy must be a multiple of {WARPS} dividing "
+                         f"the window ({config.window})")
     run = functools.partial(_launch, config, head=head, programs=programs, stages=stages, chunk=chunk, dot=dot,
-                            interpret=interpret)
+                            slot_copy=slot_copy, interpret=interpret)
     return fold_vmap(run)(state, token)
 
 
-def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpret):
+def _launch(config, state, token, *, head, programs, stages, chunk, dot, slot_copy, interpret):
     """``launch`` on checked inputs: the scalars' packing and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     hk = state.key_heads
@@ -567,7 +628,9 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
         scratch += list(mm_scratch(dk))
     elif dot == "rows":
         scratch.append(plgpu.SMEM((2, dk), f32))
-    body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), n=n, per=per, stages=stages,
+    slotted = ("rk", "ru", "bg") if per_channel else ("rk", "ru")
+    body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), slotted=slotted,
+                             slot_copy=slot_copy, n=n, per=per, stages=stages,
                              dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
                              per_channel=per_channel, dot=dot, bits=bits, interpret=bool(interpret))
 
@@ -584,26 +647,38 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, interpr
     return o, LeapQuantState(checkpoint=ckpt, buffer=new_buf, pos=state.pos + 1)
 
 
-def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1, per_channel: bool = False) -> float:
-    """Bytes one value head moves in one step of this kernel (at any window position: every slot
-    is copied in). ``group``: value heads per key head, whose key bytes count ``1 / group``;
-    ``per_channel``: KDA (the token's ``g [dk]``, ``p`` log-decay rows of ``dk`` in, one out; no
-    record decays among the scalars)."""
+def copied_slots(p: int, pos: int, slot_copy: int) -> int:
+    """Record slots a step at ``pos`` copies in from device memory: whole parts of ``slot_copy``
+    slots up to the last live one, and the first part always (``_program``)."""
+    return slot_copy * max(1, -(-pos // slot_copy))
+
+
+def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1, per_channel: bool = False,
+                      pos: int | None = None, slot_copy: int | None = None) -> float:
+    """Device-memory bytes one value head moves in one step of this kernel at window position
+    ``pos`` (``None``: the mean over ``0 .. p - 1``), its records copied ``slot_copy`` slots at a
+    time (``copied_slots``; default ``default_slot_copy``). ``group``: value heads per key head,
+    whose key bytes count ``1 / group``; ``per_channel``: KDA (the token's ``g [dk]``, the copied
+    log-decay rows of ``dk`` in, one out; no record decays among the scalars)."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
+    if pos is None:
+        return sum(mosaic_step_bytes(config, dk, dv, group, per_channel, j, slot_copy) for j in range(p)) / p
+    slots = copied_slots(p, pos, default_slot_copy(p, per_channel) if slot_copy is None else slot_copy)
     n = packed_rows(dk, config.bits) * dv + 4 * dv               # checkpoint: the codes and scales,
     n += (4 * dk if config.smoothing else 0) + 2 * r * (dk + dv)  # the smoothing, the Compensator Tokens
-    n += p * e * dv                                              # value records
+    n += slots * e * dv                                          # value records
     if per_channel:          # log-decay rows in and the new one out; the token's g; the scalars
-        n += p * e * dk + e * dk + 4 * dk + 4 * META_COLS
+        n += slots * e * dk + e * dk + 4 * dk + 4 * META_COLS
     else:                    # log-decays in and out; the scalars and the records' decays
         n += 2 * p * e + 4 * (META_COLS + p)
     n += 4 * (2 * dk + dv)                                       # q, b, v
     n += 4 * dv + e * dv                                         # output; the u record
-    keys = p * e * dk + 4 * dk + e * dk                          # key records, w, the key record
+    keys = slots * e * dk + 4 * dk + e * dk                      # key records, w, the key record
     return n + keys / group
 
 
-__all__ = ["DEFAULT_DOT", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma", "code_sums_wgmma",
-           "code_vectors", "default_programs", "launch", "leapquant_step", "mm_scratch",
-           "mosaic_step_bytes", "token_row_groups", "unsupported_reason"]
+__all__ = ["DEFAULT_DOT", "DEFAULT_SLOT_COPY", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma",
+           "code_sums_wgmma", "code_vectors", "copied_slots", "default_programs", "default_slot_copy", "launch",
+           "leapquant_step", "mm_scratch", "mosaic_step_bytes", "slot_rows", "token_row_groups",
+           "unsupported_reason"]

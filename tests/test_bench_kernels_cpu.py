@@ -145,10 +145,19 @@ def test_mosaic_load_only_pipeline_delivers_every_head():
     for b, pos in enumerate([0, 3, 7, 5, 1, 6]):
         np.testing.assert_array_equal(np.asarray(new.buffer.u[b, :, pos]), np.asarray(tok.v[b].astype(jnp.float16)))
         np.testing.assert_array_equal(np.asarray(new.buffer.k[b, :, pos]), np.asarray(tok.w[b].astype(jnp.float16)))
-    # Every record slot is copied in, so the Mosaic GPU step moves more than the Triton step's last position.
+    # Record slots come in parts of slot_copy: at least the live ones, the first part always.
+    p = config.window
+    assert [mosaic_step.copied_slots(p, pos, 4) for pos in range(p + 1)] == [4] * 5 + [8] * 4
+    assert [mosaic_step.copied_slots(p, pos, p) for pos in range(p + 1)] == [p] * (p + 1)
     for kda in (False, True):
-        assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda) > \
-            step_bytes(config, 128, 128, config.window - 1, kda)
+        whole = mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, slot_copy=p)
+        for pos in range(p):
+            parts = mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos, slot_copy=4)
+            assert step_bytes(config, 128, 128, pos, kda) < parts <= whole
+            assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos) == (whole if kda else parts)
+            assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos, slot_copy=p) == whole
+        assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda) == pytest.approx(
+            np.mean([mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=j) for j in range(p)]))
 
 
 def test_mosaic_codes_only_head_returns_the_code_sums():
@@ -204,3 +213,30 @@ def test_flush_checks_take_the_mosaic_flush_with_options_and_configs():
     assert row["pallas_flush_err"] <= 1.05 * row["reference_flush_err"]
     config = LeapQuantConfig(bits=8, window=16)
     assert kernel_timing.impl_flush_bytes(config, 128, 128, True, "mosaic") < kernel_timing.impl_flush_bytes(config, 128, 128, True, "split")
+
+
+@pytest.mark.parametrize("swept, mosaic, want", [(False, True, "mosaic"), (False, False, "triton"),
+                                                 (True, True, "triton")])
+def test_other_bit_widths_time_the_step_auto_runs(monkeypatch, swept, mosaic, want):
+    # --extra-bits: without a sweep the steps are the kernel dispatch runs at that width (the
+    # Mosaic GPU step where it takes the state), as the main width's rows; with a sweep, the
+    # sweep's fastest options (here the Triton step's defaults). Each row names its step kernel.
+    seen = []
+    monkeypatch.setattr(kernel_timing, "takes_mosaic", lambda op, *a: mosaic and op == "step")
+    monkeypatch.setattr(kernel_timing, "leapquant_window_timer",
+                        lambda cfg, what, opts, flush: seen.append((cfg.bits, what, dict(opts))) or what)
+    monkeypatch.setattr(kernel_timing, "time_jax", lambda timer, state, toks, steps: 2.0)
+    results = dict(timings=[])
+    run = kernel_timing.Run(results=results, log=lambda row: None, save=lambda: None, over=lambda: False,
+                            config=LeapQuantConfig(bits=8, window=4), heads=2, dim=16)
+    best = {kda: dict(step={}, flush={}) for kda in (False, True)}
+    kernel_timing.time_other_bits(run, best, 6, 2, (False,), swept=swept)
+    assert [(bits, what) for bits, what, _ in seen] == [(6, "window"), (6, "steps"), (6, "flush")]
+    for _, what, opts in seen:
+        assert opts == (dict(kernel="mosaic") if want == "mosaic" else {})
+    rows = results["other_bits"]
+    assert [r.get("step_kernel") for r in rows] == [want, want, None]
+    env = dict(date="d", jax="j", devices=["cpu"], command="c")
+    md = kernel_report.markdown(dict(environment=env, bits=8, correctness=[], timings=[], sweep=[], notes=[],
+                                     other_bits=rows))
+    assert f"| 2 | 6 | GDN | LeapQuant int6 window | {want} | 2.0 |" in md

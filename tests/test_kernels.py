@@ -572,7 +572,7 @@ def test_mosaic_step_matches_reference(bsz, h, key_heads, opts, dot, kda):
 def test_mosaic_step_code_chunks_fully_decayed_heads_and_window_end(kda):
     config = LeapQuantConfig(bits=8, window=8)
     st, tok = live_state(config, jax.random.PRNGKey(8), 2, 4, 128, 128, kda, pos=[5, 2], log_decay=-1e3, zero=True)
-    for opts in (dict(dot="fma", chunk=16), dict(dot="rows"), dict(dot="wgmma")):
+    for opts in (dict(dot="fma", chunk=16), dict(dot="rows"), dict(dot="wgmma"), dict(dot="rows", slot_copy=4 if kda else 8)):
         o_k, _ = check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, **opts)
         assert np.all(np.isfinite(o_k))
     # pos == p breaks the step's precondition: that sequence writes nothing, the others are unaffected.
@@ -692,6 +692,10 @@ def test_mosaic_step_rejects_what_it_cannot_run():
             traced(functools.partial(step, dot=dot, chunk=32), st, tok)
     with pytest.raises(ValueError, match="dot='tensor'"):
         traced(functools.partial(step, dot="tensor"), st, tok)
+    for slot_copy in (0, 2, 6, 16, 4.0):
+        with pytest.raises(ValueError, match=f"slot_copy={slot_copy!r}: record slots per copy must be a multiple of 4 "
+                                             "dividing the window .8."):
+            traced(functools.partial(step, slot_copy=slot_copy), st, tok)
     int4 = LeapQuantConfig(bits=4, window=8)
     step4 = functools.partial(mosaic_step.leapquant_step, int4)
     with pytest.raises(ValueError, match="dot='wgmma' reads 8-bit codes only .bits=4."):
