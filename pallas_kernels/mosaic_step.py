@@ -348,7 +348,8 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     for group in groups:
         if part1 is None:
             part1, part2 = terms(*group)
-        elif group[0] == "rk" and group[2]:      # a record group past pos adds zero: skipped
+        elif group[0] == "rk" and group[2] and not per_channel:   # past pos it adds zero: skipped (GDN;
+            # KDA's step measured no faster for it, docs/performance.md)
             add = lambda parts, group=group: tuple(x + y for x, y in zip(parts, terms(*group)))
             part1, part2 = jax.lax.cond(group[2] < pos, add, lambda parts: parts, (part1, part2))
         else:
