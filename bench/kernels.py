@@ -31,7 +31,8 @@ In this order:
    ``p``), the step alone and the flush alone (host clock around many back-to-back calls of a
    jitted window after warm-up, median over repeats), and a device-to-device copy (bytes read +
    written) for the bandwidth ceiling. ``--extra-bits``: the window, steps and flush at other
-   widths, at every batch (the largest first).
+   widths, at every batch (the largest first), on the step ``auto`` runs at that width (with
+   ``--sweep``, the sweep's fastest options where they fit it); each row names its step kernel.
 4. ``--correctness full``: ``make_method("leapquant", impl="pallas")`` against
    ``impl="reference"`` over 64 tokens at ragged window positions (sequences start at
    different steps, so flushes fall at different steps), both against the exact fp32

@@ -35,7 +35,8 @@ Rounding: fp32 throughout (the code products exact); the record rounded to the r
 
 Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``, two
 programs per SM, three heads in flight (two where the tensor cores' tile or KDA's decays would
-leave one program per SM). Bytes per step and value head: ``mosaic_step_bytes``. Tested with JAX
+leave one program per SM); GDN's records in parts of four slots, KDA's whole (H100,
+``default_slot_copy``). Bytes per step and value head: ``mosaic_step_bytes``. Tested with JAX
 0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled: H200 and H100 at 8
 bits, H100 at 6, 4 and 2).
 """
@@ -316,7 +317,7 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     # Records and Compensator Tokens: k_j . x over the key columns, then sum_j u_j (...).
     groups = [("rk", "ru", m * WARPS, 0) for m in range(p // WARPS)]
     groups += [("ck", "cu", start, skip) for start, skip in token_row_groups(r)]
-    pos = meta_all[i, 2]
+    pos = meta_all[i, 2]         # records at slots >= pos are dead
 
     def terms(kname, uname, start, skip):
         rows = pl.ds(start, WARPS)
@@ -348,8 +349,8 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
     for group in groups:
         if part1 is None:
             part1, part2 = terms(*group)
-        elif group[0] == "rk" and group[2] and not per_channel:   # past pos it adds zero: skipped (GDN;
-            # KDA's step measured no faster for it, docs/performance.md)
+        elif group[0] == "rk" and group[2] and not per_channel:
+            # a record group past pos adds zero: skipped (GDN; KDA's step measured no faster for it)
             add = lambda parts, group=group: tuple(x + y for x, y in zip(parts, terms(*group)))
             part1, part2 = jax.lax.cond(group[2] < pos, add, lambda parts: parts, (part1, part2))
         else:
