@@ -132,7 +132,9 @@ def main(argv=None):
         return bool(args.time_budget) and time.monotonic() - started > args.time_budget
 
     def log(x):
-        print(json.dumps(x) if isinstance(x, dict) else x, flush=True)
+        # each row printed with the seconds since the start: what a device call's budget must fit
+        elapsed = round(time.monotonic() - started, 1)
+        print(json.dumps(dict(x, elapsed_s=elapsed)) if isinstance(x, dict) else f"[{elapsed} s] {x}", flush=True)
 
     env = environment(args.commit or git_commit())
     log(env)
