@@ -5,17 +5,16 @@ pos``, the record appended at slot ``pos``, the output read at ``l = pos + 1``; 
 a sequence at ``pos >= p`` writes nothing and its output is unspecified). The buffer's arrays are
 the kernel's refs (``mosaic_shared.run_kernel``), updated in place.
 
-Why: the Triton step is bound by the SM's L1/shared-memory pipe (its codes cross it three times),
-not by DRAM. Here the copy engine (TMA) brings each head's tiles into shared memory, ``stages``
-heads in flight, and the registers read them once.
+Why: the Triton step is bound by the SM's L1/shared-memory pipe (its codes cross it three times).
+Here the copy engine (TMA) brings each head's tiles into shared memory, ``stages`` in flight.
 
 Structure: ``programs`` programs of one warpgroup (128 threads) each walk ``per`` consecutive heads
 of the flattened ``[B H]`` in an ``emit_pipeline`` (heads past ``B H`` repeat the last and store
 nothing). Per head: the token's vectors, the codes ``[packed_rows, 128]``, the scales, the
 Compensator Tokens and the record slots in parts of ``slot_copy`` (a copy has a static size: a part
-with no live slot is copied from the head's first part, which the L2 holds, and dead slots are
-masked in the arithmetic; ``mosaic_step_bytes``). A head's scalars (GDN:
-``g``, ``beta``, ``pos``, ``D0``, ``exp(g)`` and the records' decays, packed by XLA with
+with no live slot comes from the head's first part, which the L2 holds; dead slots are masked in
+the arithmetic; ``mosaic_step_bytes``). A head's scalars (GDN: ``g``, ``beta``, ``pos``, ``D0``,
+``exp(g)`` and the records' decays, packed by XLA with
 ``windowed.window_decays``; KDA: ``beta``, ``pos``) come in ``GROUP_HEADS`` heads per copy; KDA's
 per-channel decays are made in the kernel from the records' log-decays, one channel per thread
 (``_kda_decays``). Outputs and the new record leave through two alternating shared-memory slots.
@@ -36,9 +35,8 @@ Rounding: fp32 throughout (the code products exact); the record rounded to the r
 Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``, two
 programs per SM, three heads in flight (two where the tensor cores' tile or KDA's decays would
 leave one program per SM); GDN's records in parts of four slots, KDA's whole (H100,
-``default_slot_copy``). Bytes per step and value head: ``mosaic_step_bytes``. Tested with JAX
-0.10.2 (Mosaic GPU interpret mode and lowering on the CPU) and 0.11.2 (compiled: H200 and H100 at 8
-bits, H100 at 6, 4 and 2).
+``default_slot_copy``). Tested with JAX 0.10.2 (interpret mode, lowering on the CPU) and 0.11.2
+(compiled: H200 and H100 at 8 bits, H100 at 6, 4 and 2).
 """
 
 from __future__ import annotations
