@@ -25,7 +25,7 @@ places its own barriers where threads exchange data (``auto_barriers=False``).
 Codes: int8 ``[dk, 128]`` at 8 bits; below, ``quantizers``' planar layout (uint8 ``[packed_rows,
 128]``). Passes (1) and (5) walk ``chunk`` byte rows of every plane at a time: (1) unpacks them in
 registers (``mosaic_shared.signed_code_parts``) into every code part's key rows, (5) rounds those
-rows (``quantizers.round_codes``) and packs them into the same byte rows (``shared.store_codes``).
+rows (``_grid_codes``: one addition) and packs them into the same byte rows (``shared.store_codes``).
 ``recon="wgmma"``: the records' part of the reconstruction on the tensor cores (``_rank_part``).
 
 Rounding: fp32 in the reference's order but for the summation order of the reconstruction and of
@@ -92,6 +92,20 @@ def _floor(x):
 
 # The array module of quantizers.round_codes here: its rule as the reference's, floor as above.
 GRID_MATH = types.SimpleNamespace(floor=_floor, round=jnp.round, clip=jnp.clip)
+ROUND_MAGIC = 1.5 * 2.0 ** 23   # t + this in [2**23, 2**24) has a unit last place: fp32 addition rounds t
+
+
+def _grid_codes(t, bits):
+    """``quantizers.round_codes(t, bits)`` as int32 whose low 22 bits hold the code (two's
+    complement), all that ``shared.store_codes`` keeps of it. At 8, 6 and 4 bits: ``clip(t) +
+    ROUND_MAGIC`` (the addition rounds to the nearest integer, ties to even, as ``round`` does; the
+    clip before the rounding gives the same grid value as after it), read as int32: one addition
+    for the rounding and the float-to-int conversion. At 2 bits (the nearest odd integer) through
+    ``GRID_MATH``."""
+    if bits == 2:
+        return round_codes(t, bits, xp=GRID_MATH).astype(jnp.int32)
+    qmax = qmax_for_bits(bits)
+    return jax.lax.bitcast_convert_type(jnp.clip(t, -qmax, qmax) + ROUND_MAGIC, jnp.int32)
 
 
 def _zero_unless(keep, x):
@@ -263,7 +277,7 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
 
     def build(k, x, zacc):
         planes, first = x
-        for j, z in enumerate(signed_code_parts(planes, bits)):     # exact codes, fp32
+        for j, z in enumerate(signed_code_parts(planes, bits, lay.layout(CH))):     # exact codes, fp32
             kr = key_rows(k, j)
             y = first if j == 0 else build_loads(kr)
             s = z * along(y["f"]) * across(scale)
@@ -362,7 +376,7 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
 
     # 5. The codes, over the input codes: every part's rows of a chunk of byte rows, packed.
     def codes(k, ss, carry):
-        q = [round_codes(s * inv, bits, xp=GRID_MATH).astype(jnp.int32) for s in ss]
+        q = [_grid_codes(s * inv, bits) for s in ss]
         store_codes(t["codes"], q, bits, DK, k * chunk, chunk)
         return carry
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -91,6 +92,10 @@ class Layouts:
     def cast(self, x, layout):
         return x if self.interpret else plgpu.layout_cast(x, layout)
 
+    def layout(self, layout):
+        """``layout`` compiled, ``None`` in interpret mode (a helper's cue to take its ``jnp`` path)."""
+        return None if self.interpret else layout
+
     def sync(self):
         sync(self.interpret)
 
@@ -139,30 +144,88 @@ def code_plane_rows(codes_ref, bits: int, dk: int, start, n: int, layout, lay):
             for c in range(packed_rows(dk, bits) // part_rows)]
 
 
-def signed_code_parts(planes, bits: int):
-    """The signed codes of each key-row part (``quantizers.signed_codes``, fp32, exact) from the
-    byte rows of a chunk, ``planes`` (``code_plane_rows``: int8 ``[n, 128]`` at 8 bits, uint8 below).
-    8 bits: int8 -> bf16 -> fp32 (exact for codes, cheaper than int8 -> fp32). Packed: a part's
-    field is masked in place in its byte (its top bit flipped first where the field ends the
-    byte, so that the byte as int8 is ``2**s (u - offset)``), converted as the 8-bit codes are,
-    then scaled by a power of two and shifted by a small integer, both exact in fp32."""
-    def value(x):
-        return x.astype(jnp.int8).astype(jnp.bfloat16).astype(jnp.float32)
+# Each code part's field, as word operations on the byte rows of the planes (``code_plane_rows``):
+# ``u = OR over pieces of ((plane ^ xor) >> shift) & mask``, bytewise (``mask <= 0xFF >> shift``:
+# a shift of the 32-bit word brings no bit of the next byte into the field), and the signed code
+# ``mult u - offset`` (``quantizers.signed_codes``). Pieces: (plane, xor, shift, mask).
+CODE_FIELDS = {
+    8: [([(0, 0x80, 0, 0xFF)], 1, 128)],
+    6: [([(c, 0, 0, 0x3F)], 1, 32) for c in range(3)]           # the planes' low six bits, then the
+    + [([(0, 0, 6, 0x03), (1, 0, 4, 0x0C), (2, 0, 2, 0x30)], 1, 32)],   # fourth part of their top two
+    4: [([(0, 0, 0, 0x0F)], 1, 8), ([(0, 0, 4, 0x0F)], 1, 8)],
+    2: [([(0, 0, 2 * i, 0x03)], 2, 3) for i in range(4)],
+}
+FIELD_MAGIC = 0x4B000000     # fp32 2**23: with a byte u as its low mantissa bits it reads 2**23 + u
 
-    if bits == 8:
-        return [value(planes[0])]
-    if bits == 4:
-        (x,) = planes
-        return [value(x & 0x0F) - 8.0, value((x ^ 0x80) & 0xF0) * 0.0625]
-    if bits == 2:
-        (x,) = planes
-        low = [value(x & (3 << 2 * i)) * 2.0 ** (1 - 2 * i) - 3.0 for i in range(3)]
-        return low + [value((x ^ 0x80) & 0xC0) * 0.03125 + 1.0]
-    if bits == 6:        # the fourth quarter from the planes' top two bits c_p: 64 (c_p - 2) each
-        top = [value((x ^ 0x80) & 0xC0) for x in planes]
-        fourth = top[0] * 2.0 ** -6 + top[1] * 2.0 ** -4 + top[2] * 2.0 ** -2 + 10.0
-        return [value(x & 0x3F) - 32.0 for x in planes] + [fourth]
-    raise ValueError(f"bits={bits}: integer codes are 8, 6, 4 or 2 bits")
+
+def signed_code_parts(planes, bits: int, layout=None):
+    """The signed codes of each key-row part (``quantizers.signed_codes``, fp32, exact) from the
+    byte rows of a chunk, ``planes`` (``code_plane_rows``: int8 ``[n, 128]`` at 8 bits, uint8 below),
+    as ``CODE_FIELDS`` says. ``layout``: the planes' register layout, compiled (``None``: ``jnp``,
+    the interpreter's path and the reference of the compiled one). Compiled, each thread works on
+    its 32-bit words of four bytes: the fields' shifts and masks once per word, then per code one
+    ``prmt`` that places the field's byte under fp32's exponent of ``2**23`` and one subtraction
+    (``2**23 + u - (2**23 + offset)``, exact; at 2 bits ``u`` first, then ``2 u - 3``), no
+    integer-to-float conversion."""
+    if bits not in CODE_FIELDS:
+        raise ValueError(f"bits={bits}: integer codes are 8, 6, 4 or 2 bits")
+    if layout is not None:
+        return _code_fields_compiled(planes, bits, layout)
+    out = []
+    for pieces, mult, offset in CODE_FIELDS[bits]:
+        u = None
+        for c, xor, shift, mask in pieces:
+            x = jax.lax.bitcast_convert_type(planes[c], jnp.uint8)
+            f = ((x ^ jnp.uint8(xor)) >> shift) & jnp.uint8(mask)
+            u = f if u is None else u | f
+        out.append(u.astype(jnp.float32) * mult - float(offset))
+    return out
+
+
+def _code_fields_compiled(planes, bits, layout):
+    """``signed_code_parts`` on the GPU (``inline_mgpu``): word operations and ``prmt`` per register."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+
+    shape = planes[0].shape
+    fields = CODE_FIELDS[bits]
+
+    @plgpu.inline_mgpu(arg_types=tuple(layout for _ in planes),
+                       return_type=tuple(plgpu.ShapeDtypeStruct(shape, jnp.float32, layout) for _ in fields))
+    def convert(ctx, *arrays):
+        del ctx
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        c = mgpu.utils.c
+        word = lambda v: v * 0x01010101
+        outs = [np.empty_like(arrays[0].registers) for _ in fields]
+        for idx, _ in np.ndenumerate(arrays[0].registers):
+            regs = [mgpu.utils.bitcast(a.registers[idx], i32) for a in arrays]
+            n = ir.VectorType(arrays[0].registers[idx].type).shape[0]
+            for k, (pieces, mult, offset) in enumerate(fields):
+                u = None
+                for p, xor, shift, mask in pieces:
+                    w = regs[p]
+                    if xor:
+                        w = arith.xori(w, c(word(xor), i32))
+                    if shift:
+                        w = arith.shrui(w, c(shift, i32))
+                    if mask != 0xFF:
+                        w = arith.andi(w, c(word(mask), i32))
+                    u = w if u is None else arith.ori(u, w)
+                vals = []
+                for b in range(n):
+                    m = llvm.inline_asm(i32, [u], f"prmt.b32 $0, $1, {FIELD_MAGIC:#x}, {0x7440 | b:#x};", "=r,r")
+                    v = arith.bitcast(f32, m)
+                    if mult == 1:
+                        v = arith.subf(v, c(float(2 ** 23 + offset), f32))
+                    else:   # mult 2**23 + offset may not be an fp32: u first, then mult u - offset
+                        v = arith.subf(v, c(float(2 ** 23), f32))
+                        v = arith.subf(arith.mulf(v, c(float(mult), f32)), c(float(offset), f32))
+                    vals.append(vector.broadcast(ir.VectorType.get((1,), f32), v))
+                outs[k][idx] = mgpu.utils.vector_concat(vals)
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=arrays[0].layout, _is_signed=None) for r in outs)
+
+    return list(convert(*planes))
 
 
 def resolve_interpret(interpret, what: str):
@@ -287,7 +350,7 @@ def run_kernel(kernel, values: dict) -> dict:
     return jax.lax.optimization_barrier(pl.run_state(kernel)(values))
 
 
-__all__ = ["InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
+__all__ = ["CODE_FIELDS", "FIELD_MAGIC", "InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
            "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_chunk", "check_launch", "code_plane_rows", "default_programs",
            "fold_vmap", "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
            "rows_layout", "run_kernel", "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync",

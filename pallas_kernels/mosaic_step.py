@@ -85,7 +85,7 @@ def _code_products(t, factors, *, n, dk, lay, bits=8):
     part_rows = dk // code_parts(bits)
     acc1 = acc2 = None
     for k in range(part_rows // n):
-        zs = signed_code_parts(code_plane_rows(t["codes"], bits, dk, k * n, n, R, lay), bits)
+        zs = signed_code_parts(code_plane_rows(t["codes"], bits, dk, k * n, n, R, lay), bits, lay.layout(R))
         for j, z in enumerate(zs):
             rows = pl.ds(j * part_rows + k * n, n)
             y1, y2 = factors(rows)

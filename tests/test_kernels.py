@@ -37,7 +37,7 @@ from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_fused, flush_split
 from pallas_kernels.leapquant_step import MIN_DOT_ROWS, int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
-from pallas_kernels.mosaic_shared import signed_code_parts
+from pallas_kernels.mosaic_shared import CODE_FIELDS, FIELD_MAGIC, signed_code_parts
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
                      random_state, rel, token_at)
@@ -590,10 +590,38 @@ def test_signed_code_parts_match_the_packed_layout():
         parts = signed_code_parts(planes, bits)
         assert all(z.dtype == jnp.float32 for z in parts)
         np.testing.assert_array_equal(jnp.concatenate(parts), signed_codes(u, bits).astype(jnp.float32))
+        # the compiled path shifts whole 32-bit words: no bit of the next byte may reach a field
+        for pieces, mult, offset in CODE_FIELDS[bits]:
+            assert all(mask <= 0xFF >> shift for _, _, shift, mask in pieces)
+            assert offset < 2 ** 23 and mult in (1, 2)     # every step of mult u - offset exact in fp32
     assert mosaic_step.token_row_groups(0) == []
     assert mosaic_step.token_row_groups(8) == [(0, 0), (4, 0)]
     assert mosaic_step.token_row_groups(6) == [(0, 0), (2, 2)]
     assert mosaic_step.token_row_groups(5) == [(0, 0), (1, 3)]
+
+
+def test_code_fields_on_whole_words_as_the_gpu_runs_them():
+    # The compiled path's arithmetic on numpy words: each thread's four bytes of a plane as one
+    # uint32, the fields' xor / shift / mask / or on the whole word, then per byte prmt's
+    # 0x4B0000uu read as fp32 (2**23 + u), less 2**23 + offset (at 2 bits: u, then 2 u - 3), in fp32.
+    for bits in (8, 6, 4, 2):
+        u = jax.random.randint(jax.random.PRNGKey(40 + bits), (128, 128), 0, 2 ** bits)
+        packed = np.asarray(pack_codes(u, bits)).view(np.uint8)
+        rows = 128 // code_parts(bits)
+        words = [np.ascontiguousarray(packed[c * rows:(c + 1) * rows]).view("<u4")
+                 for c in range(packed.shape[0] // rows)]
+        parts = []
+        for pieces, mult, offset in CODE_FIELDS[bits]:
+            w = np.zeros_like(words[0])
+            for c, xor, shift, mask in pieces:
+                w |= ((words[c] ^ np.uint32(xor * 0x01010101)) >> np.uint32(shift)) & np.uint32(mask * 0x01010101)
+            byte = np.stack([(w >> np.uint32(8 * b)) & np.uint32(0xFF) for b in range(4)], axis=-1).reshape(rows, 128)
+            f = (np.uint32(FIELD_MAGIC) | byte).view(np.float32)
+            if mult == 1:
+                parts.append(f - np.float32(2 ** 23 + offset))
+            else:
+                parts.append((f - np.float32(2 ** 23)) * np.float32(mult) - np.float32(offset))
+        np.testing.assert_array_equal(np.concatenate(parts), np.asarray(signed_codes(u, bits), np.float32))
 
 
 @pytest.mark.parametrize("bits, kda, dot, opts", [
