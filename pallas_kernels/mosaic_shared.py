@@ -350,8 +350,8 @@ def run_kernel(kernel, values: dict) -> dict:
     return jax.lax.optimization_barrier(pl.run_state(kernel)(values))
 
 
-__all__ = ["CODE_FIELDS", "FIELD_MAGIC", "InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT",
-           "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_chunk", "check_launch", "code_plane_rows", "default_programs",
-           "fold_vmap", "lane_params", "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout",
-           "rows_layout", "run_kernel", "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync",
-           "threads_layout", "warp_parts"]
+__all__ = ["CODE_FIELDS", "FIELD_MAGIC", "InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH",
+           "SMEM_ALIGN", "SMEM_LIMIT", "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_chunk",
+           "check_launch", "code_plane_rows", "default_programs", "fold_vmap", "lane_params", "meet_warps",
+           "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout", "run_kernel", "signed_code_parts",
+           "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout", "warp_parts"]
