@@ -38,8 +38,22 @@ def row_kind(row) -> str:
 
 def _measure(row, key):
     if key == "kb_per_head":
-        return row["bytes"] / (row["batch"] * row["heads"]) / 1e3
+        return row["bytes"] / (row["batch"] * row["heads"]) / 1e3 if "bytes" in row else None
     return row.get(key)
+
+
+WIDTH_ROW_SUFFIX = {"lq-window": " window", "lq-steps": " steps", "lq-flush": " flush"}   # ``other_bits`` rows
+
+
+def width_row(results, bsz, mode, bits, kind):
+    """The LeapQuant row of ``kind`` at ``bits`` and batch ``bsz``: from the main timings (at the
+    run's ``bits``, 8 where a run predates the key) or from ``other_bits``; None where not timed."""
+    main_bits = results.get("bits") or 8
+    for r in results.get("timings") or []:
+        if r["batch"] == bsz and r["mode"] == mode and row_kind(r) == kind and (r.get("bits") or main_bits) == bits:
+            return r
+    return next((r for r in results.get("other_bits") or [] if r["batch"] == bsz and r["mode"] == mode
+                 and r["bits"] == bits and r["impl"].endswith(WIDTH_ROW_SUFFIX[kind]) and not r.get("error")), None)
 
 
 def _judged(target, mode, bsz, key, value, sense, wanted):
@@ -53,32 +67,33 @@ def _judged(target, mode, bsz, key, value, sense, wanted):
 
 
 def targets(results):
-    """Each of ``TARGETS`` at the largest batch, then each of ``BITS_TARGETS`` per mode (the
-    amortised window's ratio to FLA at that width over int8's, from ``other_bits``): ``dict(target,
-    mode, batch, key, measured, wanted, sense, met, missing_factor)``; ``measured``/``met`` are None
-    where the run has no such row (FLA absent, the width not timed). ``missing_factor``: ``wanted /
-    measured`` for a ``>=`` target, ``measured / wanted`` for ``<=``."""
+    """Each of ``TARGETS`` at the largest batch (the LeapQuant ones on the 8-bit rows, wherever the
+    run timed them: ``width_row``), then each of ``BITS_TARGETS`` per mode (the amortised window's
+    ratio to FLA at that width over int8's): ``dict(target, mode, batch, key, measured, wanted,
+    sense, met, missing_factor)``; ``measured``/``met`` are None where the run has no such row (FLA
+    absent, the width not timed, a measure its row lacks). ``missing_factor``: ``wanted / measured``
+    for a ``>=`` target, ``measured / wanted`` for ``<=``."""
     rows = results.get("timings") or []
     if not rows:
         return []
     bsz = max(r["batch"] for r in rows)
     out = []
     for what, mode, kind, key, sense, wanted in TARGETS:
-        hit = next((r for r in rows if r["batch"] == bsz and r["mode"] == mode and row_kind(r) == kind), None)
+        if kind.startswith("lq"):
+            hit = width_row(results, bsz, mode, 8, kind)
+            fl = f", flush {hit['flush_impl']}" if hit is not None and hit.get("flush_impl") and kind != "lq-steps" else ""
+            label = f"LeapQuant int8 {what}{fl}"
+        else:
+            hit = next((r for r in rows if r["batch"] == bsz and r["mode"] == mode and row_kind(r) == kind), None)
+            label = what
         value = _measure(hit, key) if hit is not None else None
-        label = what
-        if hit is not None and kind.startswith("lq"):
-            bits = hit.get("bits", "")
-            fl = f", flush {hit['flush_impl']}" if hit.get("flush_impl") and kind != "lq-steps" else ""
-            label = f"LeapQuant int{bits} {what}{fl}"
         out.append(_judged(label, mode, bsz, key, value, sense, wanted))
     for mode in ("GDN", "KDA"):
-        base = next((r.get("speedup_vs_fla_fp32") for r in rows if r["batch"] == bsz and r["mode"] == mode
-                     and row_kind(r) == "lq-window"), None)
+        base = width_row(results, bsz, mode, 8, "lq-window")
+        base = base.get("speedup_vs_fla_fp32") if base is not None else None
         for bits, wanted in BITS_TARGETS:
-            hit = next((r.get("speedup_vs_fla_fp32") for r in results.get("other_bits") or []
-                        if r["batch"] == bsz and r["mode"] == mode and r["bits"] == bits
-                        and r["impl"].endswith(" window")), None)
+            hit = width_row(results, bsz, mode, bits, "lq-window")
+            hit = hit.get("speedup_vs_fla_fp32") if hit is not None else None
             value = hit / base if hit and base else None
             out.append(_judged(f"LeapQuant int{bits} amortised ratio to FLA / int8's", mode, bsz, "of_int8",
                                value, ">=", wanted))

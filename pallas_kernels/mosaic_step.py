@@ -66,7 +66,7 @@ META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
 DOTS = ("fma", "rows", "wgmma")   # the code sums on the CUDA cores (two ways) or the tensor cores
 DEFAULT_DOT = "rows"      # the fastest of the three measured (docs/performance.md)
-DEFAULT_SLOT_COPY = WARPS  # GDN's record slots per copy: one group of the records' rows (docs/performance.md)
+DEFAULT_SLOT_COPY = 2 * WARPS  # GDN's record slots per copy, the fastest measured (docs/performance.md)
 PIECE_ROWS = 8       # the wgmma's N: three bf16 pieces of each of the two vectors, two zero rows
 MM_SWIZZLE = 128     # bytes: the wgmma operands' shared-memory swizzle
 

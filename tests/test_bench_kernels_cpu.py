@@ -75,6 +75,26 @@ def test_targets_directions_and_missing_rows():
     assert [(t["wanted"], t["met"]) for t in dense] == [(0.95, None), (1.0, None)]   # no dense rows: not measured
 
 
+def test_targets_take_the_8_bit_rows_of_a_run_at_another_width():
+    """A run with 4 bits as its main width and 8 beside it: the 8-bit targets judge the 8-bit rows
+    of ``other_bits``, never the 4-bit ones, and int4's ratio is taken over that int8 window."""
+    rows = [timing("GDN", "lq-window", 10.0, fla=3.1, bits=4, flush_impl="mosaic"),
+            timing("GDN", "lq-steps", 1.0, frac=0.5, bits=4),
+            timing("GDN", "lq-flush", 500.0, nbytes=30e3 * 512 * 32, bits=4, flush_impl="mosaic")]
+    other = [dict(impl="LeapQuant int8 window", batch=512, mode="GDN", bits=8, us=9.0, speedup_vs_fla_fp32=3.2),
+             dict(impl="LeapQuant int8 steps", batch=512, mode="GDN", bits=8, us=1.0),
+             dict(impl="LeapQuant int8 flush", batch=512, mode="GDN", bits=8, us=700.0)]
+    tg = {t["target"]: t for t in kernel_report.targets(dict(timings=rows, other_bits=other, bits=4))}
+    assert tg["GDN: LeapQuant int8 amortised per token-step vs FLA fp32"]["measured"] == pytest.approx(3.2)
+    assert tg["GDN: LeapQuant int8 flush of full windows, µs per window"]["measured"] == pytest.approx(700.0)
+    # measures the other widths' rows do not carry stay unmeasured, not taken from the 4-bit rows
+    assert tg["GDN: LeapQuant int8 step alone: bandwidth on its bytes / copy bandwidth"]["measured"] is None
+    assert tg["GDN: LeapQuant int8 flush, KB (10^3 B) moved per head"]["measured"] is None
+    int4 = tg["GDN: LeapQuant int4 amortised ratio to FLA / int8's"]
+    assert int4["measured"] == pytest.approx(3.1 / 3.2) and not int4["met"]
+    assert tg["KDA: LeapQuant int4 amortised ratio to FLA / int8's"]["measured"] is None
+
+
 def test_markdown_sections():
     env = dict(date="d", jax="j", devices=["cpu"], command="c")
     rows = [timing(m, "lq-window", 10.0, fla=f, bits=8, flush_impl="split", nbytes=2e6, frac=0.5, GBps=1.0)
