@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -89,27 +90,38 @@ def _ptxas() -> str:
 
 
 def ptxas_report(kernel: KernelIR, arch: int = 90) -> dict:
-    """``{"registers", "spill_stores", "spill_loads", "stack", "shared", "async_copies"}`` of one
-    kernel compiled for ``sm_<arch>``: registers per thread; spills, stack frame and shared
+    """``{"registers", "spill_stores", "spill_loads", "stack", "shared", "async_copies", "compile_s"}``
+    of one kernel compiled for ``sm_<arch>``: registers per thread; spills, stack frame and shared
     memory in bytes; ``cp.async`` instructions in its PTX (loads that Triton's pipeliner issues
-    ahead, with ``num_stages > 1``)."""
+    ahead, with ``num_stages > 1``); seconds to compile it here (Triton, then ``ptxas``), which a
+    GPU's compile of the same kernel follows, and which grows fast with the kernel's size."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ttir")
-        with open(src, "w") as f:
-            f.write(_text(kernel.bytecode))
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages))
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        shared = int(getattr(compiled.metadata, "shared", 0))
-        async_copies = compiled.asm["ptx"].count("cp.async")
-        suffix = "a" if arch >= 90 else ""
-        run = subprocess.run([_ptxas(), "-v", f"--gpu-name=sm_{arch}{suffix}", ptx, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
+    saved = os.environ.get("TRITON_ALWAYS_COMPILE")
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"      # compile_s: a compile, not a hit in Triton's cache
+    started = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "kernel.ttir")
+            with open(src, "w") as f:
+                f.write(_text(kernel.bytecode))
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                      options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages))
+            ptx = os.path.join(tmp, "kernel.ptx")
+            with open(ptx, "w") as f:
+                f.write(compiled.asm["ptx"])
+            shared = int(getattr(compiled.metadata, "shared", 0))
+            async_copies = compiled.asm["ptx"].count("cp.async")
+            suffix = "a" if arch >= 90 else ""
+            run = subprocess.run([_ptxas(), "-v", f"--gpu-name=sm_{arch}{suffix}", ptx, "-o",
+                                  os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_ALWAYS_COMPILE", None)
+        else:
+            os.environ["TRITON_ALWAYS_COMPILE"] = saved
+    seconds = round(time.monotonic() - started, 1)
     if run.returncode:
         raise RuntimeError(f"ptxas failed on {kernel.name}: {run.stderr[-500:]}")
     info = run.stderr
@@ -120,7 +132,7 @@ def ptxas_report(kernel: KernelIR, arch: int = 90) -> dict:
 
     return dict(registers=number(r"Used (\d+) registers"), spill_stores=number(r"(\d+) bytes spill stores"),
                 spill_loads=number(r"(\d+) bytes spill loads"), stack=number(r"(\d+) bytes stack frame"),
-                shared=shared, async_copies=async_copies)
+                shared=shared, async_copies=async_copies, compile_s=seconds)
 
 
 def kernel_calls(what, bits, kda, opts, *, batch=2, heads=32, dim=128, window=16):
@@ -186,8 +198,8 @@ def main(argv=None):
 
     rows = []
     print("| kernel | options | warps | registers | spill stores (B) | spill loads (B) | stack (B) | shared (B) "
-          "| cp.async |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| cp.async | compile (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for what in args.what:
         opts = json.loads(getattr(args, f"{what}_opts"))
         bits_list = args.bits if what in ("step", "flush") else [None]
@@ -199,7 +211,8 @@ def main(argv=None):
                         r = dict(kernel=k.name, options=opts, bits=bits, mode=mode, num_warps=k.num_warps, **ptxas_report(k, args.arch))
                         rows.append(r)
                         print(f"| {k.name} | {json.dumps(opts) if opts else '-'} | {k.num_warps} | {r['registers']} | "
-                              f"{r['spill_stores']} | {r['spill_loads']} | {r['stack']} | {r['shared']} | {r['async_copies']} |",
+                              f"{r['spill_stores']} | {r['spill_loads']} | {r['stack']} | {r['shared']} | "
+                              f"{r['async_copies']} | {r['compile_s']} |",
                               flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -174,7 +174,11 @@ def test_mosaic_load_only_pipeline_delivers_every_head():
         for pos in range(p):
             parts = mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos, slot_copy=4)
             assert step_bytes(config, 128, 128, pos, kda) < parts <= whole
-            assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos) == (whole if kda else parts)
+            # the default: GDN's records in parts of DEFAULT_SLOT_COPY where it divides the window, KDA's whole
+            gdn_parts = mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos,
+                                                      slot_copy=mosaic_step.DEFAULT_SLOT_COPY)
+            want = whole if kda or p % mosaic_step.DEFAULT_SLOT_COPY else gdn_parts
+            assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos) == want
             assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=pos, slot_copy=p) == whole
         assert mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda) == pytest.approx(
             np.mean([mosaic_step.mosaic_step_bytes(config, 128, 128, per_channel=kda, pos=j) for j in range(p)]))
