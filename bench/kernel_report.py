@@ -228,22 +228,19 @@ def markdown(results) -> str:
                        f"| {sp} |")
         out.append("")
         # the amortised window (p steps + flush, per step) of every bit width timed, against FLA fp32
-        amort = {}
-        for r in results["timings"]:
-            if row_kind(r) == "lq-window":
-                amort[(r["batch"], r.get("bits") or results.get("bits"), r["mode"])] = r
-        for r in results["other_bits"]:
-            if r["impl"].endswith(" window") and not r.get("error"):
-                amort[(r["batch"], r["bits"], r["mode"])] = r
-        batches = sorted({b for b, _, _ in amort} & {r["batch"] for r in results["other_bits"]})
+        main_bits = results.get("bits") or 8
+        timed = {(r["batch"], r.get("bits") or main_bits) for r in results["timings"] if row_kind(r) == "lq-window"}
+        timed |= {(r["batch"], r["bits"]) for r in results["other_bits"]
+                  if r["impl"].endswith(WIDTH_ROW_SUFFIX["lq-window"]) and not r.get("error")}
+        batches = sorted({b for b, _ in timed} & {r["batch"] for r in results["other_bits"]})
         if batches:
             out += ["### Amortised per token-step vs FLA fp32 by bit width (p steps + flush)", "",
                     *_table("batch", "bits", "GDN µs", "GDN × vs FLA fp32", "KDA µs", "KDA × vs FLA fp32")]
             for bsz in batches:
-                for bits in sorted({b for n, b, _ in amort if n == bsz and b is not None}, reverse=True):
+                for bits in sorted({b for n, b in timed if n == bsz}, reverse=True):
                     cells = []
                     for mode in ("GDN", "KDA"):
-                        r = amort.get((bsz, bits, mode))
+                        r = width_row(results, bsz, mode, bits, "lq-window")
                         sp = r.get("speedup_vs_fla_fp32") if r else None
                         cells += [f"{r['us']:.1f}" if r else "-", f"{sp:.2f}" if sp else "-"]
                     out.append(f"| {bsz} | {bits} | " + " | ".join(cells) + " |")
