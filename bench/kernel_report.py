@@ -81,7 +81,8 @@ def targets(results):
     for what, mode, kind, key, sense, wanted in TARGETS:
         if kind.startswith("lq"):
             hit = width_row(results, bsz, mode, 8, kind)
-            fl = f", flush {hit['flush_impl']}" if hit is not None and hit.get("flush_impl") and kind != "lq-steps" else ""
+            named = hit is not None and hit.get("flush_impl") and kind != "lq-steps"
+            fl = f", flush {hit['flush_impl']}" if named else ""
             label = f"LeapQuant int8 {what}{fl}"
         else:
             hit = next((r for r in rows if r["batch"] == bsz and r["mode"] == mode and row_kind(r) == kind), None)
