@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -98,29 +99,22 @@ def ptxas_report(kernel: KernelIR, arch: int = 90) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    saved = os.environ.get("TRITON_ALWAYS_COMPILE")
-    os.environ["TRITON_ALWAYS_COMPILE"] = "1"      # compile_s: a compile, not a hit in Triton's cache
     started = time.monotonic()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "kernel.ttir")
-            with open(src, "w") as f:
-                f.write(_text(kernel.bytecode))
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                      options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages))
-            ptx = os.path.join(tmp, "kernel.ptx")
-            with open(ptx, "w") as f:
-                f.write(compiled.asm["ptx"])
-            shared = int(getattr(compiled.metadata, "shared", 0))
-            async_copies = compiled.asm["ptx"].count("cp.async")
-            suffix = "a" if arch >= 90 else ""
-            run = subprocess.run([_ptxas(), "-v", f"--gpu-name=sm_{arch}{suffix}", ptx, "-o",
-                                  os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_ALWAYS_COMPILE", None)
-        else:
-            os.environ["TRITON_ALWAYS_COMPILE"] = saved
+    # compile_s: a compile, not a hit in Triton's cache
+    with mock.patch.dict(os.environ, {"TRITON_ALWAYS_COMPILE": "1"}), tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ttir")
+        with open(src, "w") as f:
+            f.write(_text(kernel.bytecode))
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages))
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        shared = int(getattr(compiled.metadata, "shared", 0))
+        async_copies = compiled.asm["ptx"].count("cp.async")
+        suffix = "a" if arch >= 90 else ""
+        run = subprocess.run([_ptxas(), "-v", f"--gpu-name=sm_{arch}{suffix}", ptx, "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
     seconds = round(time.monotonic() - started, 1)
     if run.returncode:
         raise RuntimeError(f"ptxas failed on {kernel.name}: {run.stderr[-500:]}")
