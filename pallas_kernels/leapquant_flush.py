@@ -26,7 +26,8 @@ Decays are log-space sums masked before ``exp`` (a fully decayed head gives zero
 fit starts from the seeded Gaussian (or the warm start: the old ``K``, a zero row topped up) and
 orthonormalises with the reference's CholeskyQR2. Smoothing ``c_i = sqrt(mean_j |R_ij|)`` floored
 at ``SMOOTH_FLOOR``; one scale per value column; codes rounded as ``quantizers.round_codes`` (half
-to even; at 2 bits the nearest odd integer), packed planar. Rounding: fp32 (stage 1's records dot
+to even; at 2 bits the nearest odd integer), packed planar, and held unpacked as one ``[dk, BV]``
+tile at every width (``shared.load_code_tile``, ``store_code_tile``). Rounding: fp32 (stage 1's records dot
 as 3xTF32 on the GPU, about fp32); ``K``, ``U`` in fp16.
 The summation order differs from the reference's, so a code on a rounding boundary may differ by
 one step. GVA (``H = n Hk``): the program of value head ``j`` reads the key records of ``j // n``.
@@ -53,7 +54,7 @@ from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from ._compat import compiler_params, default_interpret, is_pow2, load, pl, round_half_even
 from .shared import (
-    FP32_TILE, cholesky_qr_round, load_code_parts, num_parts, scale_cols_to_unit_max, store_codes, tile_bits,
+    FP32_TILE, cholesky_qr_round, load_code_tile, scale_cols_to_unit_max, store_code_tile, tile_bits,
     tile_rows, window_decay_part,
 )
 from .support import unsupported_reason
@@ -105,7 +106,7 @@ def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, out
         cs = [jnp.maximum(jnp.sqrt(jnp.sum(jnp.abs(s), axis=1) / dv), SMOOTH_FLOOR) for s in S]
         S = [s / c[:, None] for s, c in zip(S, cs)]
     q_int, new_scale = _quantize_parts(S, bits)
-    store_codes(codes_out, q_int, bits, dk, 0, dk // num_parts(bits))
+    store_code_tile(codes_out, q_int[0], bits, dk)
     scale_out[...] = new_scale
     if smoothing:
         for c, sl in zip(cs, slices):
@@ -117,9 +118,11 @@ def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, out
 
 
 def _part_slices(bits, dk):
-    """Key-row slices of the code parts (1 at 8 bits, 2 at 4, 4 at 6 and 2)."""
-    n = dk // num_parts(bits)
-    return [pl.ds(i * n, n) for i in range(num_parts(bits))]
+    """Key-row slices of the parts a flush holds ``S`` in: one, every key row, at every width (the
+    codes as one tile, ``load_code_tile``: the kernel's code and compile time as at 8 bits). The
+    kernels keep ``S`` and the fit's columns as lists of parts, as ``cholesky_qr_round`` takes them."""
+    del bits
+    return [pl.ds(0, dk)]
 
 
 def _input_refs(it, smoothing, rank, scaled=True):
@@ -159,8 +162,8 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
     slices = _part_slices(bits, dk)
 
     def body():
-        # --- 1. reconstruct S_pos, part by part: [n, dv] each
-        codes = load_code_parts(codes_ref, bits, dk)
+        # --- 1. reconstruct S_pos: one part, every key row, [dk, dv]
+        codes = [load_code_tile(codes_ref, bits, dk)]
         scale = scale_ref[...]
         cu = [cu_ref[c, :].astype(f32) for c in range(rank)]
         old_k = [[ck_ref[c, sl].astype(f32) for sl in slices] for c in range(rank)]
@@ -183,7 +186,7 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
                 gj = bg_ref[j, sl] if per_channel else bg_ref[j]
                 return acc + jnp.where(live_j, gj.astype(f32), 0.0), rec
 
-            n = dk // num_parts(bits)
+            n = dk
             acc0 = jnp.zeros((n,), f32) if per_channel else jnp.zeros((), f32)
             acc, rec = jax.lax.fori_loop(0, window, record, (acc0, jnp.zeros((n, dv), f32)))
             D0 = jnp.exp(acc)
@@ -220,7 +223,7 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
 
 
 def _rebuild_parts(ins, pos, *, bits, rank, window, dk, per_channel, smoothing, precision):
-    """``S_pos[:, block]`` in fp32 as key-row parts ``[n, BV]`` (the code parts' rows):
+    """``S_pos[:, block]`` in fp32 as key-row parts ``[n, BV]`` (``_part_slices``: one, ``n = dk``):
     ``D0 * (C deq(Z) + K^T U) + sum_j (d_j * k_j) u_j^T`` from the checkpoint and the live records
     (log-space decays masked before ``exp``: a fully decayed head gives zeros, not NaN; the
     records as one dot for ``p >= 16``). ``ins``: the refs of ``_input_refs``."""
@@ -230,7 +233,7 @@ def _rebuild_parts(ins, pos, *, bits, rank, window, dk, per_channel, smoothing, 
     def dot(a, b):   # a [p, n], b [p, BV] -> a^T b
         return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=f32)
 
-    codes = load_code_parts(codes_ref, bits, dk)
+    codes = [load_code_tile(codes_ref, bits, dk)]
     scale = None if scale_ref is None else scale_ref[...]
     live = jnp.arange(window) < pos
     bu = load(bu_ref, mask=live[:, None], other=0.0).astype(f32)                # [p, BV]

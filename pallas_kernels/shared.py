@@ -1,5 +1,6 @@
 """Kernel helpers the decode step and the window flushes share: the packed residual codes' planar
-layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``, ``store_codes``; an
+layout (``num_parts``, ``code_planes``, ``unpack_codes``, ``load_code_parts``, ``store_codes``, and
+as one tile ``load_code_tile``, ``store_code_tile``; an
 fp32 checkpoint tile, ``fp32-w``'s, is read through them as ``FP32_TILE`` "bits": ``tile_bits``), the window's
 log-space decays (``window_decays``, ``window_decay_part``) and exact reads of the int8 codes on
 the tensor cores (``DIGIT_BITS``, ``int8_digits``, ``combine_digits``); CholeskyQR2 on columns held as pieces
@@ -8,6 +9,7 @@ inside Pallas kernel bodies only (Triton and Mosaic GPU alike)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from leapquant_jax.compensators import NORMAL_TINY, gram_shift, unrolled_cholesky
@@ -78,6 +80,41 @@ def load_code_parts(codes_ref, bits: int, dk: int, start=0, rows: int | None = N
     whole part. Every part of a chunk comes from the same packed byte rows (planar layout).
     """
     return unpack_codes(code_planes(codes_ref, bits, dk // num_parts(bits), start, rows), bits, dtype)
+
+
+def load_code_tile(codes_ref, bits: int, dk: int, dtype=f32):
+    """Signed codes of a packed tile as one array ``[dk, BV]`` of ``dtype``, key rows in order: a
+    kernel on it runs the same code at every width, where a list of parts would multiply its code
+    (and a Triton kernel's compile time) by up to four. Row ``i`` of part ``i // n`` (``n = dk /
+    parts``) reads byte row ``i % n`` of every plane (a gather: those rows repeat, L1 hits), unpacks
+    them as ``unpack_codes`` does, and keeps its own part's code."""
+    parts = num_parts(bits)
+    if parts == 1:
+        return load_code_parts(codes_ref, bits, dk, dtype=dtype)[0]
+    n = dk // parts
+    rows = jax.lax.broadcasted_iota(jnp.int32, (dk,), 0)
+    planes = [codes_ref[c * n + rows % n, :] for c in range(3 if bits == 6 else 1)]
+    vals = unpack_codes(planes, bits, dtype)
+    part = (rows // n)[:, None]
+    x = vals[-1]
+    for i in range(parts - 2, -1, -1):
+        x = jnp.where(part == i, vals[i], x)
+    return x
+
+
+def store_code_tile(codes_out, q_int, bits: int, dk: int):
+    """``store_codes`` of one int32 tile ``[dk, dv]`` of signed codes, key rows in order
+    (``load_code_tile``'s inverse): its parts split off exactly, each a masked sum over the
+    stacked axis (Triton has no gather)."""
+    parts = num_parts(bits)
+    n = dk // parts
+    if parts > 1:
+        x = q_int.reshape(parts, n, q_int.shape[1])
+        which = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        q_int = [jnp.sum(jnp.where(which == i, x, 0), axis=0) for i in range(parts)]
+    else:
+        q_int = [q_int]
+    store_codes(codes_out, q_int, bits, dk, 0, n)
 
 
 def store_codes(codes_out, q_int, bits, dk, start, rows):
@@ -192,5 +229,6 @@ def cholesky_qr_round(cols, rank, sqrt=jnp.sqrt, zero_unless=_zero_unless):
 
 
 __all__ = ["DIGITS", "DIGIT_BITS", "DIGIT_SCALE_FLOOR", "FP32_TILE", "cholesky_qr_round", "code_planes",
-           "combine_digits", "int8_digits", "load_code_parts", "num_parts", "scale_cols_to_unit_max", "store_codes",
-           "tile_bits", "tile_rows", "unpack_codes", "window_decay_part", "window_decays"]
+           "combine_digits", "int8_digits", "load_code_parts", "load_code_tile", "num_parts",
+           "scale_cols_to_unit_max", "store_code_tile", "store_codes", "tile_bits", "tile_rows",
+           "unpack_codes", "window_decay_part", "window_decays"]

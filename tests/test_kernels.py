@@ -600,6 +600,35 @@ def test_signed_code_parts_match_the_packed_layout():
     assert mosaic_step.token_row_groups(5) == [(0, 0), (1, 3)]
 
 
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
+def test_code_tile_loads_and_stores_the_planar_layout(bits):
+    """``shared.load_code_tile`` gives the signed codes in key-row order (``quantizers``' layout)
+    and ``store_code_tile`` packs them back to the same bytes, interpreted and lowered to Triton."""
+    from jax.experimental import pallas as pl
+    from pallas_kernels._compat import compiler_params
+    from pallas_kernels.shared import load_code_tile, store_code_tile
+
+    dk, dv = 128, 64
+    unsigned = jax.random.randint(jax.random.PRNGKey(bits), (dk, dv), 0, 2 ** bits)
+    codes = signed_codes(unsigned, bits)
+    packed = pack_codes(unsigned, bits)
+
+    def kernel(c_ref, z_ref, o_ref):
+        z = load_code_tile(c_ref, bits, dk)
+        z_ref[...] = z
+        store_code_tile(o_ref, z.astype(jnp.int32), bits, dk)
+
+    def run(x, interpret):
+        return pl.pallas_call(kernel, out_shape=[jax.ShapeDtypeStruct((dk, dv), jnp.float32),
+                                                 jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                              interpret=interpret, compiler_params=compiler_params(num_warps=4))(x)
+
+    z, again = run(packed, True)
+    np.testing.assert_array_equal(np.asarray(z), np.asarray(codes, np.float32))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(packed))
+    lower_to_triton(functools.partial(run, interpret=False), packed)
+
+
 def test_code_fields_on_whole_words_as_the_gpu_runs_them():
     # The compiled path's arithmetic on numpy words: each thread's four bytes of a plane as one
     # uint32, the fields' xor / shift / mask / or on the whole word, then per byte prmt's
