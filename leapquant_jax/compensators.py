@@ -9,10 +9,14 @@ Two fits with one signature:
   from a fixed seeded Gaussian start or warm-started from the previous window's ``K``.
 
 What a fit misses lands in the residual, which is quantized anyway, so an approximate fit
-costs accuracy only through the residual's range, never correctness.
+costs accuracy only through the residual's range, never correctness. The fit's three products
+(``S^T Q``, ``S Z``, ``S^T K^T``) go through ``product``, fp32 at full precision by default
+(``hi_product``); a study can pass reduced-precision operands (``bench.fit_precision``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,14 @@ import jax.numpy as jnp
 Array = jax.Array
 HI = jax.lax.Precision.HIGHEST
 FP16_MAX = 65504.0
+
+
+def hi_product(eq: str, a: Array, b: Array) -> Array:
+    """``einsum(eq, a, b)`` in fp32 at full precision: the fit's products unless a caller passes its own."""
+    return jnp.einsum(eq, a, b, precision=HI)
+
+
+Product = Callable[[str, Array, Array], Array]
 
 
 def random_start(dk: int, rank: int, seed: int = 0) -> Array:
@@ -120,10 +132,10 @@ def cholesky_qr2(y: Array) -> Array:
     return one_round(one_round(y))
 
 
-def _finish(state: Array, k_rows: Array) -> tuple[Array, Array]:
+def _finish(state: Array, k_rows: Array, product: Product = hi_product) -> tuple[Array, Array]:
     # U = S^T K^T, clipped so that the fp16 factors stay finite on huge states; the residual
     # is computed from the rounded factors, so the split stays exact whatever the clipping.
-    u_rows = jnp.einsum("...kv,...rk->...rv", state, k_rows, precision=HI)
+    u_rows = product("...kv,...rk->...rv", state, k_rows)
     u_rows = jnp.clip(u_rows, -FP16_MAX, FP16_MAX)
     return k_rows.astype(jnp.float16), u_rows.astype(jnp.float16)
 
@@ -138,7 +150,7 @@ def fit_svd(state: Array, rank: int) -> tuple[Array, Array]:
 
 def fit_subspace(
     state: Array, rank: int, *, iters: int = 1, start: Array | None = None, seed: int = 0,
-    first_z: Array | None = None, first_y: Array | None = None,
+    first_z: Array | None = None, first_y: Array | None = None, product: Product = hi_product,
 ) -> tuple[Array, Array]:
     """Subspace-iteration fit with CholeskyQR2.
 
@@ -146,15 +158,18 @@ def fit_subspace(
     ``None`` for the seeded Gaussian start. ``first_z [.., r, dv]``: the first round's
     ``(S^T Q_0)^T``, or ``first_y [.., r, dk]`` its ``(S S^T Q_0)^T``, when the caller already
     has it (the split flush kernel computes it while the state is on chip); the start is then
-    unused. Returns ``(K [.., r, dk], U [.., r, dv])`` fp16.
+    unused. ``product(eq, a, b)``: the three products' einsum (``hi_product``). Returns
+    ``(K [.., r, dk], U [.., r, dv])`` fp16.
     """
     s = state.astype(jnp.float32)
-    return _finish(s, subspace_basis(s, rank, iters=iters, start=start, seed=seed, first_z=first_z, first_y=first_y))
+    k_rows = subspace_basis(s, rank, iters=iters, start=start, seed=seed, first_z=first_z, first_y=first_y,
+                            product=product)
+    return _finish(s, k_rows, product)
 
 
 def subspace_basis(
     state: Array, rank: int, *, iters: int = 1, start: Array | None = None, seed: int = 0,
-    first_z: Array | None = None, first_y: Array | None = None,
+    first_z: Array | None = None, first_y: Array | None = None, product: Product = hi_product,
 ) -> Array:
     """The orthonormal rows ``K [.., r, dk]`` (fp32, before rounding) of ``fit_subspace``, same arguments."""
     s = state.astype(jnp.float32)
@@ -174,8 +189,8 @@ def subspace_basis(
             if i == 0 and first_z is not None:
                 z = jnp.swapaxes(first_z.astype(jnp.float32), -1, -2)
             else:
-                z = jnp.einsum("...kv,...kr->...vr", s, q, precision=HI)   # S^T Q  [.., dv, r]
-            y = jnp.einsum("...kv,...vr->...kr", s, z, precision=HI)       # S S^T Q  [.., dk, r]
+                z = product("...kv,...kr->...vr", s, q)   # S^T Q  [.., dv, r]
+            y = product("...kv,...vr->...kr", s, z)       # S S^T Q  [.., dk, r]
         q = cholesky_qr2(y)
     return jnp.swapaxes(q, -1, -2)
 
@@ -194,6 +209,7 @@ __all__ = [
     "CHOLESKY_KEEP",
     "CHOLESKY_SHIFT",
     "NORMAL_TINY",
+    "Product",
     "SMOOTH_FLOOR",
     "WARM_START_TOPUP",
     "cholesky_qr2",
@@ -201,6 +217,7 @@ __all__ = [
     "fit_subspace",
     "fit_svd",
     "gram_shift",
+    "hi_product",
     "scale_to_unit_max",
     "random_start",
     "smoothing_scales",

@@ -27,7 +27,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .compensators import compensator_matrix, fit_subspace, fit_svd, smoothing_scales
+from .compensators import Product, compensator_matrix, fit_subspace, fit_svd, hi_product, smoothing_scales
 from .recurrence import Token, decay_rows, expand_heads
 from .state import Checkpoint, LeapQuantConfig, LeapQuantState, WindowBuffer, empty_buffer
 
@@ -52,12 +52,13 @@ def select_batch(mask: Array, new, old):
 # ----------------------------------------------------------------------------- checkpoint
 
 
-def encode_checkpoint(config: LeapQuantConfig, state: Array, previous_k: Optional[Array] = None) -> Checkpoint:
+def encode_checkpoint(config: LeapQuantConfig, state: Array, previous_k: Optional[Array] = None, *,
+                      product: Product = hi_product) -> Checkpoint:
     """Rounds a dense fp32 state ``[B, H, dk, dv]`` once into a checkpoint.
 
     Fits ``r`` Compensator Tokens, smooths the residual's key rows and quantizes it with one
     scale per value column. ``previous_k [B, H, r, dk]`` warm-starts the fit when the config
-    asks for it.
+    asks for it; ``product``: the subspace fit's products (``compensators.fit_subspace``).
     """
     s = state.astype(jnp.float32)
     r = config.effective_rank
@@ -66,7 +67,8 @@ def encode_checkpoint(config: LeapQuantConfig, state: Array, previous_k: Optiona
             comp_k, comp_u = fit_svd(s, r)
         else:
             start = previous_k if config.warm_start else None
-            comp_k, comp_u = fit_subspace(s, r, iters=config.fit_iters, start=start, seed=config.seed)
+            comp_k, comp_u = fit_subspace(s, r, iters=config.fit_iters, start=start, seed=config.seed,
+                                          product=product)
         residual = s - compensator_matrix(comp_k, comp_u)
     else:
         shape = s.shape[:-2]

@@ -1,0 +1,205 @@
+"""Which tensor-core operands the flush's fit tolerates, judged by the decoded-state criterion.
+
+    python -m bench.fit_precision [--fits fp16 tf32 bf16 bf16_x3:fp32 ...] [--bits 8 6 4]
+                                  [--modes gdn kda] [--seeds 0 1 2] [--batch 16] [--out DIR]
+
+The subspace fit's three products (``compensators.fit_subspace``: ``Z = S^T Q``, ``Y = S Z``,
+``U = S^T K^T``) are emulated with the operands a tensor-core kernel would feed them, fp32 sums
+throughout; everything else is the reference flush (``windowed.encode_checkpoint`` with that
+``product``). Each candidate is judged against the fp32 reference on the criterion's inputs
+(``kernel_checks.criterion_cases``: structured heads, a second window, random heads, 128 x 128)
+by ``kernel_checks.decoded_state_row``: per head, mean decoded-state error at most 1.01 times the
+reference's. A fit ``A`` uses operands ``A`` in all three products; ``A:B`` uses ``A`` for ``Z``
+and ``Y`` and ``B`` for ``U``.
+
+Operands (``OPERANDS``): ``fp32`` (the reference's products); ``tf32`` (each operand rounded to
+10 mantissa bits); ``fp16`` (each operand scaled per head so that its largest magnitude is
+``MM_SCALE``, as the Mosaic GPU flush scales its fp16 keys, then rounded); ``bf16``; ``bf16_x3``
+(two bf16 pieces, three products: hi hi + hi lo + lo hi); ``bf16_x6`` (three pieces, six
+products); ``tf32_x3`` (TF32 with a correction term: two TF32 pieces, three products).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.harness import environment, git_commit, results_log
+from bench.kernel_checks import CRITERION_BATCH, criterion_cases, decoded_state_failures, decoded_state_row
+from leapquant_jax import windowed
+from leapquant_jax.compensators import Product, hi_product
+from leapquant_jax.state import LeapQuantConfig
+from pallas_kernels.mosaic_flush import MM_SCALE
+
+f32 = jnp.float32
+OPERANDS = ("fp32", "tf32", "fp16", "bf16", "bf16_x3", "bf16_x6", "tf32_x3")
+TINY = 1e-30       # a head whose operand is all below this is left unscaled (it is zero to fp16)
+
+
+def _tf32(x):
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=10)
+
+
+def _pieces(x, n, rounding):
+    """``x`` as ``n`` pieces rounded by ``rounding`` whose fp32 sum approximates it, largest first."""
+    out = []
+    for _ in range(n):
+        piece = rounding(x)
+        out.append(piece)
+        x = x - piece.astype(f32)
+    return out
+
+
+def _per_head_scale(x):
+    """``MM_SCALE / max |x|`` over the last two axes (1 where ``x`` is all zero), keepdims."""
+    m = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+    return jnp.where(m > TINY, MM_SCALE / jnp.where(m > TINY, m, 1.0), 1.0)
+
+
+def operand_product(operands: str) -> Product:
+    """The fit's ``product(eq, a, b)`` with ``operands`` (one of ``OPERANDS``) and fp32 sums."""
+    if operands not in OPERANDS:
+        raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+    if operands == "fp32":
+        return hi_product
+
+    def dot(eq, a, b):
+        return jnp.einsum(eq, a, b, preferred_element_type=f32, precision=jax.lax.Precision.HIGHEST)
+
+    def product(eq, a, b):
+        a, b = a.astype(f32), b.astype(f32)
+        if operands == "fp16":
+            sa, sb = _per_head_scale(a), _per_head_scale(b)
+            out = dot(eq, (a * sa).astype(jnp.float16), (b * sb).astype(jnp.float16))
+            # the factors' scales, in the output's layout: per head, so broadcast over the last two axes
+            return out / (sa * sb)
+        if operands in ("bf16", "tf32"):
+            rnd = (lambda x: x.astype(jnp.bfloat16)) if operands == "bf16" else _tf32
+            return dot(eq, rnd(a), rnd(b))
+        n, rnd = {"bf16_x3": (2, lambda x: x.astype(jnp.bfloat16)), "bf16_x6": (3, lambda x: x.astype(jnp.bfloat16)),
+                  "tf32_x3": (2, _tf32)}[operands]
+        pa, pb = _pieces(a, n, rnd), _pieces(b, n, rnd)
+        terms = [(i, j) for i in range(n) for j in range(n) if i + j < n]     # the pieces' leading products
+        terms.sort(key=lambda t: -(t[0] + t[1]))                             # smallest first
+        out = None
+        for i, j in terms:
+            t = dot(eq, pa[i], pb[j])
+            out = t if out is None else out + t
+        return out
+
+    return product
+
+
+def parse_fit(fit: str) -> tuple[str, str]:
+    """``"A"`` or ``"A:B"`` -> ``(operands of Z and Y, operands of U)``, each one of ``OPERANDS``."""
+    parts = fit.split(":")
+    if len(parts) not in (1, 2) or any(p not in OPERANDS for p in parts):
+        raise ValueError(f"a fit is OPERANDS or OPERANDS:OPERANDS with OPERANDS one of {OPERANDS}, got {fit!r}")
+    return parts[0], parts[-1]
+
+
+# compensators.fit_subspace's products by their einsum: Z = S^T Q, Y = S Z, U = S^T K^T
+Z_EQ, Y_EQ, U_EQ = "...kv,...kr->...vr", "...kv,...vr->...kr", "...kv,...rk->...rv"
+
+
+def fit_product(fit: str) -> Product:
+    """One ``product`` for ``encode_checkpoint``: ``fit``'s ``Z`` / ``Y`` operands, and its ``U``
+    operands for ``U``; a product it does not know is refused (the fit changed its products)."""
+    zy, u = (operand_product(o) for o in parse_fit(fit))
+    by_eq = {Z_EQ: zy, Y_EQ: zy, U_EQ: u}
+
+    def product(eq, a, b):
+        if eq not in by_eq:
+            raise ValueError(f"bench.fit_precision knows the fit's products {tuple(by_eq)}, not {eq!r}")
+        return by_eq[eq](eq, a, b)
+
+    return product
+
+
+def flush_with(config: LeapQuantConfig, state, fit: str):
+    """``windowed.flush_reference``'s checkpoint with ``fit``'s products (the state's buffer kept:
+    the criterion reads the checkpoint only)."""
+    dense = windowed.reconstruct_reference(config, state)
+    ckpt = windowed.encode_checkpoint(config, dense, state.checkpoint.comp_k, product=fit_product(fit))
+    return state.replace(checkpoint=ckpt)
+
+
+def criterion_rows(config: LeapQuantConfig, kda: bool, fits, *, seed=0, batch=CRITERION_BATCH, dim=128) -> list[dict]:
+    """``decoded_state_row`` of each fit in ``fits`` on the three inputs of ``criterion_cases``."""
+    cases = criterion_cases(config, kda, batch=batch, dk=dim, dv=dim, seed=seed)
+    rows = []
+    for fit in fits:
+        parse_fit(fit)
+        flush = jax.jit(lambda c, s, fit=fit: flush_with(c, s, fit), static_argnums=0)
+        for case in cases:
+            row = decoded_state_row(config, case, flush(config, case["state"]), mode="KDA" if kda else "GDN", impl=fit)
+            rows.append(dict(row, seed=seed, failures=decoded_state_failures(row)))
+    return rows
+
+
+def markdown(rows, env) -> str:
+    """The worst ratio to the reference's decoded-state error per fit, width and mode, over every
+    seed and input (``FAIL`` where a head misses the criterion)."""
+    keys = list(dict.fromkeys((r["bits"], r["mode"]) for r in rows))
+    fits = list(dict.fromkeys(r["impl"] for r in rows))
+    out = ["# The fit's tensor-core operands under the decoded-state criterion", "",
+           f"date {env['date']}; jax {env['jax']}; commit {env.get('commit')}; command `{env['command']}`", "",
+           "Worst per-head ratio of mean decoded-state error to the fp32 reference's (criterion: at most 1.01), "
+           "over the criterion's three inputs and every seed. `Z, Y : U` operands.", "",
+           "| fit | " + " | ".join(f"{m} {b} bits" for b, m in keys) + " |",
+           "| --- |" + " --- |" * len(keys)]
+    for fit in fits:
+        cells = []
+        for b, m in keys:
+            sel = [r for r in rows if r["impl"] == fit and r["bits"] == b and r["mode"] == m]
+            worst = max((r["worst_ratio"] for r in sel if r["worst_ratio"] is not None), default=float("nan"))
+            cells.append(f"{worst:.4f}" + ("" if all(r["passed"] for r in sel) else " FAIL"))
+        out.append(f"| `{fit}` | " + " | ".join(cells) + " |")
+    fails = [f"- `{r['impl']}` {r['mode']} {r['bits']} bits, seed {r['seed']}: {x}" for r in rows for x in r["failures"]]
+    if fails:
+        out += ["", "Failures:", ""] + fails
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fits", nargs="+", default=["fp32", "fp16", "fp16:fp32", "tf32", "bf16", "bf16_x3", "bf16_x6",
+                                                  "tf32_x3"])
+    ap.add_argument("--bits", type=int, nargs="+", default=[8, 6, 4])
+    ap.add_argument("--modes", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--batch", type=int, default=CRITERION_BATCH)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    try:
+        for fit in args.fits:
+            parse_fit(fit)
+        configs = [LeapQuantConfig(bits=b, window=16) for b in args.bits]
+    except ValueError as err:
+        sys.exit(f"bench.fit_precision: {err}")
+    env = environment(git_commit(), module="bench.fit_precision")
+    base, say = results_log(args.out, "fit-precision")
+    rows = []
+    for config in configs:
+        for kda in (m == "kda" for m in dict.fromkeys(args.modes)):
+            for seed in args.seeds:
+                for row in criterion_rows(config, kda, args.fits, seed=seed, batch=args.batch):
+                    say(json.dumps({k: row[k] for k in ("impl", "mode", "bits", "inputs", "seed", "worst_ratio",
+                                                        "passed", "failures")}))
+                    rows.append(row)
+    with open(base + ".json", "w") as f:
+        json.dump(dict(environment=env, rows=rows), f, indent=1, default=float)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(rows, env))
+    say(open(base + ".md").read())
+    return rows
+
+
+if __name__ == "__main__":
+    main()
