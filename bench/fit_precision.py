@@ -23,23 +23,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench.harness import environment, git_commit, results_log
 from bench.kernel_checks import CRITERION_BATCH, criterion_cases, decoded_state_failures, decoded_state_row
 from leapquant_jax import windowed
-from leapquant_jax.compensators import Product, hi_product
+from leapquant_jax.compensators import NORMAL_TINY, Product, hi_product
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.mosaic_flush import MM_SCALE
 
 f32 = jnp.float32
 OPERANDS = ("fp32", "tf32", "fp16", "bf16", "bf16_x3", "bf16_x6", "tf32_x3")
-TINY = 1e-30       # a head whose operand is all below this is left unscaled (it is zero to fp16)
 
 
 def _tf32(x):
@@ -57,9 +54,10 @@ def _pieces(x, n, rounding):
 
 
 def _per_head_scale(x):
-    """``MM_SCALE / max |x|`` over the last two axes (1 where ``x`` is all zero), keepdims."""
+    """``MM_SCALE / max |x|`` over the last two axes, keepdims; 1 where ``x`` is zero to
+    ``NORMAL_TINY`` (as ``compensators.scale_to_unit_max`` leaves such a ``y``)."""
     m = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
-    return jnp.where(m > TINY, MM_SCALE / jnp.where(m > TINY, m, 1.0), 1.0)
+    return jnp.where(m > NORMAL_TINY, MM_SCALE / jnp.where(m > NORMAL_TINY, m, 1.0), 1.0)
 
 
 def operand_product(operands: str) -> Product:
