@@ -14,7 +14,9 @@ and ``Y`` and ``B`` for ``U``.
 
 Operands (``OPERANDS``): ``fp32`` (the reference's products); ``tf32`` (each operand rounded to
 10 mantissa bits); ``fp16`` (each operand scaled per head so that its largest magnitude is
-``MM_SCALE``, as the Mosaic GPU flush scales its fp16 keys, then rounded); ``bf16``; ``bf16_x3``
+``MM_SCALE``, as the Mosaic GPU flush scales its fp16 keys, then rounded); ``fp16_bound`` (as
+``fp16``, but ``S`` scaled by ``state_bound``, a bound on ``|S|`` from the factors it is built
+from: what a flush that never holds ``S`` whole can know); ``bf16``; ``bf16_x3``
 (two bf16 pieces, three products: hi hi + hi lo + lo hi); ``bf16_x6`` (three pieces, six
 products); ``tf32_x3`` (TF32 with a correction term: two TF32 pieces, three products).
 """
@@ -27,6 +29,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.harness import environment, git_commit, results_log
 from bench.kernel_checks import CRITERION_BATCH, criterion_cases, decoded_state_failures, decoded_state_row
@@ -36,7 +39,8 @@ from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.mosaic_flush import MM_SCALE
 
 f32 = jnp.float32
-OPERANDS = ("fp32", "tf32", "fp16", "bf16", "bf16_x3", "bf16_x6", "tf32_x3")
+HI = jax.lax.Precision.HIGHEST
+OPERANDS = ("fp32", "tf32", "fp16", "fp16_bound", "bf16", "bf16_x3", "bf16_x6", "tf32_x3")
 
 
 def _tf32(x):
@@ -60,10 +64,29 @@ def _per_head_scale(x):
     return jnp.where(m > NORMAL_TINY, MM_SCALE / jnp.where(m > NORMAL_TINY, m, 1.0), 1.0)
 
 
-def operand_product(operands: str) -> Product:
-    """The fit's ``product(eq, a, b)`` with ``operands`` (one of ``OPERANDS``) and fp32 sums."""
+def state_bound(config: LeapQuantConfig, state) -> jax.Array:
+    """A bound ``[B, H, 1, 1]`` on ``max |S|`` of the state a flush rebuilds, from its factors:
+    per key row ``i``, ``D0_i (c_i max_j scale_j qmax + sum_m |K_mi| max |U_m|) + sum_j |w_ji k_ji|
+    max |u_j|``, then the largest row (``windowed.reconstruct_reference``'s terms, each by its
+    magnitude; ``c = 1`` without smoothing)."""
+    ck, buf = state.checkpoint, state.buffer
+    G_l, w = windowed.window_decays(buf, state.pos, buf.k.shape[-1])
+    vmax = lambda x: jnp.max(jnp.abs(x.astype(f32)), axis=-1)                         # over value columns
+    smooth = jnp.ones_like(G_l) if ck.smooth is None else ck.smooth.astype(f32)
+    codes = smooth * (vmax(ck.residual.scale) * config.format.qmax)[..., None]         # [B, H, dk]
+    comps = jnp.einsum("bhrk,bhr->bhk", jnp.abs(ck.comp_k.astype(f32)), vmax(ck.comp_u), precision=HI)
+    records = jnp.einsum("bhpk,bhp->bhk", jnp.abs(w * windowed.record_keys(buf)), vmax(buf.u), precision=HI)
+    rows = jnp.exp(G_l) * (codes + comps) + records
+    return jnp.max(rows, axis=-1)[..., None, None]
+
+
+def operand_product(operands: str, s_scale=None) -> Product:
+    """The fit's ``product(eq, a, b)`` with ``operands`` (one of ``OPERANDS``) and fp32 sums;
+    ``s_scale [B, H, 1, 1]``: ``fp16_bound``'s scale of ``S`` (every product's first operand)."""
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+    if (operands == "fp16_bound") != (s_scale is not None):
+        raise ValueError("operands='fp16_bound' takes s_scale (the scale of S from state_bound), the others none")
     if operands == "fp32":
         return hi_product
 
@@ -72,8 +95,8 @@ def operand_product(operands: str) -> Product:
 
     def product(eq, a, b):
         a, b = a.astype(f32), b.astype(f32)
-        if operands == "fp16":
-            sa, sb = _per_head_scale(a), _per_head_scale(b)
+        if operands in ("fp16", "fp16_bound"):
+            sa, sb = (s_scale if operands == "fp16_bound" else _per_head_scale(a)), _per_head_scale(b)
             out = dot(eq, (a * sa).astype(jnp.float16), (b * sb).astype(jnp.float16))
             # the factors' scales, in the output's layout: per head, so broadcast over the last two axes
             return out / (sa * sb)
@@ -106,10 +129,11 @@ def parse_fit(fit: str) -> tuple[str, str]:
 Z_EQ, Y_EQ, U_EQ = "...kv,...kr->...vr", "...kv,...vr->...kr", "...kv,...rk->...rv"
 
 
-def fit_product(fit: str) -> Product:
+def fit_product(fit: str, s_scale=None) -> Product:
     """One ``product`` for ``encode_checkpoint``: ``fit``'s ``Z`` / ``Y`` operands, and its ``U``
-    operands for ``U``; a product it does not know is refused (the fit changed its products)."""
-    zy, u = (operand_product(o) for o in parse_fit(fit))
+    operands for ``U``; a product it does not know is refused (the fit changed its products).
+    ``s_scale``: ``fp16_bound``'s scale of ``S``."""
+    zy, u = (operand_product(o, s_scale if o == "fp16_bound" else None) for o in parse_fit(fit))
     by_eq = {Z_EQ: zy, Y_EQ: zy, U_EQ: u}
 
     def product(eq, a, b):
@@ -124,7 +148,11 @@ def flush_with(config: LeapQuantConfig, state, fit: str):
     """``windowed.flush_reference``'s checkpoint with ``fit``'s products (the state's buffer kept:
     the criterion reads the checkpoint only)."""
     dense = windowed.reconstruct_reference(config, state)
-    ckpt = windowed.encode_checkpoint(config, dense, state.checkpoint.comp_k, product=fit_product(fit))
+    s_scale = None
+    if "fp16_bound" in parse_fit(fit):
+        bound = state_bound(config, state)
+        s_scale = jnp.where(bound > NORMAL_TINY, MM_SCALE / jnp.where(bound > NORMAL_TINY, bound, 1.0), 1.0)
+    ckpt = windowed.encode_checkpoint(config, dense, state.checkpoint.comp_k, product=fit_product(fit, s_scale))
     return state.replace(checkpoint=ckpt)
 
 
@@ -137,7 +165,12 @@ def criterion_rows(config: LeapQuantConfig, kda: bool, fits, *, seed=0, batch=CR
         flush = jax.jit(lambda c, s, fit=fit: flush_with(c, s, fit), static_argnums=0)
         for case in cases:
             row = decoded_state_row(config, case, flush(config, case["state"]), mode="KDA" if kda else "GDN", impl=fit)
-            rows.append(dict(row, seed=seed, failures=decoded_state_failures(row)))
+            row = dict(row, seed=seed, failures=decoded_state_failures(row))
+            if "fp16_bound" in parse_fit(fit):     # how far above max |S| the bound lies, per head
+                peak = np.abs(case["exact"]).max(axis=(-2, -1))
+                over = np.asarray(state_bound(config, case["state"]))[..., 0, 0] / np.where(peak > 0, peak, np.nan)
+                row["bound_over_max"] = [float(np.nanmin(over)), float(np.nanmedian(over)), float(np.nanmax(over))]
+            rows.append(row)
     return rows
 
 
@@ -159,6 +192,15 @@ def markdown(rows, env) -> str:
             worst = max((r["worst_ratio"] for r in sel if r["worst_ratio"] is not None), default=float("nan"))
             cells.append(f"{worst:.4f}" + ("" if all(r["passed"] for r in sel) else " FAIL"))
         out.append(f"| `{fit}` | " + " | ".join(cells) + " |")
+    bounded = [r for r in rows if "bound_over_max" in r]
+    if bounded:
+        out += ["", "`state_bound` over the rebuilt state's max |S|, per head (smallest, median of the inputs' "
+                "medians, largest):", ""]
+        for b, m in keys:
+            sel = [r["bound_over_max"] for r in bounded if r["bits"] == b and r["mode"] == m]
+            if sel:
+                out.append(f"- {m} {b} bits: {min(x[0] for x in sel):.3g}, {float(np.median([x[1] for x in sel])):.3g}, "
+                           f"{max(x[2] for x in sel):.3g}")
     fails = [f"- `{r['impl']}` {r['mode']} {r['bits']} bits, seed {r['seed']}: {x}" for r in rows for x in r["failures"]]
     if fails:
         out += ["", "Failures:", ""] + fails
