@@ -91,7 +91,7 @@ def operand_product(operands: str, s_scale=None) -> Product:
         return hi_product
 
     def dot(eq, a, b):
-        return jnp.einsum(eq, a, b, preferred_element_type=f32, precision=jax.lax.Precision.HIGHEST)
+        return jnp.einsum(eq, a, b, preferred_element_type=f32, precision=HI)
 
     def product(eq, a, b):
         a, b = a.astype(f32), b.astype(f32)
