@@ -199,9 +199,10 @@ def markdown(rows, env) -> str:
         for b, m in keys:
             sel = [r["bound_over_max"] for r in bounded if r["bits"] == b and r["mode"] == m]
             if sel:
-                out.append(f"- {m} {b} bits: {min(x[0] for x in sel):.3g}, {float(np.median([x[1] for x in sel])):.3g}, "
-                           f"{max(x[2] for x in sel):.3g}")
-    fails = [f"- `{r['impl']}` {r['mode']} {r['bits']} bits, seed {r['seed']}: {x}" for r in rows for x in r["failures"]]
+                low, mid, high = min(x[0] for x in sel), float(np.median([x[1] for x in sel])), max(x[2] for x in sel)
+                out.append(f"- {m} {b} bits: {low:.3g}, {mid:.3g}, {high:.3g}")
+    fails = [f"- `{r['impl']}` {r['mode']} {r['bits']} bits, seed {r['seed']}: {x}"
+             for r in rows for x in r["failures"]]
     if fails:
         out += ["", "Failures:", ""] + fails
     return "\n".join(out) + "\n"
