@@ -117,11 +117,10 @@ def _quantize_and_write(S, new_k, new_u, *, bits, dk, dv, slices, smoothing, out
         cu_out[c, :] = new_u[c]
 
 
-def _part_slices(bits, dk):
+def _part_slices(dk):
     """Key-row slices of the parts a flush holds ``S`` in: one, every key row, at every width (the
     codes as one tile, ``load_code_tile``: the kernel's code and compile time as at 8 bits). The
     kernels keep ``S`` and the fit's columns as lists of parts, as ``cholesky_qr_round`` takes them."""
-    del bits
     return [pl.ds(0, dk)]
 
 
@@ -159,7 +158,7 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
     outs = _checkpoint_outs(it, smoothing, rank)
 
     pos = pos_ref[...]
-    slices = _part_slices(bits, dk)
+    slices = _part_slices(dk)
 
     def body():
         # --- 1. reconstruct S_pos: one part, every key row, [dk, dv]
@@ -186,9 +185,8 @@ def _fused_kernel(*refs, bits, rank, window, dk, dv, per_channel, smoothing, war
                 gj = bg_ref[j, sl] if per_channel else bg_ref[j]
                 return acc + jnp.where(live_j, gj.astype(f32), 0.0), rec
 
-            n = dk
-            acc0 = jnp.zeros((n,), f32) if per_channel else jnp.zeros((), f32)
-            acc, rec = jax.lax.fori_loop(0, window, record, (acc0, jnp.zeros((n, dv), f32)))
+            acc0 = jnp.zeros((dk,), f32) if per_channel else jnp.zeros((), f32)
+            acc, rec = jax.lax.fori_loop(0, window, record, (acc0, jnp.zeros((dk, dv), f32)))
             D0 = jnp.exp(acc)
             s = (D0[:, None] if per_channel else D0) * s + rec
             S.append(s)
@@ -228,7 +226,7 @@ def _rebuild_parts(ins, pos, *, bits, rank, window, dk, per_channel, smoothing, 
     (log-space decays masked before ``exp``: a fully decayed head gives zeros, not NaN; the
     records as one dot for ``p >= 16``). ``ins``: the refs of ``_input_refs``."""
     _, _, codes_ref, scale_ref, smooth_ref, ck_ref, cu_ref, bk_ref, bu_ref, bg_ref = ins
-    slices = _part_slices(bits, dk)
+    slices = _part_slices(dk)
 
     def dot(a, b):   # a [p, n], b [p, BV] -> a^T b
         return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=f32)
@@ -283,7 +281,7 @@ def _reconstruct_kernel(*refs, bits, rank, window, dk, per_channel, smoothing, w
     y_out = next(it) if rank else None
 
     pos = ins[0][...]
-    slices = _part_slices(bits, dk)
+    slices = _part_slices(dk)
 
     def body():
         S = _rebuild_parts(ins, pos, bits=bits, rank=rank, window=window, dk=dk, per_channel=per_channel,
@@ -314,7 +312,7 @@ def _quantize_kernel(*refs, bits, rank, window, dk, dv, smoothing, only_full):
     outs = _checkpoint_outs(it, smoothing, rank)
 
     pos = pos_ref[...]
-    slices = _part_slices(bits, dk)
+    slices = _part_slices(dk)
 
     def body():
         new_k = [[k_ref[c, sl] for sl in slices] for c in range(rank)]
