@@ -4,6 +4,7 @@ every window full, or one in ``--full-every``), after single-op checks of flush 
     python -m bench.flush_time --out DIR [--bits 8] [--modes gdn kda] [--check-bits 8] [--check-impls split]
                                [--check-configs '[{}, {"warm_start": true}]'] [--full-every 1 16]
                                [--variants '[{"impl": "split"}, {"impl": "fused", "num_warps": 4}]']
+                               [--configs '[{}, {"rank": 0}, {"fit_iters": 2}]']
 
 ``impl="mosaic"`` (in ``--variants`` and ``--check-impls``) is the Mosaic GPU flush
 (``pallas_kernels.mosaic_flush``) with its own options; a ``--check-impls`` entry may be a JSON
@@ -44,6 +45,9 @@ def main(argv=None):
     ap.add_argument("--check-configs", default="[{}]",
                     help="JSON list of further LeapQuantConfig fields, one check per entry "
                          "(e.g. warm_start, fit_iters)")
+    ap.add_argument("--configs", default="[{}]",
+                    help="JSON list of further LeapQuantConfig fields of the timed flush, one row per entry and "
+                         "variant (e.g. rank, fit_iters: what the fit costs)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--full-every", type=int, nargs="+", default=[1],
                     help="one sequence in N has a full window (the others hold 5 records): one row per N")
@@ -67,15 +71,17 @@ def main(argv=None):
                              config_options=options)
         log(dict(check_seconds=time.time() - t0))
     for bits in args.bits:
-        config = LeapQuantConfig(bits=bits, window=16, impl="pallas")
-        for mode in args.modes:
-            full = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), args.batch, 32, 128, 128),
-                                       per_channel_decay=mode == "kda")
-            for every in args.full_every:
-                pos = jnp.where(jnp.arange(args.batch) % every == 0, 16, 5).astype(full.pos.dtype)
-                for v in json.loads(args.variants):
-                    log(time_variant(config, full.replace(pos=pos), v, bits=bits, mode=mode, full_every=every))
-            full = None
+        for fields in json.loads(args.configs):
+            config = LeapQuantConfig(bits=bits, window=16, impl="pallas", **fields)
+            for mode in args.modes:
+                full = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), args.batch, 32, 128, 128),
+                                           per_channel_decay=mode == "kda")
+                for every in args.full_every:
+                    pos = jnp.where(jnp.arange(args.batch) % every == 0, 16, 5).astype(full.pos.dtype)
+                    for v in json.loads(args.variants):
+                        row = dict(bits=bits, fields=fields, mode=mode, full_every=every)
+                        log(time_variant(config, full.replace(pos=pos), v, **row))
+                full = None
     rows.close()
 
 

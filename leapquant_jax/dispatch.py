@@ -37,6 +37,9 @@ from .state import LeapQuantConfig, LeapQuantState
 # break-even of the two on the H200 at batch 512, per decay kind (False: GDN, True: KDA;
 # docs/performance.md, "Which implementation auto takes").
 MIN_FULL_FRACTION = {Impl.SPLIT: {False: 0.22, True: 0.13}, Impl.MOSAIC: {False: 0.25, True: 0.16}}
+# Flush kernels that, with ``only_full``, do no work for a sequence whose window is not full and
+# next to none when no window is: they run on every step without a decision on the host.
+SELF_SKIPPING = (Impl.FUSED, Impl.MOSAIC)
 
 
 def load_kernels():
@@ -122,19 +125,29 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if not only_full:
         return run(config, state, only_full=False)
     full = state.pos >= config.window
-    if request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION and takes("flush", Impl.FUSED, config, state):
-        many = jnp.mean(full.astype(jnp.float32)) >= MIN_FULL_FRACTION[chosen][state.per_channel_decay]
+    fused = request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION and takes("flush", Impl.FUSED, config, state)
+    if not fused:
+        if chosen in SELF_SKIPPING:
+            return run(config, state, only_full=True)
+        return _at_most_once(jnp.any(full), lambda s: run(config, s, only_full=True), state)
+    many = jnp.mean(full.astype(jnp.float32)) >= MIN_FULL_FRACTION[chosen][state.per_channel_decay]
+    if chosen in SELF_SKIPPING:
+        # No decision on the host: the whole-batch kernel sees the full windows only where many are
+        # full (elsewhere their positions held below p), the fused one the full windows left.
+        held = state.replace(pos=jnp.where(many, state.pos, jnp.minimum(state.pos, config.window - 1)))
+        state = run(config, held, only_full=True).replace(pos=jnp.where(full & many, 0, state.pos))
+    else:
         state = _at_most_once(many, lambda s: run(config, s, only_full=True), state)
-        return _at_most_once(jnp.any(full) & ~many, lambda s: kernel("flush", Impl.FUSED)(config, s, only_full=True),
-                             state)
-    return _at_most_once(jnp.any(full), lambda s: run(config, s, only_full=True), state)
+    return kernel("flush", Impl.FUSED)(config, state, only_full=True)
 
 
 def _at_most_once(pred: jax.Array, fn, operand):
-    """``fn(operand)`` where ``pred`` (a scalar bool), else ``operand``: a loop of at most one turn.
+    """``fn(operand)`` where ``pred`` (a scalar bool), else ``operand``: a loop of at most one turn,
+    for a flush that costs the same whatever the positions (the split flush's fit runs in XLA).
     Why not ``lax.cond``: XLA gives a conditional's result a buffer of its own when its branches
     yield different values, so the branch that does nothing copies the state into it, on every
-    step that flushes nothing; a loop updates its carried state in place (docs/performance.md)."""
+    step that flushes nothing; a loop updates its carried state in place. Either waits on the
+    device for its predicate; the kernels in ``SELF_SKIPPING`` need no decision (docs/performance.md)."""
     def body(carry):
         _, x = carry
         return jnp.zeros((), bool), fn(x)
@@ -153,5 +166,5 @@ def dense_step(values: jax.Array, token: Token, *, impl: str = AUTO) -> tuple[ja
     return o, new.astype(values.dtype)
 
 
-__all__ = ["MIN_FULL_FRACTION", "dense_step", "kernel", "leapquant_flush", "leapquant_step", "load_kernels",
+__all__ = ["MIN_FULL_FRACTION", "SELF_SKIPPING", "dense_step", "kernel", "leapquant_flush", "leapquant_step", "load_kernels",
            "resolve", "takes"]

@@ -398,11 +398,14 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         return (t // h) * hk + (t % h) // (h // hk)
 
     def fetch(bars):
-        plgpu.copy_gmem_to_smem(refs["seeded_start"], start_s, bars.at[0])
+        # The launch's flag (any head flushed) into the decayed keys' first row, free until the first head
+        plgpu.copy_gmem_to_smem(refs["launch"], kd_ref.at[0], bars.at[0])
         plgpu.barrier_wait(bars.at[0])
+        if r and not warm_start:
+            plgpu.copy_gmem_to_smem(refs["seeded_start"], start_s, bars.at[1])
+            plgpu.barrier_wait(bars.at[1])
 
-    if r and not warm_start:
-        pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=1))
+    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
     def body(idx, *tiles):
         i = idx[0]
@@ -411,15 +414,15 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         # The copies out of the earlier heads have read the output slots, whose memory the
         # decayed keys take (with one stage they ended with the last head's body).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        start = tile["start"] if warm_start else start_s
-        _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, red, start, r=r, p=p, per_channel=per_channel,
-                    smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, bits=bits, unroll=unroll,
-                    sum_lanes=sum_lanes, recon=recon, a16=a16, lay=lay)
-        plgpu.commit_smem()
-        lay.sync()
 
-        @pl.when((t < n) & (tile["meta"][0] > 0))
+        @pl.when((t < n) & (tile["meta"][0] > 0))     # a head that is not flushed: no work, no store
         def _():
+            start = tile["start"] if warm_start else start_s
+            _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, red, start, r=r, p=p,
+                        per_channel=per_channel, smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, bits=bits,
+                        unroll=unroll, sum_lanes=sum_lanes, recon=recon, a16=a16, lay=lay)
+            plgpu.commit_smem()
+            lay.sync()
             plgpu.copy_smem_to_gmem(tile["codes"], refs["codes"].at[t], commit_group=False)
             for name, ref in slots.items():
                 plgpu.copy_smem_to_gmem(ref, refs[name].at[t], commit_group=False)
@@ -440,9 +443,12 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
                                delay_release=delay if name == "codes" else 0)
 
     ins = [refs[name] for name in names]
-    plgpu.emit_pipeline(body, grid=(per,), in_specs=[spec(name, x) for name, x in zip(names, ins)],
-                        max_concurrent_steps=stages)(*ins)
-    plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(kd_ref.at[0][0] > 0)   # a launch that flushes no head copies nothing in
+    def _():
+        plgpu.emit_pipeline(body, grid=(per,), in_specs=[spec(name, x) for name, x in zip(names, ins)],
+                            max_concurrent_steps=stages)(*ins)
+        plgpu.wait_smem_to_gmem(0)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -609,7 +615,8 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     if r:
         out_shapes.update(ck=((r, dk), jnp.float16), cu=((r, dv), jnp.float16))
     out_names = tuple(out_shapes)
-    values.update(seeded_start=random_start(dk, max(r, 1), config.seed))
+    values.update(seeded_start=random_start(dk, max(r, 1), config.seed),
+                  launch=jnp.zeros((dk,), f32).at[0].set(jnp.any(flush).astype(f32)))
     # The decayed keys (read by the reconstruction only) share their memory with the fit's rows
     # and the output slots (written after it) and with the warps' exchange; the fit's rows take at
     # least 2 x 2, so that the exchange's first [WARPS, dk] (the column maxima's) lies in them.

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from leapquant_jax import dispatch, windowed
+from leapquant_jax.impls import Impl
 from leapquant_jax.quantizers import round_codes
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import leapquant_flush, mosaic_flush
@@ -107,6 +108,33 @@ def test_mosaic_flush_only_full_windows_and_shared_key_records():
     chex.assert_trees_all_equal(rest(ker), rest(st))
     ker_e = mosaic_flush.leapquant_flush(config, copy_tree(expanded_state(st)), only_full=True, programs=4)
     chex.assert_trees_all_equal(ker.checkpoint, ker_e.checkpoint)
+
+
+@pytest.mark.parametrize("pos, flushes", [([8, 8, 3, 0, 8], (3, 0)), ([8, 3, 0, 1, 2], (0, 1))],
+                         ids=["many-full", "few-full"])
+def test_auto_flush_of_full_windows_needs_no_decision_on_the_host(monkeypatch, pos, flushes):
+    # On Hopper auto runs the Mosaic GPU flush and the fused one on every step, each a no-op where
+    # it has nothing to do: the Mosaic GPU flush takes the full windows where at least
+    # MIN_FULL_FRACTION of them are full (3 of 5), else none (it then copies nothing in) and the
+    # fused flush takes them (1 of 5). flushes: the full windows each kernel sees.
+    config = LeapQuantConfig(bits=8, window=8)
+    st, _ = live_state(config, jax.random.PRNGKey(48), 5, 2, 128, 128, False, pos=pos)
+    monkeypatch.setattr(dispatch, "resolve", lambda op, impl, *a: Impl.MOSAIC)
+    seen = {}
+    kernel = dispatch.kernel
+
+    def counted(op, impl):
+        run = kernel(op, impl)
+
+        def flush(config, state, *, only_full):
+            seen[impl] = int(np.sum(np.asarray(state.pos) >= config.window))
+            return run(config, state, only_full=only_full)
+        return flush
+    monkeypatch.setattr(dispatch, "kernel", counted)
+    ker, _ = check_flush(config, st, only_full=True, impl="auto")
+    assert (seen[Impl.MOSAIC], seen[Impl.FUSED]) == flushes
+    partial = lambda tree: jax.tree_util.tree_map(lambda x: x[np.asarray(pos) < 8], tree)   # noqa: E731
+    chex.assert_trees_all_equal(partial(ker), partial(st))
 
 
 def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
