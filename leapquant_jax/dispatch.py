@@ -17,7 +17,9 @@ dense step, ``(dk, dv, chunk)`` for the chunk scan, ``(dk, chunk)`` for KDA's pa
 The ops below run what ``resolve`` chose, with the reference's signatures. A flush of the full
 windows only, under ``"auto"`` or ``"pallas"``, runs the fused flush when fewer than
 ``MIN_FULL_FRACTION`` of the batch's windows are full and it takes the state (it reads nothing
-for the others, where the whole-batch flushes cost the same whatever the positions). A kernel's
+for the others, where the whole-batch flushes copy in every head). The kernels in
+``SELF_SKIPPING`` run on every step with no decision on the host; the split flush runs in a loop
+of at most one turn (``_at_most_once``). A kernel's
 ``custom_jvp`` and its reference derivative are wired by the core module that calls it
 (``chunked``).
 """

@@ -2,14 +2,15 @@
 
 Contract: ``leapquant_flush.flush_split``'s (``windowed.flush_reference``; with ``only_full`` only
 the sequences at ``pos >= p``, ``windowed.maybe_flush``); the buffer is left as it was (no read
-reaches a slot at or past the reset ``pos``). Under ``vmap`` the mapped axis joins the batch.
+reaches a slot at or past the reset ``pos``). Under ``vmap`` the mapped axis joins the batch. A
+head that is not flushed costs its copy in only, and a launch that flushes none copies nothing,
+so that a decode runs it on every step (``dispatch.SELF_SKIPPING``).
 
 Why: the split flush sends the fp32 state through device memory and the one-program-per-head
 Triton flush is latency-bound. Here each program keeps one head's fp32 state in shared memory
 (64 KB) and makes every pass over it there, while the copy engine (TMA) brings the next heads'
 checkpoints and records in: it reads them once and writes the checkpoint once
-(``mosaic_flush_bytes``). It copies in every head whatever the positions (a copy has a static
-size) and stores only the flushed ones.
+(``mosaic_flush_bytes``).
 
 Structure: ``programs`` programs of one warpgroup walk ``per`` consecutive heads of ``[B H]`` in an
 ``emit_pipeline``. Per head: (0) the reconstruction's decayed key rows ``kd = [D0 K; d_j k_j]``
