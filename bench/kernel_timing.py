@@ -76,8 +76,10 @@ def dense_accepts(option: str) -> bool:
 
 
 def leapquant_window_timer(config, mode, step_opts=None, flush_opts=None):
-    """mode: 'window' (p steps + flush of full windows), 'steps' (p steps), 'flush' (flush only),
-    'flush-1/16' (flush with one sequence in 16 full, as in a batch at spread-out positions).
+    """mode: 'window' (p steps + flush of full windows), 'window-checked' (p steps, each followed
+    by the flush of full windows, as ``WindowedMethod.step_token`` runs them), 'steps' (p steps),
+    'flush' (flush only), 'flush-1/16' (flush with one sequence in 16 full, as in a batch at
+    spread-out positions).
     ``step_opts``: the Triton step's options, or ``{"kernel": "mosaic", ...}`` for the Mosaic GPU
     step's."""
     p = config.window
@@ -86,10 +88,12 @@ def leapquant_window_timer(config, mode, step_opts=None, flush_opts=None):
 
     def run(state, toks):
         o = jnp.zeros(())
-        if mode in ("window", "steps"):
+        if mode in ("window", "window-checked", "steps"):
             state = state.replace(pos=jnp.zeros_like(state.pos))
             for tok in toks:
                 o, state = step(config, state, tok, **opts)
+                if mode == "window-checked":
+                    state = run_flush(config, state, only_full=True, **(flush_opts or {}))
         if mode in ("window", "flush", "flush-1/16"):
             if mode == "flush":
                 state = state.replace(pos=jnp.full_like(state.pos, p))
@@ -359,7 +363,9 @@ def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool, den
         step_opts, step_kernel = dict(kernel="mosaic"), " (Mosaic GPU step, auto on Hopper)"
     mosaic_step_row = step_opts.get("kernel") == "mosaic"     # the sweep's fastest step, or auto's
     step_kernel = step_kernel if mosaic_step_row else ""
-    for what in ("window", "steps", "flush") + (("steps-triton",) if mosaic_step_row else ()):
+    # the method's window (a flush of full windows after every step) where the flush is the dispatch's
+    checked = ("window-checked",) if not best[kda]["flush"] else ()
+    for what in ("window",) + checked + ("steps", "flush") + (("steps-triton",) if mosaic_step_row else ()):
         st = windowed.from_dense(config, s, per_channel_decay=kda)
         steps = 1 if what == "flush" else p
         err = None
@@ -372,6 +378,9 @@ def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool, den
         if what == "window":
             nb = leapquant_bytes_per_step(config, dk, dv, kda, flush_impl) * bsz * h
             name = f"LeapQuant int{bits} p={p} (steps + flush, per step)" + step_kernel
+        elif what == "window-checked":
+            nb = leapquant_bytes_per_step(config, dk, dv, kda, flush_impl) * bsz * h
+            name = f"LeapQuant int{bits} p={p} as the method runs it (a flush check after each step, per step)"
         elif what == "steps":
             nb = mean_step_bytes(config, dk, dv, kda) * bsz * h
             name = f"LeapQuant int{bits} step only (mean over window)" + step_kernel

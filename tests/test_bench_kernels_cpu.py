@@ -5,6 +5,7 @@ variants. The GPU timings themselves run in ``bench/``; the compiled checks in `
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +13,13 @@ import pytest
 
 from bench import kernels as bk
 from bench import kernel_report, kernel_timing
+from bench.inputs import random_state, window_tokens
 from bench.kernel_checks import check_single_ops
+from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.leapquant_step import step_bytes
 
-from helpers import live_state, random_sequence, token_at
+from helpers import copy_tree, live_state, random_sequence, token_at
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
 # one xdist worker compiles them once (conftest.py: --dist loadgroup).
@@ -264,3 +267,15 @@ def test_other_bit_widths_time_the_step_auto_runs(monkeypatch, swept, mosaic, wa
     md = kernel_report.markdown(dict(environment=env, bits=8, correctness=[], timings=[], sweep=[], notes=[],
                                      other_bits=rows))
     assert f"| 2 | 6 | GDN | LeapQuant int6 window | {want} | 2.0 |" in md
+
+
+def test_the_methods_window_flushes_after_every_step_to_the_same_state():
+    # "window-checked" runs a flush of the full windows after each step, as WindowedMethod does:
+    # the steps before the last fill no window, so it ends where "window" (one flush at the end) does.
+    config = LeapQuantConfig(bits=8, window=4, impl="pallas")
+    toks = window_tokens(2, 2, 32, 32, False, 4)
+    start = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), 2, 2, 32, 32))
+    out = {mode: kernel_timing.leapquant_window_timer(config, mode)(copy_tree(start), toks)
+           for mode in ("window", "window-checked")}
+    chex.assert_trees_all_close(out["window"], out["window-checked"], rtol=0, atol=0)
+    assert int(out["window"][0].pos.max()) == 0
