@@ -50,7 +50,7 @@ def main(argv=None):
                          "variant (e.g. rank, fit_iters: what the fit costs)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--full-every", type=int, nargs="+", default=[1],
-                    help="one sequence in N has a full window (the others hold 5 records): one row per N")
+                    help="one sequence in N has a full window (the others hold 5 records; 0: none): one row per N")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rows = open(os.path.join(args.out, "flush_time.jsonl"), "a")
@@ -77,7 +77,8 @@ def main(argv=None):
                 full = windowed.from_dense(config, random_state(jax.random.PRNGKey(3), args.batch, 32, 128, 128),
                                            per_channel_decay=mode == "kda")
                 for every in args.full_every:
-                    pos = jnp.where(jnp.arange(args.batch) % every == 0, 16, 5).astype(full.pos.dtype)
+                    full_at = jnp.arange(args.batch) % every == 0 if every else jnp.zeros((args.batch,), bool)
+                    pos = jnp.where(full_at, 16, 5).astype(full.pos.dtype)
                     for v in json.loads(args.variants):
                         row = dict(bits=bits, fields=fields, mode=mode, full_every=every)
                         log(time_variant(config, full.replace(pos=pos), v, **row))

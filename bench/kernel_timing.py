@@ -363,8 +363,9 @@ def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool, den
         step_opts, step_kernel = dict(kernel="mosaic"), " (Mosaic GPU step, auto on Hopper)"
     mosaic_step_row = step_opts.get("kernel") == "mosaic"     # the sweep's fastest step, or auto's
     step_kernel = step_kernel if mosaic_step_row else ""
-    # the method's window (a flush of full windows after every step) where the flush is the dispatch's
-    checked = ("window-checked",) if not best[kda]["flush"] else ()
+    # the method's window (a flush of full windows after every step) where the flush skips by itself
+    skips = best[kda]["flush"].get("impl", "auto") in ("auto", "mosaic", "fused")
+    checked = ("window-checked",) if skips else ()
     for what in ("window",) + checked + ("steps", "flush") + (("steps-triton",) if mosaic_step_row else ()):
         st = windowed.from_dense(config, s, per_channel_decay=kda)
         steps = 1 if what == "flush" else p

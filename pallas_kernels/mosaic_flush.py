@@ -13,8 +13,8 @@ checkpoints and records in: it reads them once and writes the checkpoint once
 (``mosaic_flush_bytes``).
 
 Structure: ``programs`` programs of one warpgroup walk ``per`` consecutive heads of ``[B H]`` in an
-``emit_pipeline``. Per head: (0) the reconstruction's decayed key rows ``kd = [D0 K; d_j k_j]``
-and row factors ``D0 c``, as ``windowed.window_decays`` and ``record_keys`` make them, one key
+``emit_pipeline`` (``walk="list"``: the flushed heads only). Per head: (0) the decayed key rows ``kd``
+``= [D0 K; d_j k_j]`` and row factors ``D0 c``, as ``windowed.window_decays`` and ``record_keys`` make them, one key
 channel per thread, so that ``S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj`` (``ud = [U; u]``) is
 one form for GDN and KDA; then ``chunk`` key rows at a time (``rows_layout(4)``: each warp sums its
 rows, then one exchange between the warps, ``meet_warps``): (1) ``S`` and ``Z = S^T Q_0``; (2)
@@ -69,6 +69,9 @@ DEFAULT_STAGES = 1       # heads in flight per program: one, so that two program
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
+WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
+DEFAULT_WALK = "pipeline"
+HEAD_COL = 2                # a head's scalars: its index in [B H] (walk="list")
 MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
 MM_SCALE = 2.0 ** 14     # the decayed keys' largest magnitude after scaling, well inside fp16's range
 MM_FLOOR = 2.0 ** -100   # the scaling's divisor when every decayed key is zero (no live record)
@@ -385,10 +388,11 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
 
 
 def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r, p, per_channel, smoothing, fit_iters,
-             warm_start, chunk, bits, unroll, sum_lanes, recon, interpret):
-    """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``keyed``: the inputs read
-    per key head (``hk`` of the ``h`` heads)."""
-    start_s, s_ref, (kd_ref, (fit_ref, slots), red) = scratch
+             warm_start, chunk, bits, unroll, sum_lanes, recon, walk, programs, interpret):
+    """Program ``c``: its heads ``c per + [0, per)``, or with ``walk="list"`` the list's entries
+    ``c, c + programs, ...`` (module docstring). ``keyed``: the inputs read per key head (``hk`` of
+    the ``h`` heads)."""
+    start_s, s_ref, (kd_ref, (fit_ref, slots), red) = scratch[:3]
     s_ref, a16 = (s_ref[0], s_ref[1][1]) if recon == "wgmma" else (s_ref, None)
     slots = dict(zip(out_names, slots))
     c = jax.lax.axis_index("c")
@@ -409,9 +413,13 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
     pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
     def body(idx, *tiles):
-        i = idx[0]
-        t = c * per + i
-        tile = dict(zip(names, tiles))
+        flush_head(c * per + idx[0], dict(zip(names, tiles)))
+        # The pipeline refills this head's codes slot after the next head's body where the
+        # codes' spec delays its release by one step (two stages or more), else after this one:
+        # by then this copy has read it.
+        plgpu.wait_smem_to_gmem(delay, wait_read_only=True)
+
+    def flush_head(t, tile):
         # The copies out of the earlier heads have read the output slots, whose memory the
         # decayed keys take (with one stage they ended with the last head's body).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -429,10 +437,6 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
                 plgpu.copy_smem_to_gmem(ref, refs[name].at[t], commit_group=False)
 
         plgpu.commit_smem_to_gmem_group()
-        # The pipeline refills this head's codes slot after the next head's body where the
-        # codes' spec delays its release by one step (two stages or more), else after this one:
-        # by then this copy has read it.
-        plgpu.wait_smem_to_gmem(delay, wait_read_only=True)
 
     def spec(name, x):
         zeros = (0,) * (x.ndim - 1)
@@ -444,6 +448,27 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
                                delay_release=delay if name == "codes" else 0)
 
     ins = [refs[name] for name in names]
+    if walk == "list":
+        tiles, bars = dict(zip(names, scratch[3])), scratch[4]
+        count = kd_ref.at[0][1].astype(jnp.int32)    # read before the first head takes kd_ref's memory
+
+        def entry(j, carry):
+            i = c + j * programs
+            lay.sync()      # every thread is past its reads of the last head's tiles,
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # and its copies out past theirs
+            plgpu.copy_gmem_to_smem(refs["meta"].at[i], tiles["meta"], bars.at[0])
+            plgpu.barrier_wait(bars.at[0])
+            t = tiles["meta"][HEAD_COL].astype(jnp.int32)
+            for b, name in enumerate(names[1:], 1):
+                plgpu.copy_gmem_to_smem(refs[name].at[key_head(t) if name in keyed else t], tiles[name], bars.at[b])
+            for b in range(1, len(names)):
+                plgpu.barrier_wait(bars.at[b])
+            flush_head(t, tiles)
+            return carry
+
+        jax.lax.fori_loop(0, jnp.maximum(count - c + programs - 1, 0) // programs, entry, None)
+        plgpu.wait_smem_to_gmem(0)
+        return
 
     @pl.when(kd_ref.at[0][0] > 0)   # a launch that flushes no head copies nothing in
     def _():
@@ -511,11 +536,11 @@ def _flat(x, n):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "only_full", "programs", "stages", "chunk", "unroll",
-                                             "sum_lanes", "recon", "auto_barriers", "interpret"))
+                                             "sum_lanes", "recon", "walk", "auto_barriers", "interpret"))
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
                     programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
                     unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, recon: str | None = None,
-                    auto_barriers: bool = False,
+                    walk: str = DEFAULT_WALK, auto_barriers: bool = False,
                     interpret=None) -> LeapQuantState:
     """Window flush (``leapquant_flush.flush_split``'s contract) on Mosaic GPU.
 
@@ -534,6 +559,10 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``) or, for the
     records' part, the tensor cores (``"wgmma"``, ``_rank_part``: ``takes_tensor_cores``); ``None``
     (the default): ``default_recon``, the tensor cores where they can run;
+    ``walk``: which heads a program copies in: ``"pipeline"``, its ``per`` consecutive heads of
+    ``[B H]`` in an ``emit_pipeline`` (a head not flushed costs its copy); ``"list"`` (one stage
+    only), the flushed heads alone, from a list XLA makes of them (program ``c`` takes entries
+    ``c, c + programs, ...``), each head's scalars copied in before its tiles;
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -543,6 +572,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_flush cannot run: {why}")
     check_launch(programs, stages)
+    if walk not in WALKS or (walk == "list" and stages != 1):
+        raise ValueError(f"walk={walk!r}: expected one of {WALKS}, 'list' with one stage (stages={stages})")
     check_chunk(chunk, config.bits, DK)
     if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
         raise ValueError(f"sum_lanes={sum_lanes!r} must be 32, or 8 with chunk a multiple of 16 (chunk={chunk}; "
@@ -557,12 +588,13 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
                          f"{config.window}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
     run = functools.partial(_launch, config, only_full=only_full, programs=programs, stages=stages, chunk=chunk,
-                            unroll=unroll, sum_lanes=sum_lanes, recon=recon, auto_barriers=auto_barriers,
+                            walk=walk, unroll=unroll, sum_lanes=sum_lanes, recon=recon, auto_barriers=auto_barriers,
                             interpret=interpret)
     return fold_vmap(run)(state)
 
 
-def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_lanes, recon, auto_barriers, interpret):
+def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_lanes, recon, walk, auto_barriers,
+            interpret):
     """``leapquant_flush`` on checked options: the XLA prologue and the kernel's launch."""
     bsz, h, dk, dv = state.shape
     ckpt, buf = state.checkpoint, state.buffer
@@ -616,8 +648,13 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     if r:
         out_shapes.update(ck=((r, dk), jnp.float16), cu=((r, dv), jnp.float16))
     out_names = tuple(out_shapes)
+    count = jnp.sum(head(flush))
+    if walk == "list":
+        # The flushed heads' scalars first, each with its head's index; the kernel reads the first count
+        rows = values["meta"].at[:, HEAD_COL].set(jnp.arange(n, dtype=f32))
+        values["meta"] = rows[jnp.nonzero(rows[:, 0] > 0, size=n, fill_value=n - 1)[0]]
     values.update(seeded_start=random_start(dk, max(r, 1), config.seed),
-                  launch=jnp.zeros((dk,), f32).at[0].set(jnp.any(flush).astype(f32)))
+                  launch=jnp.zeros((dk,), f32).at[0].set((count > 0).astype(f32)).at[1].set(count))
     # The decayed keys (read by the reconstruction only) share their memory with the fit's rows
     # and the output slots (written after it) and with the warps' exchange; the fit's rows take at
     # least 2 x 2, so that the exchange's first [WARPS, dk] (the column maxima's) lies in them.
@@ -632,12 +669,19 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem,
                smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later,
                           plgpu.SMEM((max(r, 1), WARPS, dk), f32))]
+    if walk == "list":
+        # A head's tiles, as the pipeline's one stage has them, and a barrier per tile
+        swizzled = lambda name: name == "ru" and recon == "wgmma"   # noqa: E731
+        scratch.append([_swizzled(arrays[name].shape[1:], arrays[name].dtype, MM_SWIZZLE, interpret)
+                        if swizzled(name) else plgpu.SMEM(arrays[name].shape[1:], arrays[name].dtype)
+                        for name in names])
+        scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=len(names)))
     body = functools.partial(_program, names=names, keyed=("rk",), out_names=out_names, n=n, h=h,
                              hk=state.key_heads, per=per, stages=stages, r=r, p=p,
                              per_channel=state.per_channel_decay, smoothing=config.smoothing,
                              fit_iters=config.fit_iters, warm_start=config.warm_start, chunk=chunk,
                              bits=config.bits, unroll=unroll, sum_lanes=sum_lanes, recon=recon,
-                             interpret=bool(interpret))
+                             walk=walk, programs=programs, interpret=bool(interpret))
 
     def kernel(refs):
         @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(auto_barriers),

@@ -137,6 +137,21 @@ def test_auto_flush_of_full_windows_needs_no_decision_on_the_host(monkeypatch, p
     chex.assert_trees_all_equal(partial(ker), partial(st))
 
 
+@pytest.mark.parametrize("pos", [[8, 3, 8, 0, 8], [2, 3, 0, 1, 7]], ids=["three-full", "none-full"])
+def test_mosaic_flush_walks_the_list_of_flushed_heads_as_the_pipeline(pos):
+    # walk="list": each program copies in the flushed heads only, from the list XLA makes of them
+    # (here 3 programs over 6 of 10 heads, or none): the flushed heads as the reference's (the
+    # interpreter fuses the two walks' arithmetic apart, so not bit for bit the pipeline's), the
+    # others untouched (GVA: the key records by key head).
+    config = LeapQuantConfig(bits=8, window=8)
+    st, _ = live_state(config, jax.random.PRNGKey(49), 5, 2, 128, 128, True, pos=pos, key_heads=1)
+    a, _ = check_flush(config, st, only_full=True, flush=mosaic(programs=3, walk="list"))
+    partial = lambda tree: jax.tree_util.tree_map(lambda x: x[np.asarray(pos) < 8], tree)   # noqa: E731
+    chex.assert_trees_all_equal(partial(a), partial(st))
+    b = mosaic_flush.leapquant_flush(config, copy_tree(st), only_full=True, programs=3)
+    np.testing.assert_allclose(a.checkpoint.residual.scale, b.checkpoint.residual.scale, rtol=1e-4)
+
+
 def test_mosaic_flush_chunk_loop_matches_the_written_out_chunks():
     # The passes' loops over one chunk's code (the default) compute what the written-out chunks
     # do, up to the interpreter's own fusion of products and sums (a code on a rounding boundary).
@@ -204,18 +219,20 @@ def test_mosaic_flush_fully_decayed_heads_and_zero_state():
     assert np.all(np.asarray(windowed.decode_checkpoint(config, ker.checkpoint)) == 0)
 
 
-@pytest.mark.parametrize("stages, unroll, sum_lanes", [(1, False, 8), (2, False, 8), (1, True, 8), (1, False, 32)],
-                         ids=["one-stage", "two-stages", "unrolled", "sums-over-32-lanes"])
+@pytest.mark.parametrize("stages, unroll, sum_lanes, walk",
+                         [(1, False, 8, "pipeline"), (2, False, 8, "pipeline"), (1, True, 8, "pipeline"),
+                          (1, False, 32, "pipeline"), (1, False, 8, "list")],
+                         ids=["one-stage", "two-stages", "unrolled", "sums-over-32-lanes", "list"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes):
+def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes, walk):
     # Lowering builds the Mosaic GPU module: every register layout, reduction and copy is checked
     # here without a GPU. The checkpoint's five arrays are written in place, nothing else.
     from jax import export
 
     config = LeapQuantConfig(bits=8, window=16)
     st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
-    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, stages=stages, unroll=unroll,
-                                                       sum_lanes=sum_lanes, interpret=False))
+    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, only_full=True, programs=3, stages=stages,
+                                                       unroll=unroll, sum_lanes=sum_lanes, walk=walk, interpret=False))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
     text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
     assert "mosaic_gpu" in text
@@ -292,7 +309,8 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
     for opts, match in [(dict(chunk=24), "chunk=24"), (dict(chunk=8), "sum_lanes=8"),
                         (dict(sum_lanes=16), "sum_lanes=16"), (dict(stages=0), "stages=0"),
                         (dict(programs=0), "programs=0"),
-                        (dict(stages=8, programs=1), "shared memory"), (dict(recon="mma"), "recon='mma'")]:
+                        (dict(stages=8, programs=1), "shared memory"), (dict(recon="mma"), "recon='mma'"),
+                        (dict(walk="heads"), "walk='heads'"), (dict(walk="list", stages=2), "one stage")]:
         with pytest.raises(ValueError, match=match):
             traced(functools.partial(mosaic_flush.leapquant_flush, c8, **opts), st)
     for config in (LeapQuantConfig(bits=8, window=16, record_dtype="bfloat16"), LeapQuantConfig(bits=8, window=8)):
