@@ -168,5 +168,5 @@ def dense_step(values: jax.Array, token: Token, *, impl: str = AUTO) -> tuple[ja
     return o, new.astype(values.dtype)
 
 
-__all__ = ["MIN_FULL_FRACTION", "SELF_SKIPPING", "dense_step", "kernel", "leapquant_flush", "leapquant_step", "load_kernels",
-           "resolve", "takes"]
+__all__ = ["MIN_FULL_FRACTION", "SELF_SKIPPING", "dense_step", "kernel", "leapquant_flush", "leapquant_step",
+           "load_kernels", "resolve", "takes"]

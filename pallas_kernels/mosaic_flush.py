@@ -13,8 +13,8 @@ checkpoints and records in: it reads them once and writes the checkpoint once
 (``mosaic_flush_bytes``).
 
 Structure: ``programs`` programs of one warpgroup walk ``per`` consecutive heads of ``[B H]`` in an
-``emit_pipeline`` (``walk="list"``: the flushed heads only). Per head: (0) the decayed key rows ``kd``
-``= [D0 K; d_j k_j]`` and row factors ``D0 c``, as ``windowed.window_decays`` and ``record_keys`` make them, one key
+``emit_pipeline`` (``walk="list"``: the flushed heads only). Per head: (0) the decayed key rows
+``kd = [D0 K; d_j k_j]`` and row factors ``D0 c`` (``windowed.window_decays``, ``record_keys``), one key
 channel per thread, so that ``S = (D0 c)_i scale_j Z_ij + sum_m kd_mi ud_mj`` (``ud = [U; u]``) is
 one form for GDN and KDA; then ``chunk`` key rows at a time (``rows_layout(4)``: each warp sums its
 rows, then one exchange between the warps, ``meet_warps``): (1) ``S`` and ``Z = S^T Q_0``; (2)
