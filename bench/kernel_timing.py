@@ -18,7 +18,8 @@ from bench.fla import time_fla
 from bench.harness import on_gpu, time_jax, time_loop
 from bench.inputs import random_state, window_tokens
 from bench.kernel_checks import run_flush, takes_mosaic
-from leapquant_jax import windowed
+from leapquant_jax import dispatch, windowed
+from leapquant_jax.impls import Impl
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import mosaic_dense, mosaic_flush, mosaic_step
 from pallas_kernels.dense_step import dense_step, dense_step_bytes
@@ -364,7 +365,8 @@ def time_batch(run: Run, best: dict, bsz, kda, *, fla, copy_bw, swept: bool, den
     mosaic_step_row = step_opts.get("kernel") == "mosaic"     # the sweep's fastest step, or auto's
     step_kernel = step_kernel if mosaic_step_row else ""
     # the method's window (a flush of full windows after every step) where the flush skips by itself
-    skips = best[kda]["flush"].get("impl", "auto") in ("auto", "mosaic", "fused")
+    flush_kind = best[kda]["flush"].get("impl", "auto")
+    skips = flush_kind == "auto" or Impl(flush_kind) in dispatch.SELF_SKIPPING
     checked = ("window-checked",) if skips else ()
     for what in ("window",) + checked + ("steps", "flush") + (("steps-triton",) if mosaic_step_row else ()):
         st = windowed.from_dense(config, s, per_channel_decay=kda)

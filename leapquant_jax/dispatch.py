@@ -127,8 +127,8 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if not only_full:
         return run(config, state, only_full=False)
     full = state.pos >= config.window
-    fused = request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION and takes("flush", Impl.FUSED, config, state)
-    if not fused:
+    with_fused = request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION and takes("flush", Impl.FUSED, config, state)
+    if not with_fused:
         if chosen in SELF_SKIPPING:
             return run(config, state, only_full=True)
         return _at_most_once(jnp.any(full), lambda s: run(config, s, only_full=True), state)

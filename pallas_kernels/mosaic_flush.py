@@ -67,11 +67,11 @@ DK = 128                 # key rows and value columns of a head (the rows layout
 DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumulators in registers
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
-META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
+META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, head index, 0
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
 WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
 DEFAULT_WALK = "pipeline"
-HEAD_COL = 2                # a head's scalars: its index in [B H] (walk="list")
+HEAD_COL = 2                # the head's index in [B H] among its scalars (read with walk="list")
 MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
 MM_SCALE = 2.0 ** 14     # the decayed keys' largest magnitude after scaling, well inside fp16's range
 MM_FLOOR = 2.0 ** -100   # the scaling's divisor when every decayed key is zero (no live record)
@@ -403,7 +403,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         return (t // h) * hk + (t % h) // (h // hk)
 
     def fetch(bars):
-        # The launch's flag (any head flushed) into the decayed keys' first row, free until the first head
+        # The launch's count of flushed heads into the decayed keys' first row, free until the first head
         plgpu.copy_gmem_to_smem(refs["launch"], kd_ref.at[0], bars.at[0])
         plgpu.barrier_wait(bars.at[0])
         if r and not warm_start:
@@ -450,7 +450,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
     ins = [refs[name] for name in names]
     if walk == "list":
         tiles, bars = dict(zip(names, scratch[3])), scratch[4]
-        count = kd_ref.at[0][1].astype(jnp.int32)    # read before the first head takes kd_ref's memory
+        count = kd_ref.at[0][0].astype(jnp.int32)    # read before the first head takes kd_ref's memory
 
         def entry(j, carry):
             i = c + j * programs
@@ -470,7 +470,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         plgpu.wait_smem_to_gmem(0)
         return
 
-    @pl.when(kd_ref.at[0][0] > 0)   # a launch that flushes no head copies nothing in
+    @pl.when(kd_ref.at[0][0] > 0)   # a launch that flushes no head (a count of 0) copies nothing in
     def _():
         plgpu.emit_pipeline(body, grid=(per,), in_specs=[spec(name, x) for name, x in zip(names, ins)],
                             max_concurrent_steps=stages)(*ins)
@@ -614,12 +614,12 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     if need > SMEM_LIMIT:
         raise ValueError(f"stages={stages} needs {need} bytes of shared memory per program (at most {SMEM_LIMIT})")
 
-    # Each head's scalars, a row of its own copied in with its tiles: (flushed or not, pos, 0, 0),
+    # Each head's scalars, a row of its own copied in with its tiles: (flushed or not, pos, its index, 0),
     # then GDN's record log-decays, padded to whole 128-byte units.
     flush = (state.pos >= p) if only_full else jnp.ones((bsz,), bool)
     cols = meta_cols(p, state.per_channel_decay)
     head = lambda x: jnp.broadcast_to(x[:, None], (bsz, h)).astype(f32).reshape(n, 1)
-    meta = [head(flush), head(state.pos), jnp.zeros((n, META_COLS - 2), f32)]
+    meta = [head(flush), head(state.pos), jnp.arange(n, dtype=f32)[:, None], jnp.zeros((n, META_COLS - 3), f32)]
     if not state.per_channel_decay:
         meta.append(buf.g.astype(f32).reshape(n, p))
     meta = jnp.concatenate(meta, axis=1)
@@ -650,11 +650,10 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     out_names = tuple(out_shapes)
     count = jnp.sum(head(flush))
     if walk == "list":
-        # The flushed heads' scalars first, each with its head's index; the kernel reads the first count
-        rows = values["meta"].at[:, HEAD_COL].set(jnp.arange(n, dtype=f32))
-        values["meta"] = rows[jnp.nonzero(rows[:, 0] > 0, size=n, fill_value=n - 1)[0]]
+        # The flushed heads' scalars first; the kernel reads the first count
+        values["meta"] = meta[jnp.nonzero(meta[:, 0] > 0, size=n, fill_value=n - 1)[0]]
     values.update(seeded_start=random_start(dk, max(r, 1), config.seed),
-                  launch=jnp.zeros((dk,), f32).at[0].set((count > 0).astype(f32)).at[1].set(count))
+                  launch=jnp.zeros((dk,), f32).at[0].set(count))
     # The decayed keys (read by the reconstruction only) share their memory with the fit's rows
     # and the output slots (written after it) and with the warps' exchange; the fit's rows take at
     # least 2 x 2, so that the exchange's first [WARPS, dk] (the column maxima's) lies in them.
