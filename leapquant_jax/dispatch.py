@@ -15,11 +15,11 @@ dense step, ``(dk, dv, chunk)`` for the chunk scan, ``(dk, chunk)`` for KDA's pa
   switch to the much slower reference.
 
 The ops below run what ``resolve`` chose, with the reference's signatures. A flush of the full
-windows only, under ``"auto"`` or ``"pallas"``, runs the fused flush when fewer than
-``MIN_FULL_FRACTION`` of the batch's windows are full and it takes the state (it reads nothing
-for the others, where the whole-batch flushes copy in every head). The kernels in
-``SELF_SKIPPING`` run on every step with no decision on the host; the split flush runs in a loop
-of at most one turn (``_at_most_once``). A kernel's
+windows only on a kernel in ``SELF_SKIPPING`` (the Mosaic GPU and fused flushes read nothing for
+a sequence they do not flush) runs on every step with no decision on the host. The split flush,
+which copies every head, runs in a loop of at most one turn (``_at_most_once``); under ``"auto"``
+or ``"pallas"`` only where at least ``MIN_FULL_FRACTION`` of the batch's windows are full, the
+fused flush taking them otherwise. A kernel's
 ``custom_jvp`` and its reference derivative are wired by the core module that calls it
 (``chunked``).
 """
@@ -34,13 +34,13 @@ from .impls import AUTO, AUTO_ORDER, PALLAS, Impl, request_for
 from .recurrence import Token, recurrent_step_general
 from .state import LeapQuantConfig, LeapQuantState
 
-# A flush of full windows under auto or pallas: the whole-batch flush (split or Mosaic GPU) when at
-# least this fraction of the batch's windows is full, else the fused one. Why: the measured
-# break-even of the two on the H200 at batch 512, per decay kind (False: GDN, True: KDA;
-# docs/performance.md, "Which implementation auto takes").
-MIN_FULL_FRACTION = {Impl.SPLIT: {False: 0.22, True: 0.13}, Impl.MOSAIC: {False: 0.25, True: 0.16}}
-# Flush kernels that, with ``only_full``, do no work for a sequence whose window is not full and
-# next to none when no window is: they run on every step without a decision on the host.
+# A flush of full windows under auto or pallas on the split flush: it when at least this fraction of
+# the batch's windows is full, else the fused one. Why: the measured break-even of the two on the
+# H200 at batch 512, per decay kind (False: GDN, True: KDA; docs/performance.md, "Which
+# implementation auto takes").
+MIN_FULL_FRACTION = {False: 0.22, True: 0.13}
+# Flush kernels that, with ``only_full``, read nothing for a sequence whose window is not full and
+# next to nothing when no window is: they run on every step without a decision on the host.
 SELF_SKIPPING = (Impl.FUSED, Impl.MOSAIC)
 
 
@@ -126,20 +126,13 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     run = kernel("flush", chosen)
     if not only_full:
         return run(config, state, only_full=False)
-    full = state.pos >= config.window
-    with_fused = request in (AUTO, PALLAS) and chosen in MIN_FULL_FRACTION and takes("flush", Impl.FUSED, config, state)
-    if not with_fused:
-        if chosen in SELF_SKIPPING:
-            return run(config, state, only_full=True)
-        return _at_most_once(jnp.any(full), lambda s: run(config, s, only_full=True), state)
-    many = jnp.mean(full.astype(jnp.float32)) >= MIN_FULL_FRACTION[chosen][state.per_channel_decay]
     if chosen in SELF_SKIPPING:
-        # No decision on the host: the whole-batch kernel sees the full windows only where many are
-        # full (elsewhere their positions held below p), the fused one the full windows left.
-        held = state.replace(pos=jnp.where(many, state.pos, jnp.minimum(state.pos, config.window - 1)))
-        state = run(config, held, only_full=True).replace(pos=jnp.where(full & many, 0, state.pos))
-    else:
-        state = _at_most_once(many, lambda s: run(config, s, only_full=True), state)
+        return run(config, state, only_full=True)
+    full = state.pos >= config.window
+    if not (request in (AUTO, PALLAS) and takes("flush", Impl.FUSED, config, state)):
+        return _at_most_once(jnp.any(full), lambda s: run(config, s, only_full=True), state)
+    many = jnp.mean(full.astype(jnp.float32)) >= MIN_FULL_FRACTION[state.per_channel_decay]
+    state = _at_most_once(many, lambda s: run(config, s, only_full=True), state)
     return kernel("flush", Impl.FUSED)(config, state, only_full=True)
 
 

@@ -67,11 +67,9 @@ DK = 128                 # key rows and value columns of a head (the rows layout
 DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumulators in registers
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
-META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, head index, 0
+META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
 WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
-DEFAULT_WALK = "pipeline"
-HEAD_COL = 2                # the head's index in [B H] among its scalars (read with walk="list")
 MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
 MM_SCALE = 2.0 ** 14     # the decayed keys' largest magnitude after scaling, well inside fp16's range
 MM_FLOOR = 2.0 ** -100   # the scaling's divisor when every decayed key is zero (no live record)
@@ -403,14 +401,19 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         return (t // h) * hk + (t % h) // (h // hk)
 
     def fetch(bars):
-        # The launch's count of flushed heads into the decayed keys' first row, free until the first head
+        # The launch's count of flushed heads into the decayed keys' first row, free until the first
+        # head; with walk="list" the program's row of the list
         plgpu.copy_gmem_to_smem(refs["launch"], kd_ref.at[0], bars.at[0])
-        plgpu.barrier_wait(bars.at[0])
+        if walk == "list":
+            plgpu.copy_gmem_to_smem(refs["order"].at[c], scratch[3], bars.at[2])
         if r and not warm_start:
             plgpu.copy_gmem_to_smem(refs["seeded_start"], start_s, bars.at[1])
             plgpu.barrier_wait(bars.at[1])
+        plgpu.barrier_wait(bars.at[0])
+        if walk == "list":
+            plgpu.barrier_wait(bars.at[2])
 
-    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=2))
+    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=3))
 
     def body(idx, *tiles):
         flush_head(c * per + idx[0], dict(zip(names, tiles)))
@@ -449,19 +452,16 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
 
     ins = [refs[name] for name in names]
     if walk == "list":
-        tiles, bars = dict(zip(names, scratch[3])), scratch[4]
+        order, tiles, bars = scratch[3], dict(zip(names, scratch[4])), scratch[5]
         count = kd_ref.at[0][0].astype(jnp.int32)    # read before the first head takes kd_ref's memory
 
         def entry(j, carry):
-            i = c + j * programs
+            t = order[j]
             lay.sync()      # every thread is past its reads of the last head's tiles,
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # and its copies out past theirs
-            plgpu.copy_gmem_to_smem(refs["meta"].at[i], tiles["meta"], bars.at[0])
-            plgpu.barrier_wait(bars.at[0])
-            t = tiles["meta"][HEAD_COL].astype(jnp.int32)
-            for b, name in enumerate(names[1:], 1):
+            for b, name in enumerate(names):
                 plgpu.copy_gmem_to_smem(refs[name].at[key_head(t) if name in keyed else t], tiles[name], bars.at[b])
-            for b in range(1, len(names)):
+            for b in range(len(names)):
                 plgpu.barrier_wait(bars.at[b])
             flush_head(t, tiles)
             return carry
@@ -514,11 +514,11 @@ def meta_cols(p: int, per_channel: bool) -> int:
     return -(-(META_COLS + (0 if per_channel else p)) // 32) * 32
 
 
-def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool) -> int:
+def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: int = 0) -> int:
     """Shared memory of one program (each buffer from a 1 KB boundary, ``mosaic_shared.aligned``):
     ``stages`` of each of a head's inputs, the fp32 state, the decayed keys or (sharing their
     memory) the fit's rows and the output slots besides the codes or the warps' exchange
-    (``meet_warps``), the start and the scalars."""
+    (``meet_warps``), the start and the scalars; with ``walk="list"`` its ``listed`` entries."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     comps = [2 * r * DK] * 2 if r else []
@@ -528,7 +528,13 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool) -> int:
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
     return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange)
-            + aligned(4 * DK * DK, 4 * max(r, 1) * DK))
+            + aligned(4 * DK * DK, 4 * max(r, 1) * DK) + (aligned(4 * listed) if listed else 0))
+
+
+def listed_entries(per: int) -> int:
+    """A program's row of the list (``walk="list"``): ``per`` entries in whole 128-byte units (a copy moves a
+    multiple of 128 bytes)."""
+    return -(-per // 32) * 32
 
 
 def _flat(x, n):
@@ -540,7 +546,7 @@ def _flat(x, n):
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
                     programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
                     unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, recon: str | None = None,
-                    walk: str = DEFAULT_WALK, auto_barriers: bool = False,
+                    walk: str | None = None, auto_barriers: bool = False,
                     interpret=None) -> LeapQuantState:
     """Window flush (``leapquant_flush.flush_split``'s contract) on Mosaic GPU.
 
@@ -562,7 +568,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``walk``: which heads a program copies in: ``"pipeline"``, its ``per`` consecutive heads of
     ``[B H]`` in an ``emit_pipeline`` (a head not flushed costs its copy); ``"list"`` (one stage
     only), the flushed heads alone, from a list XLA makes of them (program ``c`` takes entries
-    ``c, c + programs, ...``), each head's scalars copied in before its tiles;
+    ``c, c + programs, ...``, its row of the list copied in first); ``None`` (the default): the
+    list with ``only_full`` and one stage (the two are level when every window is full and the
+    list reads only the flushed heads otherwise, docs/performance.md), else the pipeline;
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -572,8 +580,10 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_flush cannot run: {why}")
     check_launch(programs, stages)
+    if walk is None:
+        walk = "list" if only_full and stages == 1 else "pipeline"
     if walk not in WALKS or (walk == "list" and stages != 1):
-        raise ValueError(f"walk={walk!r}: expected one of {WALKS}, 'list' with one stage (stages={stages})")
+        raise ValueError(f"walk={walk!r}: expected one of {WALKS} or None, 'list' with one stage (stages={stages})")
     check_chunk(chunk, config.bits, DK)
     if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
         raise ValueError(f"sum_lanes={sum_lanes!r} must be 32, or 8 with chunk a multiple of 16 (chunk={chunk}; "
@@ -604,7 +614,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     def layout(programs):   # (heads per program, stages, bytes)
         per = -(-n // programs)
         st = min(stages, per)
-        return per, st, smem_bytes(config, st, state.per_channel_decay)
+        return per, st, smem_bytes(config, st, state.per_channel_decay, listed_entries(per) if walk == "list" else 0)
 
     if programs is None:
         programs = default_programs(n, lambda q: layout(q)[-1])
@@ -614,12 +624,12 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     if need > SMEM_LIMIT:
         raise ValueError(f"stages={stages} needs {need} bytes of shared memory per program (at most {SMEM_LIMIT})")
 
-    # Each head's scalars, a row of its own copied in with its tiles: (flushed or not, pos, its index, 0),
+    # Each head's scalars, a row of its own copied in with its tiles: (flushed or not, pos, 0, 0),
     # then GDN's record log-decays, padded to whole 128-byte units.
     flush = (state.pos >= p) if only_full else jnp.ones((bsz,), bool)
     cols = meta_cols(p, state.per_channel_decay)
     head = lambda x: jnp.broadcast_to(x[:, None], (bsz, h)).astype(f32).reshape(n, 1)
-    meta = [head(flush), head(state.pos), jnp.arange(n, dtype=f32)[:, None], jnp.zeros((n, META_COLS - 3), f32)]
+    meta = [head(flush), head(state.pos), jnp.zeros((n, META_COLS - 2), f32)]
     if not state.per_channel_decay:
         meta.append(buf.g.astype(f32).reshape(n, p))
     meta = jnp.concatenate(meta, axis=1)
@@ -650,8 +660,10 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     out_names = tuple(out_shapes)
     count = jnp.sum(head(flush))
     if walk == "list":
-        # The flushed heads' scalars first; the kernel reads the first count
-        values["meta"] = meta[jnp.nonzero(meta[:, 0] > 0, size=n, fill_value=n - 1)[0]]
+        # The flushed heads' indices, entry i in row i % programs: program c's entries c, c + programs, ...
+        listed = listed_entries(per)
+        order = jnp.nonzero(meta[:, 0] > 0, size=listed * programs, fill_value=0)[0].astype(jnp.int32)
+        values["order"] = order.reshape(listed, programs).T
     values.update(seeded_start=random_start(dk, max(r, 1), config.seed),
                   launch=jnp.zeros((dk,), f32).at[0].set(count))
     # The decayed keys (read by the reconstruction only) share their memory with the fit's rows
@@ -669,7 +681,9 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
                smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later,
                           plgpu.SMEM((max(r, 1), WARPS, dk), f32))]
     if walk == "list":
-        # A head's tiles, as the pipeline's one stage has them, and a barrier per tile
+        # The program's row of the list, a head's tiles as the pipeline's one stage has them, and a
+        # barrier per tile
+        scratch.append(plgpu.SMEM((listed_entries(per),), jnp.int32))
         swizzled = lambda name: name == "ru" and recon == "wgmma"   # noqa: E731
         scratch.append([_swizzled(arrays[name].shape[1:], arrays[name].dtype, MM_SWIZZLE, interpret)
                         if swizzled(name) else plgpu.SMEM(arrays[name].shape[1:], arrays[name].dtype)

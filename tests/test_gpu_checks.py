@@ -75,14 +75,14 @@ def test_mosaic_step_code_sums_match_reference(bits, kda):
 @pytest.mark.parametrize("bits", [8, 6, 4, 2])
 def test_mosaic_flush_matches_reference_compiled(bits, kda):
     # both reconstructions (the records' part on the tensor cores or the CUDA cores), compiled, every
-    # sequence flushed or only the full windows; below 8 bits the packed codes read and written in
-    # registers and the default six Compensator Tokens (check_flush: stored codes within one step of
-    # the reference's, the decoded state as close to the exact one)
+    # sequence flushed or only the full windows (both walks); below 8 bits the packed codes read and
+    # written in registers and the default six Compensator Tokens (check_flush: stored codes within
+    # one step of the reference's, the decoded state as close to the exact one)
     config = LeapQuantConfig(bits=bits, window=16)
     st, _ = mosaic_live_state("flush", config, 95 + bits + kda, [16, 5, 11, 16, 3, 16, 14, 0], kda)
     for recon in mosaic_flush.RECONS:
-        flush = functools.partial(mosaic_flush.leapquant_flush, recon=recon)
-        for only_full in (False, True):
+        for only_full, walk in ((False, "pipeline"), (True, "pipeline"), (True, "list")):
+            flush = functools.partial(mosaic_flush.leapquant_flush, recon=recon, walk=walk)
             check_flush(config, st, only_full=only_full, flush=flush)
 
 
