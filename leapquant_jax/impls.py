@@ -46,7 +46,7 @@ PALLAS = "pallas"
 
 # op -> its implementations, the reference first, then the kernels in the order auto tries them:
 # Mosaic GPU first where it exists (faster on Hopper, docs/performance.md), the fused flush never
-# (auto takes it only for few full windows, dispatch.MIN_FULL_FRACTION).
+# (auto takes it, beside the split flush, for few full windows: dispatch.MIN_FULL_FRACTION).
 OPS: dict[str, tuple[Impl, ...]] = {
     "step": (Impl.REFERENCE, Impl.MOSAIC, Impl.TRITON),
     "flush": (Impl.REFERENCE, Impl.MOSAIC, Impl.SPLIT, Impl.FUSED),

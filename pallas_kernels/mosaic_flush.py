@@ -2,9 +2,9 @@
 
 Contract: ``leapquant_flush.flush_split``'s (``windowed.flush_reference``; with ``only_full`` only
 the sequences at ``pos >= p``, ``windowed.maybe_flush``); the buffer is left as it was (no read
-reaches a slot at or past the reset ``pos``). Under ``vmap`` the mapped axis joins the batch. A
-head that is not flushed costs its copy in only, and a launch that flushes none copies nothing,
-so that a decode runs it on every step (``dispatch.SELF_SKIPPING``).
+reaches a slot at or past the reset ``pos``). Under ``vmap`` the mapped axis joins the batch. With
+``only_full`` the programs copy in only the flushed heads (``walk="list"``), so that a decode runs
+it on every step (``dispatch.SELF_SKIPPING``).
 
 Why: the split flush sends the fp32 state through device memory and the one-program-per-head
 Triton flush is latency-bound. Here each program keeps one head's fp32 state in shared memory
