@@ -396,6 +396,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
     c = jax.lax.axis_index("c")
     lay = Layouts(interpret)
     delay = min(stages - 1, 1)
+    cols, listed = meta_cols(p, per_channel), listed_entries(per)
 
     def key_head(t):
         return (t // h) * hk + (t % h) // (h // hk)
@@ -404,16 +405,15 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         # The launch's count of flushed heads into the decayed keys' first row, free until the first
         # head; with walk="list" the program's row of the list
         plgpu.copy_gmem_to_smem(refs["launch"], kd_ref.at[0], bars.at[0])
-        if walk == "list":
-            plgpu.copy_gmem_to_smem(refs["order"].at[c], scratch[3], bars.at[2])
         if r and not warm_start:
             plgpu.copy_gmem_to_smem(refs["seeded_start"], start_s, bars.at[1])
             plgpu.barrier_wait(bars.at[1])
         plgpu.barrier_wait(bars.at[0])
         if walk == "list":
-            plgpu.barrier_wait(bars.at[2])
+            plgpu.copy_gmem_to_smem(refs["order"].at[c], scratch[3][0].at[pl.ds(cols, listed)], bars.at[0])
+            plgpu.barrier_wait(bars.at[0])
 
-    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=3))
+    pl.run_scoped(fetch, plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
     def body(idx, *tiles):
         flush_head(c * per + idx[0], dict(zip(names, tiles)))
@@ -452,11 +452,13 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
 
     ins = [refs[name] for name in names]
     if walk == "list":
-        order, tiles, bars = scratch[3], dict(zip(names, scratch[4])), scratch[5]
+        # The list's row after the head's scalars, in their buffer
+        tiles, bars = dict(zip(names, scratch[3])), scratch[4]
+        tiles["meta"], row = tiles["meta"].at[pl.ds(0, cols)], tiles["meta"]
         count = kd_ref.at[0][0].astype(jnp.int32)    # read before the first head takes kd_ref's memory
 
         def entry(j, carry):
-            t = order[j]
+            t = row[cols + j].astype(jnp.int32)
             lay.sync()      # every thread is past its reads of the last head's tiles,
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # and its copies out past theirs
             for b, name in enumerate(names):
@@ -518,17 +520,18 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     """Shared memory of one program (each buffer from a 1 KB boundary, ``mosaic_shared.aligned``):
     ``stages`` of each of a head's inputs, the fp32 state, the decayed keys or (sharing their
     memory) the fit's rows and the output slots besides the codes or the warps' exchange
-    (``meet_warps``), the start and the scalars; with ``walk="list"`` its ``listed`` entries."""
+    (``meet_warps``), the start and the scalars (with ``walk="list"``, the list's ``listed``
+    entries after them)."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     comps = [2 * r * DK] * 2 if r else []
-    inputs = [4 * meta_cols(p, per_channel), packed_rows(DK, config.bits) * DK, 4 * DK, e * p * DK, e * p * DK] + comps
+    inputs = [4 * (meta_cols(p, per_channel) + listed), packed_rows(DK, config.bits) * DK, 4 * DK, e * p * DK, e * p * DK] + comps
     inputs += ([4 * DK] if config.smoothing else []) + ([e * p * DK] if per_channel else [])
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
     return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange)
-            + aligned(4 * DK * DK, 4 * max(r, 1) * DK) + (aligned(4 * listed) if listed else 0))
+            + aligned(4 * DK * DK, 4 * max(r, 1) * DK))
 
 
 def listed_entries(per: int) -> int:
@@ -662,7 +665,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     if walk == "list":
         # The flushed heads' indices, entry i in row i % programs: program c's entries c, c + programs, ...
         listed = listed_entries(per)
-        order = jnp.nonzero(meta[:, 0] > 0, size=listed * programs, fill_value=0)[0].astype(jnp.int32)
+        order = jnp.nonzero(meta[:, 0] > 0, size=listed * programs, fill_value=0)[0].astype(f32)
         values["order"] = order.reshape(listed, programs).T
     values.update(seeded_start=random_start(dk, max(r, 1), config.seed),
                   launch=jnp.zeros((dk,), f32).at[0].set(count))
@@ -681,12 +684,12 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
                smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later,
                           plgpu.SMEM((max(r, 1), WARPS, dk), f32))]
     if walk == "list":
-        # The program's row of the list, a head's tiles as the pipeline's one stage has them, and a
-        # barrier per tile
-        scratch.append(plgpu.SMEM((listed_entries(per),), jnp.int32))
+        # A head's tiles as the pipeline's one stage has them, the program's row of the list after
+        # the head's scalars, and a barrier per tile
         swizzled = lambda name: name == "ru" and recon == "wgmma"   # noqa: E731
-        scratch.append([_swizzled(arrays[name].shape[1:], arrays[name].dtype, MM_SWIZZLE, interpret)
-                        if swizzled(name) else plgpu.SMEM(arrays[name].shape[1:], arrays[name].dtype)
+        shape = lambda name: (cols + listed_entries(per),) if name == "meta" else arrays[name].shape[1:]  # noqa: E731
+        scratch.append([_swizzled(shape(name), arrays[name].dtype, MM_SWIZZLE, interpret)
+                        if swizzled(name) else plgpu.SMEM(shape(name), arrays[name].dtype)
                         for name in names])
         scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=len(names)))
     body = functools.partial(_program, names=names, keyed=("rk",), out_names=out_names, n=n, h=h,
