@@ -34,8 +34,8 @@ from .impls import AUTO, AUTO_ORDER, PALLAS, Impl, request_for
 from .recurrence import Token, recurrent_step_general
 from .state import LeapQuantConfig, LeapQuantState
 
-# A flush of full windows under auto or pallas on the split flush: it when at least this fraction of
-# the batch's windows is full, else the fused one. Why: the measured break-even of the two on the
+# The split flush of full windows under auto or pallas runs where at least this fraction of the
+# batch's windows is full, the fused one otherwise. Why: the measured break-even of the two on the
 # H200 at batch 512, per decay kind (False: GDN, True: KDA; docs/performance.md, "Which
 # implementation auto takes").
 MIN_FULL_FRACTION = {False: 0.22, True: 0.13}

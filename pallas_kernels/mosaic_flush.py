@@ -70,6 +70,7 @@ DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_s
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
 WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
+LIST_MAX_HEADS = 2 ** 24    # walk="list": its head indices are fp32, exact up to here
 MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
 MM_SCALE = 2.0 ** 14     # the decayed keys' largest magnitude after scaling, well inside fp16's range
 MM_FLOOR = 2.0 ** -100   # the scaling's divisor when every decayed key is zero (no live record)
@@ -521,17 +522,19 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     ``stages`` of each of a head's inputs, the fp32 state, the decayed keys or (sharing their
     memory) the fit's rows and the output slots besides the codes or the warps' exchange
     (``meet_warps``), the start and the scalars (with ``walk="list"``, the list's ``listed``
-    entries after them)."""
+    entries after them), and a buffer's worth for the barriers: a layout one buffer over this
+    count ran with one program per SM where two were counted (docs/performance.md)."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     comps = [2 * r * DK] * 2 if r else []
-    inputs = [4 * (meta_cols(p, per_channel) + listed), packed_rows(DK, config.bits) * DK, 4 * DK, e * p * DK, e * p * DK] + comps
+    inputs = [4 * (meta_cols(p, per_channel) + listed), packed_rows(DK, config.bits) * DK, 4 * DK, e * p * DK,
+              e * p * DK] + comps
     inputs += ([4 * DK] if config.smoothing else []) + ([e * p * DK] if per_channel else [])
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
     return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange)
-            + aligned(4 * DK * DK, 4 * max(r, 1) * DK))
+            + aligned(4 * DK * DK, 4 * max(r, 1) * DK, 1))
 
 
 def listed_entries(per: int) -> int:
@@ -571,9 +574,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``walk``: which heads a program copies in: ``"pipeline"``, its ``per`` consecutive heads of
     ``[B H]`` in an ``emit_pipeline`` (a head not flushed costs its copy); ``"list"`` (one stage
     only), the flushed heads alone, from a list XLA makes of them (program ``c`` takes entries
-    ``c, c + programs, ...``, its row of the list copied in first); ``None`` (the default): the
-    list with ``only_full`` and one stage (the two are level when every window is full and the
-    list reads only the flushed heads otherwise, docs/performance.md), else the pipeline;
+    ``c, c + programs, ...``, its row of the list copied in first; at most ``LIST_MAX_HEADS``
+    heads); ``None`` (the default): the list with ``only_full`` and one stage (a few percent slower than the pipeline with every
+    window full, a fifth of its time with one in 16, docs/performance.md), else the pipeline;
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -583,9 +586,7 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     if why is not None:
         raise ValueError(f"Mosaic GPU leapquant_flush cannot run: {why}")
     check_launch(programs, stages)
-    if walk is None:
-        walk = "list" if only_full and stages == 1 else "pipeline"
-    if walk not in WALKS or (walk == "list" and stages != 1):
+    if walk not in WALKS + (None,) or (walk == "list" and stages != 1):
         raise ValueError(f"walk={walk!r}: expected one of {WALKS} or None, 'list' with one stage (stages={stages})")
     check_chunk(chunk, config.bits, DK)
     if sum_lanes not in (8, 32) or (sum_lanes == 8 and chunk % 16):
@@ -613,11 +614,14 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     ckpt, buf = state.checkpoint, state.buffer
     p, r = config.window, config.effective_rank
     n = bsz * h
+    if walk is None:
+        walk = "list" if only_full and stages == 1 and n <= LIST_MAX_HEADS else "pipeline"
 
     def layout(programs):   # (heads per program, stages, bytes)
         per = -(-n // programs)
         st = min(stages, per)
-        return per, st, smem_bytes(config, st, state.per_channel_decay, listed_entries(per) if walk == "list" else 0)
+        listed = listed_entries(per) if walk == "list" else 0
+        return per, st, smem_bytes(config, st, state.per_channel_decay, listed)
 
     if programs is None:
         programs = default_programs(n, lambda q: layout(q)[-1])
@@ -626,6 +630,8 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     programs = -(-n // per)
     if need > SMEM_LIMIT:
         raise ValueError(f"stages={stages} needs {need} bytes of shared memory per program (at most {SMEM_LIMIT})")
+    if walk == "list" and n > LIST_MAX_HEADS:
+        raise ValueError(f"walk='list' lists at most {LIST_MAX_HEADS} heads (fp32 indices); got {n} (batch x heads)")
 
     # Each head's scalars, a row of its own copied in with its tiles: (flushed or not, pos, 0, 0),
     # then GDN's record log-decays, padded to whole 128-byte units.

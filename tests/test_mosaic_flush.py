@@ -21,7 +21,7 @@ from leapquant_jax import dispatch, windowed
 from leapquant_jax.impls import Impl
 from leapquant_jax.quantizers import round_codes
 from leapquant_jax.state import LeapQuantConfig
-from pallas_kernels import leapquant_flush, mosaic_flush
+from pallas_kernels import leapquant_flush, mosaic_flush, mosaic_shared
 
 from helpers import check_flush, copy_tree, expanded_state, live_state
 from kernel_helpers import state_shapes, traced
@@ -287,7 +287,7 @@ def test_mosaic_flush_takes_the_tensor_cores_where_they_can_run():
         assert mosaic_flush.takes_tensor_cores(config) == (recon == "wgmma")
 
 
-def test_mosaic_flush_rejects_what_it_cannot_run():
+def test_mosaic_flush_rejects_what_it_cannot_run(monkeypatch):
     # shapes only (the checks run as under jit, at trace time)
     def state(config, dk=128, dv=128):
         return state_shapes(config, 2, 2, dk, dv)
@@ -309,6 +309,12 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
                         (dict(walk="heads"), "walk='heads'"), (dict(walk="list", stages=2), "one stage")]:
         with pytest.raises(ValueError, match=match):
             traced(functools.partial(mosaic_flush.leapquant_flush, c8, **opts), st)
+    # the list's head indices are fp32: past LIST_MAX_HEADS the list is refused, the default walks the pipeline
+    monkeypatch.setattr(mosaic_flush, "LIST_MAX_HEADS", 8)
+    nine = state_shapes(c8, 3, 3, 128, 128)
+    with pytest.raises(ValueError, match=r"walk='list' lists at most 8 heads \(fp32 indices\); got 9"):
+        traced(functools.partial(mosaic_flush.leapquant_flush, c8, only_full=True, walk="list"), nine)
+    traced(functools.partial(mosaic_flush.leapquant_flush, c8, only_full=True), nine)
     for config in (LeapQuantConfig(bits=8, window=16, record_dtype="bfloat16"), LeapQuantConfig(bits=8, window=8)):
         with pytest.raises(ValueError, match="float16 records"):
             traced(functools.partial(mosaic_flush.leapquant_flush, config, recon="wgmma"),
@@ -320,6 +326,19 @@ def test_mosaic_flush_rejects_what_it_cannot_run():
                                              f"of a {bits}-bit code part"):
             traced(functools.partial(mosaic_flush.leapquant_flush, config, chunk=chunk),
                    state_shapes(config, 2, 2, 128, 128))
+
+
+def test_mosaic_flush_keeps_two_programs_per_sm_with_either_walk(monkeypatch):
+    # One stage at every width, GDN and KDA, batch 512 x 32 heads on an H100's 132 SMs: two programs
+    # per SM; the list's row (64 entries) lies in the scalars' buffer, no shared memory of its own.
+    monkeypatch.setattr(mosaic_shared, "sm_count", lambda: 132)
+    listed = mosaic_flush.listed_entries(-(-16384 // 264))
+    for bits in (8, 6, 4, 2):
+        config = LeapQuantConfig(bits=bits, window=16)
+        for per_channel in (False, True):
+            smem = mosaic_flush.smem_bytes(config, 1, per_channel)
+            assert mosaic_flush.smem_bytes(config, 1, per_channel, listed) == smem
+            assert mosaic_shared.default_programs(16384, lambda q: smem) == 264, (bits, per_channel)
 
 
 def test_mosaic_flush_bytes_read_the_checkpoint_once():
