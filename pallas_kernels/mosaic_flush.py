@@ -575,8 +575,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``[B H]`` in an ``emit_pipeline`` (a head not flushed costs its copy); ``"list"`` (one stage
     only), the flushed heads alone, from a list XLA makes of them (program ``c`` takes entries
     ``c, c + programs, ...``, its row of the list copied in first; at most ``LIST_MAX_HEADS``
-    heads); ``None`` (the default): the list with ``only_full`` and one stage (a few percent slower than the pipeline with every
-    window full, a fifth of its time with one in 16, docs/performance.md), else the pipeline;
+    heads); ``None`` (the default): the list with ``only_full`` and one stage (a few percent
+    slower than the pipeline with every window full, a fifth of its time with one in 16,
+    docs/performance.md), else the pipeline;
     ``auto_barriers``: every store to shared memory fenced by warpgroup barriers
     (``mosaic_shared.lane_params``) instead of the kernel's own barriers where threads exchange
     data. ``interpret``: ``None`` runs compiled on a GPU and in the Mosaic GPU interpreter
@@ -628,6 +629,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     programs = min(programs, n)
     per, stages, need = layout(programs)
     programs = -(-n // per)
+    listed = listed_entries(per)
     if need > SMEM_LIMIT:
         raise ValueError(f"stages={stages} needs {need} bytes of shared memory per program (at most {SMEM_LIMIT})")
     if walk == "list" and n > LIST_MAX_HEADS:
@@ -670,7 +672,6 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     count = jnp.sum(head(flush))
     if walk == "list":
         # The flushed heads' indices, entry i in row i % programs: program c's entries c, c + programs, ...
-        listed = listed_entries(per)
         order = jnp.nonzero(meta[:, 0] > 0, size=listed * programs, fill_value=0)[0].astype(f32)
         values["order"] = order.reshape(listed, programs).T
     values.update(seeded_start=random_start(dk, max(r, 1), config.seed),
@@ -693,7 +694,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
         # A head's tiles as the pipeline's one stage has them, the program's row of the list after
         # the head's scalars, and a barrier per tile
         swizzled = lambda name: name == "ru" and recon == "wgmma"   # noqa: E731
-        shape = lambda name: (cols + listed_entries(per),) if name == "meta" else arrays[name].shape[1:]  # noqa: E731
+        shape = lambda name: (cols + listed,) if name == "meta" else arrays[name].shape[1:]  # noqa: E731
         scratch.append([_swizzled(shape(name), arrays[name].dtype, MM_SWIZZLE, interpret)
                         if swizzled(name) else plgpu.SMEM(shape(name), arrays[name].dtype)
                         for name in names])

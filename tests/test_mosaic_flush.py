@@ -144,7 +144,7 @@ def test_mosaic_flush_walks_the_list_of_flushed_heads_as_the_pipeline(pos):
     a, _ = check_flush(config, st, only_full=True, flush=mosaic(programs=3, walk="list"))
     partial = lambda tree: jax.tree_util.tree_map(lambda x: x[np.asarray(pos) < 8], tree)   # noqa: E731
     chex.assert_trees_all_equal(partial(a), partial(st))
-    b = mosaic_flush.leapquant_flush(config, copy_tree(st), only_full=True, programs=3)
+    b = mosaic_flush.leapquant_flush(config, copy_tree(st), only_full=True, programs=3, walk="pipeline")
     np.testing.assert_allclose(a.checkpoint.residual.scale, b.checkpoint.residual.scale, rtol=1e-4)
 
 
