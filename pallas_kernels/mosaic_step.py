@@ -33,10 +33,10 @@ its rows already counted zeroed (``token_row_groups``): six tokens, the default 
 Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
 
 Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``, two
-programs per SM, three heads in flight (two where the tensor cores' tile or KDA's decays would
-leave one program per SM); GDN's records in parts of four slots, KDA's whole (H100,
-``default_slot_copy``). Tested with JAX 0.10.2 (interpret mode, lowering on the CPU) and 0.11.2
-(compiled: H200 and H100 at 8 bits, H100 at 6, 4 and 2).
+programs per SM, three heads in flight where two programs still fit in an SM's shared memory,
+else two (``default_stages``: KDA at 8 and 6 bits, the tensor cores' tile); GDN's records in parts
+of four slots, KDA's whole (H100, ``default_slot_copy``). Tested with JAX 0.10.2 (interpret mode,
+lowering on the CPU) and 0.11.2 (compiled: H200 and H100 at 8 bits, H100 at 6, 4 and 2).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
-    WARPS, Layouts, check_chunk, check_launch, code_plane_rows, fold_vmap, lane_params, meet_warps, resolve_interpret,
-    rows_layout, run_kernel, signed_code_parts, sm_count, threads_layout,
+    REDUCTION_SCRATCH, SMEM_PER_SM, SMEM_RESERVED, WARPS, Layouts, aligned, check_chunk, check_launch, code_plane_rows,
+    fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout, run_kernel, signed_code_parts, sm_count,
+    threads_layout,
 )
 from .support import check_token
 
@@ -512,6 +513,45 @@ def default_slot_copy(p: int, per_channel: bool = False) -> int:
     return DEFAULT_SLOT_COPY if p % DEFAULT_SLOT_COPY == 0 and not per_channel else p
 
 
+MAX_STAGES = 3       # heads in flight per program by default, where two programs per SM fit (default_stages)
+
+
+def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, per: int, dot: str = DEFAULT_DOT,
+               slot_copy: int | None = None, dk: int = 128, dv: int = 128) -> int:
+    """Shared memory of one program of ``per`` heads (``_launch``'s buffers, each from a 1 KB
+    boundary, ``mosaic_shared.aligned``, and its barriers): ``stages`` of each of a head's input
+    tiles (record arrays in parts of ``slot_copy`` slots), then the scratch. Leaves out the
+    cross-warp reductions' ``REDUCTION_SCRATCH``, as ``mosaic_shared.default_programs``' count does."""
+    e = jnp.dtype(config.record_dtype).itemsize
+    p, r = config.window, config.effective_rank
+    slot_copy = default_slot_copy(p, per_channel) if slot_copy is None else slot_copy
+    stages = min(stages, per)
+    parts = lambda d: [slot_copy * d * e] * (p // slot_copy)
+    tiles = [4 * dk, 4 * dk, 4 * dk, 4 * dv, packed_rows(dk, config.bits) * dv, 4 * dv]      # q w b v codes scale
+    tiles += ([4 * dk] if config.smoothing else []) + ([2 * r * dk, 2 * r * dv] if r else [])
+    tiles += parts(dk) + parts(dv) + ([4 * dk] + parts(dk) if per_channel else [])            # rk ru (g bg)
+    cols = META_COLS + (0 if per_channel else p)
+    scratch = [4 * per * cols, 4 * (p + 3) * dk if per_channel else e * per * p, 4 * 2 * dv, e * 2 * dv, e * 2 * dk,
+               4 * 2 * WARPS * dv] + ([e * 2 * dk] if per_channel else [])
+    if dot == "wgmma":       # mm_scratch: the bf16 codes and pieces, the sums
+        scratch += [2 * dk * LANES_COLS, 2 * PIECE_ROWS * dk, 4 * 2 * LANES_COLS]
+    elif dot == "rows":      # code_vectors' xv
+        scratch.append(4 * 2 * dk)
+    barriers = 1 + (0 if per_channel else per // GROUP_HEADS) + stages
+    return aligned(*(stages * x for x in tiles), *scratch) + 8 * barriers
+
+
+def default_stages(config: LeapQuantConfig, per_channel: bool, per: int, dot: str = DEFAULT_DOT,
+                   slot_copy: int | None = None) -> int:
+    """Heads in flight per program where the caller leaves ``stages`` to the kernel: ``MAX_STAGES``
+    where two programs per SM still fit in its shared memory (``smem_bytes``), else two: a third
+    head in flight that costs an SM its second program measured slower (docs/performance.md)."""
+    def fits(stages):
+        return 2 * (smem_bytes(config, stages, per_channel, per, dot, slot_copy) + REDUCTION_SCRATCH
+                    + SMEM_RESERVED) <= SMEM_PER_SM
+    return MAX_STAGES if fits(MAX_STAGES) else 2
+
+
 def default_programs(n: int) -> int:
     """Programs of a launch: two per SM (the fastest measured, docs/performance.md), at most one
     per head group."""
@@ -532,8 +572,8 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ``[B, H, ...]`` fields (``w`` may come at the buffer's ``Hk`` key heads). Returns
     ``(o [B, H, 128] fp32, state with pos + 1)``; the buffer is updated in place when the
     caller's ``jit`` donates the state. ``programs``: programs of the launch (default
-    ``default_programs``); ``stages``: heads in flight per program (default 3, 2 with
-    ``dot="wgmma"`` or KDA's decays, which would otherwise leave one program per SM); ``chunk``: key
+    ``default_programs``); ``stages``: heads in flight per program (default ``default_stages``:
+    three where two programs per SM still fit in shared memory, else two); ``chunk``: key
     rows of each code part per code read with ``dot="fma"`` (default a whole part, ``dk`` at 8 bits,
     the faster); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
     ``DEFAULT_DOT``; ``"fma"``; ``"wgmma"``, 8 bits only). ``interpret``: ``None`` runs compiled on a
@@ -585,12 +625,12 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, slot_co
     check_chunk(chunk, bits, dk)
     n = bsz * h
     per_channel = state.per_channel_decay
-    stages = (2 if dot == "wgmma" or per_channel else 3) if stages is None else stages
-    check_launch(programs, stages)
+    check_launch(programs, 1 if stages is None else stages)
     programs = default_programs(n) if programs is None else programs
     per = -(-n // programs)
     per = -(-per // GROUP_HEADS) * GROUP_HEADS      # whole 128-byte copies of scalars (and GDN's log-decays)
     programs = -(-n // per)
+    stages = default_stages(config, per_channel, per, dot, slot_copy) if stages is None else stages
     stages = min(stages, per)
 
     # The scalars of every head, padded to whole programs: (g, beta, pos, D0, exp(g), 0, 0, 0) and
@@ -678,7 +718,7 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
     return n + keys / group
 
 
-__all__ = ["DEFAULT_DOT", "DEFAULT_SLOT_COPY", "DOTS", "GROUP_HEADS", "code_partials_rows", "code_sums_fma",
-           "code_sums_wgmma", "code_vectors", "copied_slots", "default_programs", "default_slot_copy", "launch",
-           "leapquant_step", "mm_scratch", "mosaic_step_bytes", "slot_rows", "token_row_groups",
-           "unsupported_reason"]
+__all__ = ["DEFAULT_DOT", "DEFAULT_SLOT_COPY", "DOTS", "GROUP_HEADS", "MAX_STAGES", "code_partials_rows",
+           "code_sums_fma", "code_sums_wgmma", "code_vectors", "copied_slots", "default_programs", "default_slot_copy",
+           "default_stages", "launch", "leapquant_step", "mm_scratch", "mosaic_step_bytes", "slot_rows", "smem_bytes",
+           "token_row_groups", "unsupported_reason"]

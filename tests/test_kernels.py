@@ -37,7 +37,8 @@ from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_fused, flush_split
 from pallas_kernels.leapquant_step import MIN_DOT_ROWS, int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
-from pallas_kernels.mosaic_shared import CODE_FIELDS, FIELD_MAGIC, signed_code_parts
+from pallas_kernels.mosaic_shared import (CODE_FIELDS, FIELD_MAGIC, REDUCTION_SCRATCH, SMEM_PER_SM, SMEM_RESERVED,
+                                         signed_code_parts)
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
                      random_state, rel, token_at)
@@ -656,7 +657,7 @@ def test_code_fields_on_whole_words_as_the_gpu_runs_them():
 @pytest.mark.parametrize("bits, kda, dot, opts", [
     (4, False, "rows", dict()),
     (4, False, "fma", dict()),
-    (4, True, "rows", dict()),
+    (4, True, "rows", dict(stages=None)),     # default_stages: three heads in flight
     (4, True, "fma", dict(chunk=16)),         # four reads of each part's 64 rows
     (6, False, "fma", dict()),
     (6, True, "rows", dict()),
@@ -674,7 +675,8 @@ def test_mosaic_step_packed_codes_and_six_tokens_match_reference(bits, kda, dot,
     pos = [(3 * b + 2) % 8 for b in range(bsz - 1)] + [7]
     st, tok = live_state(config, jax.random.PRNGKey(70 + 4 * bits + kda), bsz, 2, 128, 128, kda, pos=pos)
     assert mosaic_step.unsupported_reason(config, st) is None
-    check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=2, dot=dot,
+    stages = opts.pop("stages", 2)
+    check_step(config, st, tok, kernel=mosaic_step.leapquant_step, interpret=None, programs=2, stages=stages, dot=dot,
                **opts)
 
 
@@ -691,21 +693,50 @@ def test_the_mosaic_step_through_dispatch():
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("bits", [8, 6, 4, 2])
-def test_mosaic_step_lowers_for_cuda(bits, kda):
+def test_mosaic_step_lowers_for_cuda(bits, kda, monkeypatch):
     # Lowering builds the Mosaic GPU module: every register layout and copy the kernel names is
-    # checked here, without a GPU. Only the buffer's three arrays and the output are written.
+    # checked here, without a GPU. Only the buffer's three arrays and the output are written. The
+    # shared memory the launch asks for is what mosaic_step.smem_bytes counts (default_stages
+    # relies on it), read where Mosaic GPU sizes the launch.
     from jax import export
+    from jax.experimental.mosaic.gpu import core
 
+    sizes = []
+    measure = getattr(core, "_smem_tree_size", None)
+    if measure is not None:
+        monkeypatch.setattr(core, "_smem_tree_size", lambda tree: sizes.append(measure(tree)) or sizes[-1])
     config = LeapQuantConfig(bits=bits, window=16)
     st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
     tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
                            g=jnp.zeros((4, 4, 128) if kda else (4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
     for dot in mosaic_step.DOTS if bits == 8 else ("rows", "fma"):
-        f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, dot=dot, interpret=False))
-        text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
-        assert "mosaic_gpu" in text
-        assert text.count("stablehlo.output_operand_alias<") == 4
+        for stages in (None, 2):       # default_stages' choice at 8 heads a program, and two
+            f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, stages=stages, dot=dot,
+                                                                interpret=False))
+            text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
+            assert "mosaic_gpu" in text
+            assert text.count("stablehlo.output_operand_alias<") == 4
+            if measure is not None:
+                want = mosaic_step.default_stages(config, kda, 8, dot) if stages is None else stages
+                assert sizes[-1] == mosaic_step.smem_bytes(config, want, kda, 8, dot) + REDUCTION_SCRATCH, (dot, stages)
+    if measure is None:
+        pytest.skip("this JAX's Mosaic GPU has no _smem_tree_size: smem_bytes not compared with the lowering")
+
+
+def test_mosaic_step_takes_three_heads_in_flight_where_two_programs_fit():
+    # Batch 512 x 32 heads on 132 SMs: 264 programs of 64 heads. Three heads in flight keep two
+    # programs per SM for GDN at every width and for KDA at 4 and 2 bits; KDA at 8 and 6 bits and
+    # the tensor cores' tile would lose the second program with three, so they take two.
+    fits = lambda c, stages, kda, dot="rows": 2 * (mosaic_step.smem_bytes(c, stages, kda, 64, dot) + REDUCTION_SCRATCH
+                                                   + SMEM_RESERVED) <= SMEM_PER_SM
+    for bits in INT_WIDTHS:
+        c = LeapQuantConfig(bits=bits, window=16)
+        assert mosaic_step.default_stages(c, False, 64) == 3 and fits(c, 3, False)
+        assert mosaic_step.default_stages(c, True, 64) == (3 if bits <= 4 else 2)
+        assert fits(c, 2, True) and fits(c, 3, True) == (bits <= 4)
+    c8 = LeapQuantConfig(bits=8, window=16)
+    assert mosaic_step.default_stages(c8, False, 64, "wgmma") == 2 and not fits(c8, 3, False, "wgmma")
 
 
 def test_mosaic_step_rejects_what_it_cannot_run():
