@@ -7,10 +7,12 @@
 * ``traced``: a function run on such shapes (``jax.eval_shape``), so its argument checks run
   as they do under ``jit``.
 * ``check_writes_nothing_past_the_window``: a step kernel at ``pos == p`` in one sequence.
+* ``launch_smem``: the shared memory each Mosaic GPU launch lowered inside it asks for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -25,6 +27,25 @@ from helpers import copy_tree, rel
 def state_shapes(config, bsz, h, dk, dv, kda=False, *, key_heads=None):
     """``windowed.init_state(...)``'s ``LeapQuantState`` with ``jax.ShapeDtypeStruct`` leaves."""
     return jax.eval_shape(functools.partial(windowed.init_state, config, bsz, h, dk, dv, kda, key_heads=key_heads))
+
+
+@contextlib.contextmanager
+def launch_smem():
+    """Within: a list of the shared-memory bytes of each Mosaic GPU launch lowered (buffers and
+    barriers, as Mosaic GPU sizes the launch), or ``None`` where this JAX's Mosaic GPU sizes it
+    elsewhere (the caller then skips its comparison)."""
+    from jax.experimental.mosaic.gpu import core
+
+    measure = getattr(core, "_smem_tree_size", None)
+    if measure is None:
+        yield None
+        return
+    sizes = []
+    core._smem_tree_size = lambda tree: sizes.append(measure(tree)) or sizes[-1]
+    try:
+        yield sizes
+    finally:
+        core._smem_tree_size = measure
 
 
 def traced(fn, *args):

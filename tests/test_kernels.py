@@ -42,7 +42,7 @@ from pallas_kernels.mosaic_shared import (CODE_FIELDS, FIELD_MAGIC, REDUCTION_SC
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
                      random_state, rel, token_at)
-from kernel_helpers import check_writes_nothing_past_the_window, state_shapes, traced
+from kernel_helpers import check_writes_nothing_past_the_window, launch_smem, state_shapes, traced
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
 # one xdist worker compiles them once (conftest.py: --dist loadgroup).
@@ -693,35 +693,31 @@ def test_the_mosaic_step_through_dispatch():
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("bits", [8, 6, 4, 2])
-def test_mosaic_step_lowers_for_cuda(bits, kda, monkeypatch):
+def test_mosaic_step_lowers_for_cuda(bits, kda):
     # Lowering builds the Mosaic GPU module: every register layout and copy the kernel names is
     # checked here, without a GPU. Only the buffer's three arrays and the output are written. The
     # shared memory the launch asks for is what mosaic_step.smem_bytes counts (default_stages
-    # relies on it), read where Mosaic GPU sizes the launch.
+    # relies on it).
     from jax import export
-    from jax.experimental.mosaic.gpu import core
 
-    sizes = []
-    measure = getattr(core, "_smem_tree_size", None)
-    if measure is not None:
-        monkeypatch.setattr(core, "_smem_tree_size", lambda tree: sizes.append(measure(tree)) or sizes[-1])
     config = LeapQuantConfig(bits=bits, window=16)
     st = state_shapes(config, 4, 4, 128, 128, kda, key_heads=2)
     tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
                            g=jnp.zeros((4, 4, 128) if kda else (4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
-    for dot in mosaic_step.DOTS if bits == 8 else ("rows", "fma"):
-        for stages in (None, 2):       # default_stages' choice at 8 heads a program, and two
-            f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, stages=stages, dot=dot,
-                                                                interpret=False))
-            text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
-            assert "mosaic_gpu" in text
-            assert text.count("stablehlo.output_operand_alias<") == 4
-            if measure is not None:
-                want = mosaic_step.default_stages(config, kda, 8, dot) if stages is None else stages
-                assert sizes[-1] == mosaic_step.smem_bytes(config, want, kda, 8, dot) + REDUCTION_SCRATCH, (dot, stages)
-    if measure is None:
-        pytest.skip("this JAX's Mosaic GPU has no _smem_tree_size: smem_bytes not compared with the lowering")
+    with launch_smem() as sizes:
+        for dot in mosaic_step.DOTS if bits == 8 else ("rows", "fma"):
+            for stages in (None, 2):       # default_stages' choice at 8 heads a program, and two
+                f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, stages=stages, dot=dot,
+                                                                    interpret=False))
+                text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
+                assert "mosaic_gpu" in text
+                assert text.count("stablehlo.output_operand_alias<") == 4
+                if sizes is not None:
+                    want = mosaic_step.default_stages(config, kda, 8, dot) if stages is None else stages
+                    assert sizes[-1] == mosaic_step.smem_bytes(config, want, kda, 8, dot) + REDUCTION_SCRATCH
+    if sizes is None:
+        pytest.skip("this JAX's Mosaic GPU sizes its launch elsewhere: smem_bytes not compared with the lowering")
 
 
 def test_mosaic_step_takes_three_heads_in_flight_where_two_programs_fit():

@@ -24,7 +24,7 @@ from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels import leapquant_flush, mosaic_flush, mosaic_shared
 
 from helpers import check_flush, copy_tree, expanded_state, live_state
-from kernel_helpers import state_shapes, traced
+from kernel_helpers import launch_smem, state_shapes, traced
 
 # Its tests share compiled programs (the same shapes and configs, op by op and kernel by kernel):
 # one xdist worker compiles them once (conftest.py: --dist loadgroup).
@@ -230,9 +230,20 @@ def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes, walk):
     f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, only_full=True, programs=3, stages=stages,
                                                        unroll=unroll, sum_lanes=sum_lanes, walk=walk, interpret=False))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
-    text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
+    with launch_smem() as sizes:
+        text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
     assert "mosaic_gpu" in text
     assert text.count("stablehlo.output_operand_alias<") == 5
+    check_smem_bound(sizes, config, stages, kda, mosaic_flush.listed_entries(6) if walk == "list" else 0)
+
+
+def check_smem_bound(sizes, config, stages, kda, listed):
+    # smem_bytes (default_programs' count, with the reductions' scratch) bounds what the launch asks
+    # for from above, by less than one buffer's alignment: what it spends on barriers.
+    if sizes is None:
+        pytest.skip("this JAX's Mosaic GPU sizes its launch elsewhere: smem_bytes not compared with the lowering")
+    bound = mosaic_flush.smem_bytes(config, stages, kda, listed) + mosaic_shared.REDUCTION_SCRATCH
+    assert bound - mosaic_shared.SMEM_ALIGN < sizes[-1] <= bound
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -248,9 +259,11 @@ def test_mosaic_flush_lowers_packed_codes_for_cuda(bits, kda):
     opts = dict(recon="fma", chunk=32) if kda else {}
     f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, programs=3, interpret=False, **opts))
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
-    text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
+    with launch_smem() as sizes:
+        text = export.export(f, platforms=["cuda"])(shapes).mlir_module()
     assert "mosaic_gpu" in text
     assert text.count("stablehlo.output_operand_alias<") == 5
+    check_smem_bound(sizes, config, 1, kda, 0)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
