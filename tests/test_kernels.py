@@ -705,17 +705,18 @@ def test_mosaic_step_lowers_for_cuda(bits, kda):
     tok = delta_rule_token(q=jnp.zeros((4, 2, 128)), k=jnp.zeros((4, 2, 128)), v=jnp.zeros((4, 4, 128)),
                            g=jnp.zeros((4, 4, 128) if kda else (4, 4)), beta=jnp.zeros((4, 4)), key_heads=2)
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (st, tok))
+    other = 5 - mosaic_step.default_stages(config, kda, 8)       # the stage count default_stages did not take
+    launches = [(dot, None) for dot in (mosaic_step.DOTS if bits == 8 else ("rows", "fma"))] + [("rows", other)]
     with launch_smem() as sizes:
-        for dot in mosaic_step.DOTS if bits == 8 else ("rows", "fma"):
-            for stages in (None, 2):       # default_stages' choice at 8 heads a program, and two
-                f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, stages=stages, dot=dot,
-                                                                    interpret=False))
-                text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
-                assert "mosaic_gpu" in text
-                assert text.count("stablehlo.output_operand_alias<") == 4
-                if sizes is not None:
-                    want = mosaic_step.default_stages(config, kda, 8, dot) if stages is None else stages
-                    assert sizes[-1] == mosaic_step.smem_bytes(config, want, kda, 8, dot) + REDUCTION_SCRATCH
+        for dot, stages in launches:
+            f = jax.jit(lambda s, t: mosaic_step.leapquant_step(config, s, t, programs=2, stages=stages, dot=dot,
+                                                                interpret=False))
+            text = export.export(f, platforms=["cuda"])(*shapes).mlir_module()
+            assert "mosaic_gpu" in text
+            assert text.count("stablehlo.output_operand_alias<") == 4
+            if sizes is not None:
+                want = mosaic_step.default_stages(config, kda, 8, dot) if stages is None else stages
+                assert sizes[-1] == mosaic_step.smem_bytes(config, want, kda, 8, dot) + REDUCTION_SCRATCH
     if sizes is None:
         pytest.skip("this JAX's Mosaic GPU sizes its launch elsewhere: smem_bytes not compared with the lowering")
 
