@@ -31,6 +31,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory a Hopper program may take (227 KB)
 SMEM_PER_SM = 233472  # and an SM holds (228 KB),
 SMEM_RESERVED = 1024  # 1 KB of it reserved per resident program
 SMEM_ALIGN = 1024    # Mosaic GPU starts each shared-memory buffer at a multiple of this
+BARRIER_BYTES = 8    # shared memory of one barrier (an mbarrier), after the buffers
 REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes   # what a program adds for cross-warp sums
 
 
@@ -350,8 +351,8 @@ def run_kernel(kernel, values: dict) -> dict:
     return jax.lax.optimization_barrier(pl.run_state(kernel)(values))
 
 
-__all__ = ["CODE_FIELDS", "FIELD_MAGIC", "InterpretGPUParams", "LANES", "Layouts", "META_ALIGN", "REDUCTION_SCRATCH",
-           "SMEM_ALIGN", "SMEM_LIMIT", "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned", "check_chunk",
-           "check_launch", "code_plane_rows", "default_programs", "fold_vmap", "lane_params", "meet_warps",
-           "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout", "run_kernel", "signed_code_parts",
-           "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout", "warp_parts"]
+__all__ = ["BARRIER_BYTES", "CODE_FIELDS", "FIELD_MAGIC", "InterpretGPUParams", "LANES", "Layouts", "META_ALIGN",
+           "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT", "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned",
+           "check_chunk", "check_launch", "code_plane_rows", "default_programs", "fold_vmap", "lane_params",
+           "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout", "run_kernel",
+           "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout", "warp_parts"]

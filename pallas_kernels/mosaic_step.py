@@ -54,9 +54,9 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
-    REDUCTION_SCRATCH, SMEM_PER_SM, SMEM_RESERVED, WARPS, Layouts, aligned, check_chunk, check_launch, code_plane_rows,
-    fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout, run_kernel, signed_code_parts, sm_count,
-    threads_layout,
+    BARRIER_BYTES, REDUCTION_SCRATCH, SMEM_PER_SM, SMEM_RESERVED, WARPS, Layouts, aligned, check_chunk, check_launch,
+    code_plane_rows, fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout, run_kernel, signed_code_parts,
+    sm_count, threads_layout,
 )
 from .support import check_token
 
@@ -538,7 +538,7 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, per: int
     elif dot == "rows":      # code_vectors' xv
         scratch.append(4 * 2 * dk)
     barriers = 1 + (0 if per_channel else per // GROUP_HEADS) + stages
-    return aligned(*(stages * x for x in tiles), *scratch) + 8 * barriers
+    return aligned(*(stages * x for x in tiles), *scratch) + BARRIER_BYTES * barriers
 
 
 def default_stages(config: LeapQuantConfig, per_channel: bool, per: int, dot: str = DEFAULT_DOT,
