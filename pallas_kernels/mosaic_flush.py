@@ -55,9 +55,9 @@ from leapquant_jax.quantizers import INT_WIDTHS, IntTensor, code_parts, packed_r
 from leapquant_jax.state import Checkpoint, LeapQuantConfig, LeapQuantState
 
 from .mosaic_shared import (
-    SMEM_LIMIT, WARPS, Layouts, aligned, check_chunk, check_launch, code_plane_rows, default_programs, fold_vmap, lane_params,
-    meet_warps, resolve_interpret, row_sums_layout, rows_layout, run_kernel, signed_code_parts, smem_union,
-    swizzle32_layout, threads_layout, warp_parts,
+    BARRIER_BYTES, SMEM_LIMIT, WARPS, Layouts, aligned, check_chunk, check_launch, code_plane_rows, default_programs,
+    fold_vmap, lane_params, meet_warps, resolve_interpret, row_sums_layout, rows_layout, run_kernel, signed_code_parts,
+    smem_union, swizzle32_layout, threads_layout, warp_parts,
 )
 from .shared import cholesky_qr_round, scale_cols_to_unit_max, store_codes
 from .support import unsupported_reason as kernels_unsupported_reason
@@ -521,9 +521,10 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     """Shared memory of one program (each buffer from a 1 KB boundary, ``mosaic_shared.aligned``):
     ``stages`` of each of a head's inputs, the fp32 state, the decayed keys or (sharing their
     memory) the fit's rows and the output slots besides the codes or the warps' exchange
-    (``meet_warps``), the start and the scalars (with ``walk="list"``, the list's ``listed``
-    entries after them), and a buffer's worth for the barriers: a layout one buffer over this
-    count ran with one program per SM where two were counted (docs/performance.md)."""
+    (``meet_warps``), the start and the scalars (with ``walk="list"``, ``listed > 0``: the list's
+    ``listed`` entries after them), then the barriers: two for the first copies, then one per stage
+    (the pipeline) or one per input (the list). Leaves out the cross-warp reductions'
+    ``REDUCTION_SCRATCH``, as ``mosaic_shared.two_per_sm`` counts it."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     comps = [2 * r * DK] * 2 if r else []
@@ -533,8 +534,9 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
+    barriers = 2 + (len(inputs) if listed else stages)
     return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange)
-            + aligned(4 * DK * DK, 4 * max(r, 1) * DK, 1))
+            + aligned(4 * DK * DK, 4 * max(r, 1) * DK) + BARRIER_BYTES * barriers)
 
 
 def listed_entries(per: int) -> int:

@@ -277,12 +277,18 @@ def smem_union(interpret, *trees):
     return tuple(trees) if interpret else plgpu.RefUnion(*trees)
 
 
+def two_per_sm(smem: int) -> bool:
+    """Whether two programs of ``smem`` bytes of shared memory each (their buffers and barriers) fit
+    on an SM, each with the cross-warp reductions' scratch and the per-program reserve."""
+    return 2 * (smem + REDUCTION_SCRATCH + SMEM_RESERVED) <= SMEM_PER_SM
+
+
 def default_programs(units: int, smem_of) -> int:
     """Programs of a launch over ``units`` tiles or heads: two per SM where two fit in its shared
-    memory (``smem_of(programs)`` bytes each, with the cross-warp reductions' scratch and the
-    per-program reserve), else one (the fastest measured, docs/performance.md); at most one per unit."""
+    memory (``two_per_sm`` of ``smem_of(programs)`` bytes), else one (the fastest measured,
+    docs/performance.md); at most one per unit."""
     sms = sm_count()
-    per_sm = 2 if 2 * (smem_of(2 * sms) + REDUCTION_SCRATCH + SMEM_RESERVED) <= SMEM_PER_SM else 1
+    per_sm = 2 if two_per_sm(smem_of(2 * sms)) else 1
     return max(1, min(per_sm * sms, units))
 
 
@@ -355,4 +361,5 @@ __all__ = ["BARRIER_BYTES", "CODE_FIELDS", "FIELD_MAGIC", "InterpretGPUParams", 
            "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT", "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned",
            "check_chunk", "check_launch", "code_plane_rows", "default_programs", "fold_vmap", "lane_params",
            "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout", "run_kernel",
-           "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout", "warp_parts"]
+           "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout", "two_per_sm",
+           "warp_parts"]

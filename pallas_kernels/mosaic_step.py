@@ -54,9 +54,8 @@ from leapquant_jax.recurrence import Token
 from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
-    BARRIER_BYTES, REDUCTION_SCRATCH, SMEM_PER_SM, SMEM_RESERVED, WARPS, Layouts, aligned, check_chunk, check_launch,
-    code_plane_rows, fold_vmap, lane_params, meet_warps, resolve_interpret, rows_layout, run_kernel, signed_code_parts,
-    sm_count, threads_layout,
+    BARRIER_BYTES, WARPS, Layouts, aligned, check_chunk, check_launch, code_plane_rows, fold_vmap, lane_params,
+    meet_warps, resolve_interpret, rows_layout, run_kernel, signed_code_parts, sm_count, threads_layout, two_per_sm,
 )
 from .support import check_token
 
@@ -521,7 +520,7 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, per: int
     """Shared memory of one program of ``per`` heads (``_launch``'s buffers, each from a 1 KB
     boundary, ``mosaic_shared.aligned``, and its barriers): ``stages`` of each of a head's input
     tiles (record arrays in parts of ``slot_copy`` slots), then the scratch. Leaves out the
-    cross-warp reductions' ``REDUCTION_SCRATCH``, as ``mosaic_shared.default_programs``' count does."""
+    cross-warp reductions' ``REDUCTION_SCRATCH``, as ``mosaic_shared.two_per_sm`` counts it."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     slot_copy = default_slot_copy(p, per_channel) if slot_copy is None else slot_copy
@@ -546,10 +545,7 @@ def default_stages(config: LeapQuantConfig, per_channel: bool, per: int, dot: st
     """Heads in flight per program where the caller leaves ``stages`` to the kernel: ``MAX_STAGES``
     where two programs per SM still fit in its shared memory (``smem_bytes``), else two: a third
     head in flight that costs an SM its second program measured slower (docs/performance.md)."""
-    def fits(stages):
-        return 2 * (smem_bytes(config, stages, per_channel, per, dot, slot_copy) + REDUCTION_SCRATCH
-                    + SMEM_RESERVED) <= SMEM_PER_SM
-    return MAX_STAGES if fits(MAX_STAGES) else 2
+    return MAX_STAGES if two_per_sm(smem_bytes(config, MAX_STAGES, per_channel, per, dot, slot_copy)) else 2
 
 
 def default_programs(n: int) -> int:

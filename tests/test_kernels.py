@@ -37,8 +37,7 @@ from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_fused, flush_split
 from pallas_kernels.leapquant_step import MIN_DOT_ROWS, int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
-from pallas_kernels.mosaic_shared import (CODE_FIELDS, FIELD_MAGIC, REDUCTION_SCRATCH, SMEM_PER_SM, SMEM_RESERVED,
-                                         signed_code_parts)
+from pallas_kernels.mosaic_shared import CODE_FIELDS, FIELD_MAGIC, REDUCTION_SCRATCH, signed_code_parts, two_per_sm
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
                      random_state, rel, token_at)
@@ -725,8 +724,7 @@ def test_mosaic_step_takes_three_heads_in_flight_where_two_programs_fit():
     # Batch 512 x 32 heads on 132 SMs: 264 programs of 64 heads. Three heads in flight keep two
     # programs per SM for GDN at every width and for KDA at 4 and 2 bits; KDA at 8 and 6 bits and
     # the tensor cores' tile would lose the second program with three, so they take two.
-    fits = lambda c, stages, kda, dot="rows": 2 * (mosaic_step.smem_bytes(c, stages, kda, 64, dot) + REDUCTION_SCRATCH
-                                                   + SMEM_RESERVED) <= SMEM_PER_SM
+    fits = lambda c, stages, kda, dot="rows": two_per_sm(mosaic_step.smem_bytes(c, stages, kda, 64, dot))
     for bits in INT_WIDTHS:
         c = LeapQuantConfig(bits=bits, window=16)
         assert mosaic_step.default_stages(c, False, 64) == 3 and fits(c, 3, False)
