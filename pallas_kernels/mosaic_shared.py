@@ -277,10 +277,16 @@ def smem_union(interpret, *trees):
     return tuple(trees) if interpret else plgpu.RefUnion(*trees)
 
 
-def two_per_sm(smem: int) -> bool:
-    """Whether two programs of ``smem`` bytes of shared memory each (their buffers and barriers) fit
-    on an SM, each with the cross-warp reductions' scratch and the per-program reserve."""
-    return 2 * (smem + REDUCTION_SCRATCH + SMEM_RESERVED) <= SMEM_PER_SM
+def per_sm(smem: int, cross_warp_sums: bool = True) -> int:
+    """Programs of ``smem`` bytes of shared memory each (their buffers and barriers) that fit on an
+    SM, each with the per-program reserve and, for a kernel compiled with ``cross_warp_sums``
+    (``lane_params``), the cross-warp reductions' scratch."""
+    return SMEM_PER_SM // (smem + (REDUCTION_SCRATCH if cross_warp_sums else 0) + SMEM_RESERVED)
+
+
+def two_per_sm(smem: int, cross_warp_sums: bool = True) -> bool:
+    """Whether two programs of ``smem`` bytes fit on an SM (``per_sm``)."""
+    return per_sm(smem, cross_warp_sums) >= 2
 
 
 def default_programs(units: int, smem_of) -> int:
@@ -292,13 +298,17 @@ def default_programs(units: int, smem_of) -> int:
     return max(1, min(per_sm * sms, units))
 
 
-def lane_params(auto_barriers: bool = True):
+def lane_params(auto_barriers: bool = True, cross_warp_sums: bool = True):
     """Compiler parameters of every kernel here: Lane lowering semantics (the layouts above are
     per-thread register layouts; JAX 0.11's default, Warpgroup, infers its own). Without
     ``auto_barriers`` no store to shared memory is fenced by warpgroup barriers (two per store):
-    the kernel places its own (``sync``) where threads exchange data through shared memory."""
+    the kernel places its own (``sync``) where threads exchange data through shared memory.
+    Without ``cross_warp_sums`` (a kernel whose reductions stay within a warp, its warps meeting
+    through its own buffers, ``meet_warps``) no ``REDUCTION_SCRATCH`` is reserved: Mosaic GPU
+    reserves it for any reduction."""
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                unsafe_no_auto_barriers=not auto_barriers)
+                                unsafe_no_auto_barriers=not auto_barriers,
+                                reduction_scratch_bytes=REDUCTION_SCRATCH if cross_warp_sums else 0)
 
 
 def sync(interpret) -> None:
@@ -360,6 +370,6 @@ def run_kernel(kernel, values: dict) -> dict:
 __all__ = ["BARRIER_BYTES", "CODE_FIELDS", "FIELD_MAGIC", "InterpretGPUParams", "LANES", "Layouts", "META_ALIGN",
            "REDUCTION_SCRATCH", "SMEM_ALIGN", "SMEM_LIMIT", "SMEM_PER_SM", "SMEM_RESERVED", "WARPS", "aligned",
            "check_chunk", "check_launch", "code_plane_rows", "default_programs", "fold_vmap", "lane_params",
-           "meet_warps", "on_hopper", "resolve_interpret", "row_sums_layout", "rows_layout", "run_kernel",
+           "meet_warps", "on_hopper", "per_sm", "resolve_interpret", "row_sums_layout", "rows_layout", "run_kernel",
            "signed_code_parts", "sm_count", "smem_union", "swizzle32_layout", "sync", "threads_layout", "two_per_sm",
            "warp_parts"]

@@ -15,7 +15,7 @@ Compensator Tokens and the record slots in parts of ``slot_copy`` (a copy has a 
 with no live slot comes from the head's first part, which the L2 holds; dead slots are masked in
 the arithmetic; ``mosaic_step_bytes``). A head's scalars (GDN: ``g``, ``beta``, ``pos``, ``D0``,
 ``exp(g)`` and the records' decays, packed by XLA with
-``windowed.window_decays``; KDA: ``beta``, ``pos``) come in ``GROUP_HEADS`` heads per copy; KDA's
+``windowed.window_decays``; KDA: ``beta``, ``pos``) come in one copy per program; KDA's
 per-channel decays are made in the kernel from the records' log-decays, one channel per thread
 (``_kda_decays``). Outputs and the new record leave through two alternating shared-memory slots.
 
@@ -32,16 +32,17 @@ A rank ``r`` that is not a multiple of 4 ends on a group of four that overlaps t
 its rows already counted zeroed (``token_row_groups``): six tokens, the default below 8 bits.
 Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
 
-Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``, two
-programs per SM, three heads in flight where two programs still fit in an SM's shared memory,
-else two (``default_stages``: KDA at 8 and 6 bits, the tensor cores' tile); GDN's records in parts
-of four slots, KDA's whole (H100, ``default_slot_copy``). Tested with JAX 0.10.2 (interpret mode,
+Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``; at 4 and 2
+bits three programs per SM where three fit in its shared memory, else two (``default_programs``);
+three heads in flight where the SM's programs still fit, else two (``default_stages``); GDN's
+records in parts of eight slots, KDA's whole (H100, ``default_slot_copy``). Tested with JAX 0.10.2 (interpret mode,
 lowering on the CPU) and 0.11.2 (compiled: H200 and H100 at 8 bits, H100 at 6, 4 and 2).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +56,14 @@ from leapquant_jax.state import LeapQuantConfig, LeapQuantState, WindowBuffer
 
 from .mosaic_shared import (
     BARRIER_BYTES, WARPS, Layouts, aligned, check_chunk, check_launch, code_plane_rows, fold_vmap, lane_params,
-    meet_warps, resolve_interpret, rows_layout, run_kernel, signed_code_parts, sm_count, threads_layout, two_per_sm,
+    meet_warps, per_sm, resolve_interpret, rows_layout, run_kernel, signed_code_parts, sm_count, threads_layout,
 )
 from .support import check_token
 
 f32 = jnp.float32
 RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
-GROUP_HEADS = 8      # heads whose scalars and record log-decays move in one copy
+MIN_HEADS = 8        # heads a program takes at least by default: each program's first copies wait unhidden
+THREE_PER_SM_BITS = 4   # code widths whose step takes three programs per SM where they fit (default_programs)
 META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos, D0, exp(g), 0, 0, 0
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
 DOTS = ("fma", "rows", "wgmma")   # the code sums on the CUDA cores (two ways) or the tensor cores
@@ -361,7 +363,7 @@ def _head_step(i, meta_all, dec, t, *, dk, p, r, smoothing, chunk, lay, red, mm=
 
 
 def _program(refs, scratch, *, head, names, keyed, slotted, slot_copy, n, per, stages, dk, p, r, h, hk, group,
-             smoothing, chunk, per_channel, dot, bits, interpret):
+             log_heads, smoothing, chunk, per_channel, dot, bits, interpret):
     """Program ``c``: its heads ``c per + [0, per)`` (module docstring). ``refs``: the kernel's
     GMEM refs by name; ``keyed``: the names read per key head; ``slotted``: the record arrays
     ``[., p, d]``, copied in parts of ``slot_copy`` slots, a part past the head's ``pos`` (no live
@@ -382,15 +384,15 @@ def _program(refs, scratch, *, head, names, keyed, slotted, slot_copy, n, per, s
     def key_head(t):
         return (t // h) * hk + (t % h) // group
 
-    # GDN: the record log-decays of the program's real heads (``n`` is a multiple of GROUP_HEADS),
-    # copied in once and out at the end; KDA's come with each head's tiles.
-    groups = [] if per_channel else [(j, c * per + j * GROUP_HEADS) for j in range(per // GROUP_HEADS)]
+    # GDN: the record log-decays of the program's real heads, ``log_heads`` a copy (``n`` is a
+    # multiple of it), copied in once and out at the end; KDA's come with each head's tiles.
+    groups = [] if per_channel else [(j, c * per + j * log_heads) for j in range(per // log_heads)]
 
     def fetch(bars):
         plgpu.copy_gmem_to_smem(refs["meta"].at[c], meta_all, bars.at[0])
         for j, start in groups:
             pl.when(start < n)(lambda j=j, start=start: plgpu.copy_gmem_to_smem(
-                bg.at[pl.ds(start, GROUP_HEADS)], rg_all.at[pl.ds(j * GROUP_HEADS, GROUP_HEADS)], bars.at[j + 1]))
+                bg.at[pl.ds(start, log_heads)], rg_all.at[pl.ds(j * log_heads, log_heads)], bars.at[j + 1]))
         plgpu.barrier_wait(bars.at[0])
         for j, start in groups:
             pl.when(start < n)(lambda j=j: plgpu.barrier_wait(bars.at[j + 1]))
@@ -456,7 +458,7 @@ def _program(refs, scratch, *, head, names, keyed, slotted, slot_copy, n, per, s
     plgpu.commit_smem()
     for j, start in groups:
         pl.when(start < n)(lambda j=j, start=start: plgpu.copy_smem_to_gmem(
-            rg_all.at[pl.ds(j * GROUP_HEADS, GROUP_HEADS)], bg.at[pl.ds(start, GROUP_HEADS)]))
+            rg_all.at[pl.ds(j * log_heads, log_heads)], bg.at[pl.ds(start, log_heads)]))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -467,8 +469,7 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): integer codes
     at 8, 6, 4 or 2 bits, ``dk = dv = 128``, ``p`` a multiple of 4, ``r`` 0 or at least 4 (the
     Compensator Tokens go 4 rows at a time, ``token_row_groups``), key heads dividing ``H``; with
-    scalar (GDN) decays also ``B H`` a multiple of ``GROUP_HEADS`` and a record dtype in which
-    ``GROUP_HEADS`` heads' ``p`` log-decays fill whole 128-byte copies."""
+    scalar (GDN) decays also ``B H`` a multiple of ``log_decay_heads``."""
     ckpt, buf = state.checkpoint, state.buffer
     if config.residual_format is not None or config.bits not in INT_WIDTHS:
         return f"the Mosaic GPU step reads 8-bit integer codes and packed 6-, 4- and 2-bit ones only " \
@@ -491,10 +492,10 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
         return f"pos must be [B] = ({b},), got {state.pos.shape}"
     if buf.g.shape not in ((b, h, p), (b, h, p, dk)):
         return f"buffer log-decays must be [B, H, p] or [B, H, p, dk], got {buf.g.shape}"
-    if not state.per_channel_decay and (b * h) % GROUP_HEADS:
-        return f"B * H = {b * h}: the Mosaic GPU step takes a multiple of {GROUP_HEADS} with scalar (GDN) decays"
-    if not state.per_channel_decay and GROUP_HEADS * p * jnp.dtype(buf.g.dtype).itemsize % 128:
-        return f"{GROUP_HEADS} heads' record log-decays ({p} x {buf.g.dtype}) must fill whole 128-byte copies"
+    grain = log_decay_heads(p, jnp.dtype(buf.g.dtype).itemsize)
+    if not state.per_channel_decay and (b * h) % grain:
+        return (f"B * H = {b * h}: with scalar (GDN) decays the Mosaic GPU step takes a multiple of {grain} "
+                f"(heads whose {p} record log-decays in {buf.g.dtype} fill whole 128-byte copies)")
     if h % state.key_heads:
         return f"{state.key_heads} key heads do not divide {h} value heads"
     if config.smoothing and ckpt.smooth is None:
@@ -520,7 +521,7 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, per: int
     """Shared memory of one program of ``per`` heads (``_launch``'s buffers, each from a 1 KB
     boundary, ``mosaic_shared.aligned``, and its barriers): ``stages`` of each of a head's input
     tiles (record arrays in parts of ``slot_copy`` slots), then the scratch. Leaves out the
-    cross-warp reductions' ``REDUCTION_SCRATCH``, as ``mosaic_shared.two_per_sm`` counts it."""
+    cross-warp reductions' ``REDUCTION_SCRATCH`` (``dot="fma"`` only), as ``mosaic_shared.per_sm`` counts it."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     slot_copy = default_slot_copy(p, per_channel) if slot_copy is None else slot_copy
@@ -536,22 +537,56 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, per: int
         scratch += [2 * dk * LANES_COLS, 2 * PIECE_ROWS * dk, 4 * 2 * LANES_COLS]
     elif dot == "rows":      # code_vectors' xv
         scratch.append(4 * 2 * dk)
-    barriers = 1 + (0 if per_channel else per // GROUP_HEADS) + stages
+    barriers = 1 + (0 if per_channel else per // log_decay_heads(p, e)) + stages
     return aligned(*(stages * x for x in tiles), *scratch) + BARRIER_BYTES * barriers
 
 
 def default_stages(config: LeapQuantConfig, per_channel: bool, per: int, dot: str = DEFAULT_DOT,
-                   slot_copy: int | None = None) -> int:
+                   slot_copy: int | None = None, resident: int = 2) -> int:
     """Heads in flight per program where the caller leaves ``stages`` to the kernel: ``MAX_STAGES``
-    where two programs per SM still fit in its shared memory (``smem_bytes``), else two: a third
-    head in flight that costs an SM its second program measured slower (docs/performance.md)."""
-    return MAX_STAGES if two_per_sm(smem_bytes(config, MAX_STAGES, per_channel, per, dot, slot_copy)) else 2
+    where ``resident`` programs (at least two) still fit in an SM's shared memory (``smem_bytes``),
+    else two: a third head in flight that costs an SM a program measured slower (docs/performance.md)."""
+    smem = smem_bytes(config, MAX_STAGES, per_channel, per, dot, slot_copy)
+    return MAX_STAGES if per_sm(smem, cross_warp_sums=dot == "fma") >= max(2, resident) else 2
 
 
-def default_programs(n: int) -> int:
-    """Programs of a launch: two per SM (the fastest measured, docs/performance.md), at most one
-    per head group."""
-    return max(1, min(2 * sm_count(), n // GROUP_HEADS))
+def log_decay_heads(p: int, itemsize: int) -> int:
+    """GDN's heads per copy of record log-decays: the fewest whose ``p`` log-decays of ``itemsize``
+    bytes fill whole 128-byte copies."""
+    return 128 // math.gcd(128, p * itemsize)
+
+
+def head_grain(config: LeapQuantConfig, per_channel: bool) -> int:
+    """A program's heads come in multiples of this: whole 128-byte copies of their rows of scalars
+    (``META_COLS``, then GDN's ``p`` record decays, fp32) and of GDN's record log-decays."""
+    p = config.window
+    cols = META_COLS + (0 if per_channel else p)
+    grain = 128 // math.gcd(128, 4 * cols)
+    return grain if per_channel else math.lcm(grain, log_decay_heads(p, jnp.dtype(config.record_dtype).itemsize))
+
+
+def split_heads(n: int, programs: int, grain: int) -> tuple[int, int]:
+    """``(programs, per)``: ``n`` heads split into programs of ``per`` heads, a multiple of ``grain``,
+    as evenly as ``programs`` allows (the last program may take fewer)."""
+    per = -(-n // programs)
+    per = -(-per // grain) * grain
+    return -(-n // per), per
+
+
+def default_programs(config: LeapQuantConfig, per_channel: bool, n: int, dot: str = DEFAULT_DOT,
+                     slot_copy: int | None = None) -> int:
+    """Programs of a launch over ``n`` heads where the caller leaves ``programs`` to the kernel: three
+    per SM at ``THREE_PER_SM_BITS`` bits and below where three fit in an SM's shared memory with two
+    heads in flight each (``smem_bytes``), else two; at most one per ``MIN_HEADS`` heads. Why: at 4
+    and 2 bits the step's arithmetic (more code parts a byte, six Compensator Tokens) outlasts its
+    copies and a third program's warps hide it; at 8 and 6 bits a third program gained 1-2% with the
+    heads split evenly, less than batch 512 loses to the split's unevenness (docs/performance.md)."""
+    sms, resident = sm_count(), 2
+    if config.bits <= THREE_PER_SM_BITS:
+        _, per = split_heads(n, 3 * sms, head_grain(config, per_channel))
+        if per_sm(smem_bytes(config, 2, per_channel, per, dot, slot_copy), cross_warp_sums=dot == "fma") >= 3:
+            resident = 3
+    return max(1, min(resident * sms, n // MIN_HEADS))
 
 
 def _flat(x, n):
@@ -622,11 +657,10 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, slot_co
     n = bsz * h
     per_channel = state.per_channel_decay
     check_launch(programs, 1 if stages is None else stages)
-    programs = default_programs(n) if programs is None else programs
-    per = -(-n // programs)
-    per = -(-per // GROUP_HEADS) * GROUP_HEADS      # whole 128-byte copies of scalars (and GDN's log-decays)
-    programs = -(-n // per)
-    stages = default_stages(config, per_channel, per, dot, slot_copy) if stages is None else stages
+    programs = default_programs(config, per_channel, n, dot, slot_copy) if programs is None else programs
+    programs, per = split_heads(n, programs, head_grain(config, per_channel))
+    if stages is None:
+        stages = default_stages(config, per_channel, per, dot, slot_copy, resident=-(-programs // sm_count()))
     stages = min(stages, per)
 
     # The scalars of every head, padded to whole programs: (g, beta, pos, D0, exp(g), 0, 0, 0) and
@@ -667,12 +701,16 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, slot_co
     slotted = ("rk", "ru", "bg") if per_channel else ("rk", "ru")
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), slotted=slotted,
                              slot_copy=slot_copy, n=n, per=per, stages=stages,
-                             dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, smoothing=config.smoothing, chunk=chunk,
+                             dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk,
+                             log_heads=log_decay_heads(p, jnp.dtype(buf.g.dtype).itemsize), smoothing=config.smoothing,
+                             chunk=chunk,
                              per_channel=per_channel, dot=dot, bits=bits, interpret=bool(interpret))
 
     def kernel(refs):
-        @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)), compiler_params=lane_params(),
-                     interpret=interpret, name="leapquant_step_mosaic")
+        # dot="fma" sums over the warps with Mosaic GPU's reduction; the others meet through `red`
+        @pl.core_map(plgpu.Mesh(grid=(programs,), grid_names=("c",)),
+                     compiler_params=lane_params(cross_warp_sums=dot == "fma"), interpret=interpret,
+                     name="leapquant_step_mosaic")
         def leapquant_step_mosaic():
             pl.run_scoped(lambda *s: body(refs, s), *scratch)
 
@@ -714,7 +752,8 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
     return n + keys / group
 
 
-__all__ = ["DEFAULT_DOT", "DEFAULT_SLOT_COPY", "DOTS", "GROUP_HEADS", "MAX_STAGES", "code_partials_rows",
-           "code_sums_fma", "code_sums_wgmma", "code_vectors", "copied_slots", "default_programs", "default_slot_copy",
-           "default_stages", "launch", "leapquant_step", "mm_scratch", "mosaic_step_bytes", "slot_rows", "smem_bytes",
-           "token_row_groups", "unsupported_reason"]
+__all__ = ["DEFAULT_DOT", "DEFAULT_SLOT_COPY", "DOTS", "MAX_STAGES", "MIN_HEADS", "THREE_PER_SM_BITS",
+           "code_partials_rows", "code_sums_fma", "code_sums_wgmma", "code_vectors", "copied_slots", "default_programs",
+           "default_slot_copy", "default_stages", "head_grain", "launch", "leapquant_step", "log_decay_heads",
+           "mm_scratch", "mosaic_step_bytes", "slot_rows", "smem_bytes", "split_heads", "token_row_groups",
+           "unsupported_reason"]

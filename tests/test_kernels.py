@@ -37,7 +37,9 @@ from pallas_kernels.dense_step import dense_step, dense_step_reference
 from pallas_kernels.leapquant_flush import flush_fused, flush_split
 from pallas_kernels.leapquant_step import MIN_DOT_ROWS, int8_digits, leapquant_step, leapquant_step_reference
 from pallas_kernels import mosaic_step
-from pallas_kernels.mosaic_shared import CODE_FIELDS, FIELD_MAGIC, REDUCTION_SCRATCH, signed_code_parts, two_per_sm
+from pallas_kernels.mosaic_shared import (
+    CODE_FIELDS, FIELD_MAGIC, REDUCTION_SCRATCH, per_sm, signed_code_parts, two_per_sm,
+)
 
 from helpers import (FLUSHES, check_flush, copy_tree, expanded_state, live_state, lower_to_triton, random_sequence,
                      random_state, rel, token_at)
@@ -670,7 +672,7 @@ def test_mosaic_step_packed_codes_and_six_tokens_match_reference(bits, kda, dot,
     # below 8 bits the default rank is 6: the tokens' last group of four overlaps the first
     opts = dict(opts)
     config = LeapQuantConfig(bits=bits, **{"window": 8, **opts.pop("config", {})})
-    bsz = 3 if kda else 4                    # GDN: B H a multiple of GROUP_HEADS
+    bsz = 3 if kda else 4                    # GDN: B H a multiple of log_decay_heads
     pos = [(3 * b + 2) % 8 for b in range(bsz - 1)] + [7]
     st, tok = live_state(config, jax.random.PRNGKey(70 + 4 * bits + kda), bsz, 2, 128, 128, kda, pos=pos)
     assert mosaic_step.unsupported_reason(config, st) is None
@@ -716,7 +718,9 @@ def test_mosaic_step_lowers_for_cuda(bits, kda):
             assert text.count("stablehlo.output_operand_alias<") == 4
             if sizes is not None:
                 want = mosaic_step.default_stages(config, kda, 8, dot) if stages is None else stages
-                assert sizes[-1] == mosaic_step.smem_bytes(config, want, kda, 8, dot) + REDUCTION_SCRATCH
+                # Mosaic GPU's reduction scratch with dot="fma" alone: the other dots' warps meet through `red`
+                scratch = REDUCTION_SCRATCH if dot == "fma" else 0
+                assert sizes[-1] == mosaic_step.smem_bytes(config, want, kda, 8, dot) + scratch
     if sizes is None:
         pytest.skip("this JAX's Mosaic GPU sizes its launch elsewhere: smem_bytes not compared with the lowering")
 
@@ -725,7 +729,7 @@ def test_mosaic_step_takes_three_heads_in_flight_where_two_programs_fit():
     # Batch 512 x 32 heads on 132 SMs: 264 programs of 64 heads. Three heads in flight keep two
     # programs per SM for GDN at every width and for KDA at 4 and 2 bits; KDA at 8 and 6 bits and
     # the tensor cores' tile would lose the second program with three, so they take two.
-    fits = lambda c, stages, kda, dot="rows": two_per_sm(mosaic_step.smem_bytes(c, stages, kda, 64, dot))
+    fits = lambda c, stages, kda, dot="rows": two_per_sm(mosaic_step.smem_bytes(c, stages, kda, 64, dot), dot == "fma")
     for bits in INT_WIDTHS:
         c = LeapQuantConfig(bits=bits, window=16)
         assert mosaic_step.default_stages(c, False, 64) == 3 and fits(c, 3, False)
@@ -733,6 +737,31 @@ def test_mosaic_step_takes_three_heads_in_flight_where_two_programs_fit():
         assert fits(c, 2, True) and fits(c, 3, True) == (bits <= 4)
     c8 = LeapQuantConfig(bits=8, window=16)
     assert mosaic_step.default_stages(c8, False, 64, "wgmma") == 2 and not fits(c8, 3, False, "wgmma")
+
+
+def test_mosaic_step_takes_three_programs_per_sm_at_four_bits_and_below(monkeypatch):
+    # Batch 512 x 32 heads on 132 SMs. At 4 and 2 bits, GDN and KDA, three programs per SM of two heads
+    # in flight fit (no reduction scratch with dot="rows"): 373 programs of 44 heads; at 8 and 6 bits,
+    # or with dot="fma"'s scratch where three no longer fit, two programs of 64 heads.
+    monkeypatch.setattr(mosaic_step, "sm_count", lambda: 132)
+    n = 16384
+    for bits in INT_WIDTHS:
+        c = LeapQuantConfig(bits=bits, window=16)
+        for kda in (False, True):
+            grain = mosaic_step.head_grain(c, kda)
+            programs, per = mosaic_step.split_heads(n, mosaic_step.default_programs(c, kda, n), grain)
+            resident = -(-programs // 132)
+            assert (programs, per, resident) == ((373, 44, 3) if bits <= 4 else (256, 64, 2)), (bits, kda)
+            stages = mosaic_step.default_stages(c, kda, per, resident=resident)
+            if bits == 4:       # three heads in flight would cost the SM its third program
+                assert stages == 2 and per_sm(mosaic_step.smem_bytes(c, 3, kda, per), cross_warp_sums=False) < 3
+            assert per_sm(mosaic_step.smem_bytes(c, stages, kda, per), cross_warp_sums=False) >= resident
+    c4 = LeapQuantConfig(bits=4, window=16)
+    assert mosaic_step.default_programs(c4, True, n, "fma") == 264      # 2 KB of scratch a program: three no longer fit
+    assert mosaic_step.default_programs(c4, True, 64) == 8              # small batches: at least MIN_HEADS a program
+    # the grain: whole 128-byte copies of the scalars' rows and of GDN's record log-decays
+    assert [mosaic_step.head_grain(c4, kda) for kda in (False, True)] == [4, 4]
+    assert mosaic_step.log_decay_heads(8, 2) == 8 and mosaic_step.split_heads(20, 3, 8) == (3, 8)
 
 
 def test_mosaic_step_rejects_what_it_cannot_run():
