@@ -773,7 +773,7 @@ def test_mosaic_step_rejects_what_it_cannot_run():
     for config, st, match in [
         (c8, state(c8, dv=64), "dv=64"),
         (c8, state(c8, dk=64), "dk=64"),
-        (c8, state(c8, bsz=1, h=6), "multiple of 8 with scalar"),
+        (c8, state(c8, bsz=1, h=6), "scalar .GDN. decays .* a multiple of 8"),
         (LeapQuantConfig(bits=8, window=8, rank=2), state(LeapQuantConfig(bits=8, window=8, rank=2)),
          "rank=2: .* 0 or at least 4"),
         (LeapQuantConfig(bits=8, window=4), state(LeapQuantConfig(bits=8, window=4)), "128-byte"),
