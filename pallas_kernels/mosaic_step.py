@@ -32,11 +32,10 @@ A rank ``r`` that is not a multiple of 4 ends on a group of four that overlaps t
 its rows already counted zeroed (``token_row_groups``): six tokens, the default below 8 bits.
 Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
 
-Defaults, the fastest measured (H200, batch 512; docs/performance.md): ``dot="rows"``; at 4 and 2
-bits three programs per SM where three fit in its shared memory, else two (``default_programs``);
-three heads in flight where the SM's programs still fit, else two (``default_stages``); GDN's
-records in parts of eight slots, KDA's whole (H100, ``default_slot_copy``). Tested with JAX 0.10.2 (interpret mode,
-lowering on the CPU) and 0.11.2 (compiled: H200 and H100 at 8 bits, H100 at 6, 4 and 2).
+Defaults, the fastest measured (docs/performance.md): ``dot="rows"``; three programs per SM at 4 and 2
+bits where they fit, else two (``default_programs``); three heads in flight where the SM's programs
+still fit, else two (``default_stages``); GDN's records in parts of eight slots (``default_slot_copy``).
+Tested with JAX 0.10.2 (interpret mode, lowering on the CPU) and 0.11.2 (compiled: H200 and H100).
 """
 
 from __future__ import annotations
@@ -64,6 +63,7 @@ f32 = jnp.float32
 RECORD_LOG_DECAY_MIN = windowed.RECORD_LOG_DECAY_MIN
 MIN_HEADS = 8        # heads a program takes at least by default: each program's first copies wait unhidden
 THREE_PER_SM_BITS = 4   # code widths whose step takes three programs per SM where they fit (default_programs)
+THREE_PER_SM_GAIN = 1.1  # time per head with two programs per SM over three's there: the least measured
 META_COLS = 8        # a head's scalars before its records' decays: g, beta, pos, D0, exp(g), 0, 0, 0
 LANES_COLS = 128     # value columns a warp covers: 32 lanes x 4
 DOTS = ("fma", "rows", "wgmma")   # the code sums on the CUDA cores (two ways) or the tensor cores
@@ -575,18 +575,25 @@ def split_heads(n: int, programs: int, grain: int) -> tuple[int, int]:
 
 def default_programs(config: LeapQuantConfig, per_channel: bool, n: int, dot: str = DEFAULT_DOT,
                      slot_copy: int | None = None) -> int:
-    """Programs of a launch over ``n`` heads where the caller leaves ``programs`` to the kernel: three
-    per SM at ``THREE_PER_SM_BITS`` bits and below where three fit in an SM's shared memory with two
-    heads in flight each (``smem_bytes``), else two; at most one per ``MIN_HEADS`` heads. Why: at 4
-    and 2 bits the step's arithmetic (more code parts a byte, six Compensator Tokens) outlasts its
-    copies and a third program's warps hide it; at 8 and 6 bits a third program gained 1-2% with the
-    heads split evenly, less than batch 512 loses to the split's unevenness (docs/performance.md)."""
-    sms, resident = sm_count(), 2
-    if config.bits <= THREE_PER_SM_BITS:
-        _, per = split_heads(n, 3 * sms, head_grain(config, per_channel))
-        if per_sm(smem_bytes(config, 2, per_channel, per, dot, slot_copy), cross_warp_sums=dot == "fma") >= 3:
-            resident = 3
-    return max(1, min(resident * sms, n // MIN_HEADS))
+    """Programs of a launch over ``n`` heads where the caller leaves ``programs`` to the kernel, at
+    most one per ``MIN_HEADS`` heads: three per SM at ``THREE_PER_SM_BITS`` bits and below where
+    three fit in an SM's shared memory with two heads in flight each (``smem_bytes``) and put at
+    most ``THREE_PER_SM_GAIN`` times two's heads on the fullest SM (``split_heads`` in multiples of
+    ``head_grain``), else two. Why: at 4 and 2 bits the step's arithmetic (more code parts a byte,
+    six Compensator Tokens) outlasts its copies and a third program's warps hide it; at 8 and 6
+    bits a third program gained 1-2% (docs/performance.md)."""
+    sms, grain = sm_count(), head_grain(config, per_channel)
+    two, three = (max(1, min(k * sms, n // MIN_HEADS)) for k in (2, 3))
+    if config.bits > THREE_PER_SM_BITS:
+        return two
+    _, per = split_heads(n, three, grain)
+    if per_sm(smem_bytes(config, 2, per_channel, per, dot, slot_copy), cross_warp_sums=dot == "fma") < 3:
+        return two
+
+    def fullest(programs):      # heads on the SM with the most programs
+        programs, per = split_heads(n, programs, grain)
+        return per * -(-programs // sms)
+    return three if fullest(three) <= THREE_PER_SM_GAIN * fullest(two) else two
 
 
 def _flat(x, n):
@@ -603,8 +610,9 @@ def leapquant_step(config: LeapQuantConfig, state: LeapQuantState, token: Token,
     ``[B, H, ...]`` fields (``w`` may come at the buffer's ``Hk`` key heads). Returns
     ``(o [B, H, 128] fp32, state with pos + 1)``; the buffer is updated in place when the
     caller's ``jit`` donates the state. ``programs``: programs of the launch (default
-    ``default_programs``); ``stages``: heads in flight per program (default ``default_stages``:
-    three where two programs per SM still fit in shared memory, else two); ``chunk``: key
+    ``default_programs``: three per SM at 4 and 2 bits where they fit, else two); ``stages``: heads
+    in flight per program (default ``default_stages``: three where the SM's programs still fit in
+    its shared memory, else two); ``chunk``: key
     rows of each code part per code read with ``dot="fma"`` (default a whole part, ``dk`` at 8 bits,
     the faster); ``dot``: how the code sums run (module docstring: ``"rows"``, the default
     ``DEFAULT_DOT``; ``"fma"``; ``"wgmma"``, 8 bits only). ``interpret``: ``None`` runs compiled on a
@@ -753,7 +761,7 @@ def mosaic_step_bytes(config: LeapQuantConfig, dk: int, dv: int, group: int = 1,
 
 
 __all__ = ["DEFAULT_DOT", "DEFAULT_SLOT_COPY", "DOTS", "MAX_STAGES", "MIN_HEADS", "THREE_PER_SM_BITS",
-           "code_partials_rows", "code_sums_fma", "code_sums_wgmma", "code_vectors", "copied_slots", "default_programs",
-           "default_slot_copy", "default_stages", "head_grain", "launch", "leapquant_step", "log_decay_heads",
-           "mm_scratch", "mosaic_step_bytes", "slot_rows", "smem_bytes", "split_heads", "token_row_groups",
-           "unsupported_reason"]
+           "THREE_PER_SM_GAIN", "code_partials_rows", "code_sums_fma", "code_sums_wgmma", "code_vectors",
+           "copied_slots", "default_programs", "default_slot_copy", "default_stages", "head_grain", "launch",
+           "leapquant_step", "log_decay_heads", "mm_scratch", "mosaic_step_bytes", "slot_rows", "smem_bytes",
+           "split_heads", "token_row_groups", "unsupported_reason"]

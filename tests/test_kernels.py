@@ -741,8 +741,9 @@ def test_mosaic_step_takes_three_heads_in_flight_where_two_programs_fit():
 
 def test_mosaic_step_takes_three_programs_per_sm_at_four_bits_and_below(monkeypatch):
     # Batch 512 x 32 heads on 132 SMs. At 4 and 2 bits, GDN and KDA, three programs per SM of two heads
-    # in flight fit (no reduction scratch with dot="rows"): 373 programs of 44 heads; at 8 and 6 bits,
-    # or with dot="fma"'s scratch where three no longer fit, two programs of 64 heads.
+    # in flight fit (no reduction scratch with dot="rows"): 373 programs of 44 heads, at most 132 on an SM
+    # against two's 128; at 8 and 6 bits, or with dot="fma"'s scratch where three no longer fit, two
+    # programs of 64 heads.
     monkeypatch.setattr(mosaic_step, "sm_count", lambda: 132)
     n = 16384
     for bits in INT_WIDTHS:
@@ -759,6 +760,10 @@ def test_mosaic_step_takes_three_programs_per_sm_at_four_bits_and_below(monkeypa
     c4 = LeapQuantConfig(bits=4, window=16)
     assert mosaic_step.default_programs(c4, True, n, "fma") == 264      # 2 KB of scratch a program: three no longer fit
     assert mosaic_step.default_programs(c4, True, 64) == 8              # small batches: at least MIN_HEADS a program
+    # Batch 594 splits evenly both ways (144 heads an SM); at batch 128 three would put 36 heads on the
+    # fullest SM against two's 32 (12.5% more, above THREE_PER_SM_GAIN): two.
+    assert mosaic_step.default_programs(c4, True, 594 * 32) == 396
+    assert mosaic_step.default_programs(c4, True, 128 * 32) == 264
     # the grain: whole 128-byte copies of the scalars' rows and of GDN's record log-decays
     assert [mosaic_step.head_grain(c4, kda) for kda in (False, True)] == [4, 4]
     assert mosaic_step.log_decay_heads(8, 2) == 8 and mosaic_step.split_heads(20, 3, 8) == (3, 8)
