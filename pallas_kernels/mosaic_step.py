@@ -521,7 +521,8 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, per: int
     """Shared memory of one program of ``per`` heads (``_launch``'s buffers, each from a 1 KB
     boundary, ``mosaic_shared.aligned``, and its barriers): ``stages`` of each of a head's input
     tiles (record arrays in parts of ``slot_copy`` slots), then the scratch. Leaves out the
-    cross-warp reductions' ``REDUCTION_SCRATCH`` (``dot="fma"`` only), as ``mosaic_shared.per_sm`` counts it."""
+    cross-warp reductions' ``REDUCTION_SCRATCH`` (``dot="fma"`` only), as ``mosaic_shared.per_sm``
+    counts it."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     slot_copy = default_slot_copy(p, per_channel) if slot_copy is None else slot_copy
@@ -666,7 +667,8 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, slot_co
     per_channel = state.per_channel_decay
     check_launch(programs, 1 if stages is None else stages)
     programs = default_programs(config, per_channel, n, dot, slot_copy) if programs is None else programs
-    programs, per = split_heads(n, programs, head_grain(config, per_channel))
+    log_heads = log_decay_heads(p, jnp.dtype(buf.g.dtype).itemsize)    # the buffer's, whatever the config says
+    programs, per = split_heads(n, programs, math.lcm(head_grain(config, per_channel), log_heads))
     if stages is None:
         stages = default_stages(config, per_channel, per, dot, slot_copy, resident=-(-programs // sm_count()))
     stages = min(stages, per)
@@ -709,10 +711,9 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, slot_co
     slotted = ("rk", "ru", "bg") if per_channel else ("rk", "ru")
     body = functools.partial(_program, head=head, names=names, keyed=("w", "rk"), slotted=slotted,
                              slot_copy=slot_copy, n=n, per=per, stages=stages,
-                             dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk,
-                             log_heads=log_decay_heads(p, jnp.dtype(buf.g.dtype).itemsize), smoothing=config.smoothing,
-                             chunk=chunk,
-                             per_channel=per_channel, dot=dot, bits=bits, interpret=bool(interpret))
+                             dk=dk, p=p, r=r, h=h, hk=hk, group=h // hk, log_heads=log_heads,
+                             smoothing=config.smoothing, chunk=chunk, per_channel=per_channel, dot=dot, bits=bits,
+                             interpret=bool(interpret))
 
     def kernel(refs):
         # dot="fma" sums over the warps with Mosaic GPU's reduction; the others meet through `red`
