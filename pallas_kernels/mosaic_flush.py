@@ -27,17 +27,17 @@ Codes: int8 ``[dk, 128]`` at 8 bits; below, ``quantizers``' planar layout (uint8
 128]``). Passes (1) and (5) walk ``chunk`` byte rows of every plane at a time: (1) unpacks them in
 registers (``mosaic_shared.signed_code_parts``) into every code part's key rows, (5) rounds those
 rows (``_grid_codes``: one addition) and packs them into the same byte rows (``shared.store_codes``).
-``recon="wgmma"``: the records' part of the reconstruction on the tensor cores (``_rank_part``).
+On the tensor cores: ``recon="wgmma"``, the records' part of the reconstruction (``_rank_part``);
+``fit="wgmma"``, pass (2)'s ``Y = S Z`` (``_times_z_mma``, TF32 operands).
 
 Rounding: fp32 in the reference's order but for the summation order of the reconstruction and of
 the fit's dot products, ``sqrt`` as ``x rsqrt(x)``, ``floor`` through int32 (``GRID_MATH``) and the
 divisions as products with reciprocals (Mosaic GPU lowers no ``sqrt`` or ``floor``; a division
 costs about ten instructions); a code on a rounding boundary may differ by one step.
 
-Defaults, the fastest measured (H200, batch 512; docs/performance.md): one stage (106 / 110 KB of
-shared memory for GDN / KDA, two programs per SM), ``chunk = 16`` rows, ``sum_lanes = 8``, the
-tensor cores where ``takes_tensor_cores``. Tested with JAX 0.10.2 (Mosaic GPU interpret mode and
-lowering on the CPU) and 0.11.2 (compiled: H200 and H100 at 8 bits, H100 at 6, 4 and 2).
+Defaults, the fastest measured (H200, batch 512; docs/performance.md): one stage (two programs per
+SM), ``chunk = 16`` rows, ``sum_lanes = 8``, ``recon="wgmma"`` where ``takes_tensor_cores``. Tested
+with JAX 0.10.2 (interpret mode, lowering on the CPU) and 0.11.2 (compiled on H200 and H100).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ DEFAULT_STAGES = 1       # heads in flight per program: one, so that two program
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
+FITS = ("fma", "wgmma")     # the fit's Y = S Z: CUDA-core FMAs or the tensor cores (TF32)
+FIT_COLS = 8                # fit="wgmma": the product's N, the most Compensator Tokens it takes
 WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
 LIST_MAX_HEADS = 2 ** 24    # walk="list": its head indices are fp32, exact up to here
 MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
@@ -223,8 +225,41 @@ def _rank_part(t, kd_ref, s_ref, a16, *, r, p, lay):
     return mx / MM_SCALE
 
 
+def _times_z_mma(zs, s_ref, yt, zt, *, r, lay):
+    """``Y = S Z`` on the tensor cores for the columns ``zs`` (``r`` vectors ``[dv]``, ``r <=
+    FIT_COLS``): returns ``yt [FIT_COLS, dk]``, whose rows ``c < r`` are Y's columns. ``zs`` go into
+    the rows of ``zt`` (tiled and swizzled; rows past ``r`` zero), the ``B`` operand read transposed;
+    ``S`` (the state, swizzled, ``recon="wgmma"``) by 64 rows at a time is ``A``: TF32 operands
+    (the fit passes the decoded-state criterion with all its products in TF32,
+    docs/performance.md), fp32 sums. Each ``[64, FIT_COLS]`` accumulator is stored transposed, in
+    ``WGMMA_TRANSPOSED`` registers, into 64 columns of ``yt``. The interpreter takes ``jnp.dot``."""
+    lay.sync()          # the last readers of this memory (the warps' exchange, the basis) are past it
+    if lay.interpret:
+        for c in range(r):
+            yt[c] = jnp.dot(s_ref[...], zs[c], precision=jax.lax.Precision.HIGHEST)
+        return yt
+    # Z's rows as one [FIT_COLS, dk] tile (a tiled ref takes whole tiles): row c of it zs[c], zero past r
+    L = rows_layout(WARPS)
+    row = plgpu.broadcasted_iota(jnp.int32, (FIT_COLS, DK), 0, layout=L)
+    z = lay.cast(jnp.zeros((FIT_COLS, DK), f32), L)
+    for c in range(r):
+        z = jnp.where(row == c, lay.cast(jax.lax.broadcast_in_dim(zs[c], (FIT_COLS, DK), (1,)), L), z)
+    zt[...] = z
+    plgpu.commit_smem()     # the generic-proxy stores are seen by the tensor cores' reads
+    lay.sync()
+    half = DK // 2
+    for h in range(2):
+        def product(acc_ref, h=h):
+            plgpu.wgmma(acc_ref, s_ref.at[pl.ds(h * half, half)], plgpu.transpose_ref(zt, (1, 0)))
+            return acc_ref[...]
+        acc = pl.run_scoped(product, plgpu.ACC((half, FIT_COLS), f32))
+        plgpu.transpose_ref(yt.at[:, pl.ds(h * half, half)], (1, 0))[...] = plgpu.layout_cast(
+            acc, plgpu.Layout.WGMMA_TRANSPOSED)
+    return yt
+
+
 def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_channel, smoothing, fit_iters, chunk,
-                bits, unroll, sum_lanes, recon, a16, lay):
+                bits, unroll, sum_lanes, recon, a16, fit, tz, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
     slots ``outs`` (codes over ``t["codes"]``, ``scale``, ``smooth``, ``ck``, ``cu``), with ``S`` in
     ``s_ref [dk, dv]``, the fit's rows in ``fit_ref [2, max(r, 2), dk]`` and the reconstruction's key
@@ -235,7 +270,8 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
     outputs wait for their copy); ``start``: the ref of the fit's first basis ``[r, dk]``. Each
     pass walks the key rows ``chunk`` at a time in a loop (``_chunks``); those that read or write
     the ``bits``-bit codes, ``chunk`` byte rows of every plane at a time (each code part's
-    ``chunk`` key rows of them, ``key_rows``)."""
+    ``chunk`` key rows of them, ``key_rows``). ``fit="wgmma"``: ``Y = S Z`` on the tensor cores
+    through ``tz`` (``_times_z_mma``), which shares its memory with ``fit_ref``."""
     CH = rows_layout(WARPS)      # a chunk's rows w, w + 4, ... on warp w: its sums over rows stay in a warp
     CROW = CH.reduce(1)          # [chunk] over the warps and registers: a row's factor
     VCOL = CH.reduce(0)          # [128] over the lanes: a column's factor (or a row of the fit)
@@ -335,9 +371,16 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
         for it in range(fit_iters):
             if it:
                 zs = times_rows(lambda c, k: lay.load(fit_ref.at[1, c, rows(k)], CROW))
-            times_z(zs)
+            if fit == "wgmma":
+                y_rows = _times_z_mma(zs, s_ref, *tz, r=r, lay=lay)
+            else:
+                times_z(zs)
+                y_rows = fit_ref.at[0]
             lay.sync()
-            basis = _cholesky_qr([lay.load(fit_ref.at[0, c], VCOL) for c in range(r)], r)
+            y = [lay.load(y_rows.at[c], VCOL) for c in range(r)]
+            if fit == "wgmma":
+                lay.sync()  # every thread has read Y, whose memory the basis takes
+            basis = _cholesky_qr(y, r)
             for c in range(r):
                 fit_ref[1, c] = basis[c]
             lay.sync()
@@ -387,11 +430,12 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
 
 
 def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r, p, per_channel, smoothing, fit_iters,
-             warm_start, chunk, bits, unroll, sum_lanes, recon, walk, programs, interpret):
+             warm_start, chunk, bits, unroll, sum_lanes, recon, fit, walk, programs, interpret):
     """Program ``c``: its heads ``c per + [0, per)``, or with ``walk="list"`` the list's entries
     ``c, c + programs, ...`` (module docstring). ``keyed``: the inputs read per key head (``hk`` of
     the ``h`` heads)."""
-    start_s, s_ref, (kd_ref, (fit_ref, slots), red) = scratch[:3]
+    start_s, s_ref, (kd_ref, (fit_ref, slots), red, *tz) = scratch[:3]
+    tz = tz[0] if tz else None
     s_ref, a16 = (s_ref[0], s_ref[1][1]) if recon == "wgmma" else (s_ref, None)
     slots = dict(zip(out_names, slots))
     c = jax.lax.axis_index("c")
@@ -433,7 +477,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
             start = tile["start"] if warm_start else start_s
             _head_flush(tile["meta"], tile, slots, s_ref, fit_ref, kd_ref, red, start, r=r, p=p,
                         per_channel=per_channel, smoothing=smoothing, fit_iters=fit_iters, chunk=chunk, bits=bits,
-                        unroll=unroll, sum_lanes=sum_lanes, recon=recon, a16=a16, lay=lay)
+                        unroll=unroll, sum_lanes=sum_lanes, recon=recon, a16=a16, fit=fit, tz=tz, lay=lay)
             plgpu.commit_smem()
             lay.sync()
             plgpu.copy_smem_to_gmem(tile["codes"], refs["codes"].at[t], commit_group=False)
@@ -517,14 +561,15 @@ def meta_cols(p: int, per_channel: bool) -> int:
     return -(-(META_COLS + (0 if per_channel else p)) // 32) * 32
 
 
-def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: int = 0) -> int:
+def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: int = 0, fit: str = "fma") -> int:
     """Shared memory of one program (each buffer from a 1 KB boundary, ``mosaic_shared.aligned``):
     ``stages`` of each of a head's inputs, the fp32 state, the decayed keys or (sharing their
     memory) the fit's rows and the output slots besides the codes or the warps' exchange
     (``meet_warps``), the start and the scalars (with ``walk="list"``, ``listed > 0``: the list's
     ``listed`` entries after them), then the barriers: two for the first copies, then one per stage
     (the pipeline) or one per input (the list). Leaves out the cross-warp reductions'
-    ``REDUCTION_SCRATCH``, as ``mosaic_shared.two_per_sm`` counts it."""
+    ``REDUCTION_SCRATCH``, as ``mosaic_shared.two_per_sm`` counts it. ``fit="wgmma"``: the tensor
+    cores' rows of ``Y`` and ``Z`` (``_times_z_mma``) among the buffers that share memory."""
     e = jnp.dtype(config.record_dtype).itemsize
     p, r = config.window, config.effective_rank
     comps = [2 * r * DK] * 2 if r else []
@@ -534,6 +579,8 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
+    if fit == "wgmma":       # _times_z_mma's Y rows and Z rows share that memory too
+        exchange = max(exchange, aligned(4 * FIT_COLS * DK, 4 * FIT_COLS * DK))
     barriers = 2 + (len(inputs) if listed else stages)
     return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange)
             + aligned(4 * DK * DK, 4 * max(r, 1) * DK) + BARRIER_BYTES * barriers)
@@ -550,11 +597,11 @@ def _flat(x, n):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "only_full", "programs", "stages", "chunk", "unroll",
-                                             "sum_lanes", "recon", "walk", "auto_barriers", "interpret"))
+                                             "sum_lanes", "recon", "fit", "walk", "auto_barriers", "interpret"))
 def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full: bool = False,
                     programs: int | None = None, stages: int = DEFAULT_STAGES, chunk: int = DEFAULT_CHUNK,
                     unroll: bool = False, sum_lanes: int = DEFAULT_SUM_LANES, recon: str | None = None,
-                    walk: str | None = None, auto_barriers: bool = False,
+                    fit: str = "fma", walk: str | None = None, auto_barriers: bool = False,
                     interpret=None) -> LeapQuantState:
     """Window flush (``leapquant_flush.flush_split``'s contract) on Mosaic GPU.
 
@@ -573,6 +620,9 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``) or, for the
     records' part, the tensor cores (``"wgmma"``, ``_rank_part``: ``takes_tensor_cores``); ``None``
     (the default): ``default_recon``, the tensor cores where they can run;
+    ``fit``: the fit's ``Y = S Z`` on the CUDA cores (``"fma"``, the default) or the tensor cores
+    (``"wgmma"``, ``_times_z_mma``: TF32 operands; with ``recon="wgmma"`` and at most ``FIT_COLS``
+    Compensator Tokens; compiled only through lowering on the CPU so far, not timed);
     ``walk``: which heads a program copies in: ``"pipeline"``, its ``per`` consecutive heads of
     ``[B H]`` in an ``emit_pipeline`` (a head not flushed costs its copy); ``"list"`` (one stage
     only), the flushed heads alone, from a list XLA makes of them (program ``c`` takes entries
@@ -599,18 +649,24 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
         recon = default_recon(config)
     if recon not in RECONS:
         raise ValueError(f"recon={recon!r}: expected one of {RECONS} or None")
+    if fit not in FITS:
+        raise ValueError(f"fit={fit!r}: expected one of {FITS}")
+    if fit == "wgmma" and (recon != "wgmma" or config.effective_rank > FIT_COLS):
+        raise ValueError(f"fit='wgmma' reads the state the tensor-core reconstruction lays out (recon='wgmma', got "
+                         f"{recon!r}) and takes at most {FIT_COLS} Compensator Tokens (got {config.effective_rank})")
     if recon == "wgmma" and not takes_tensor_cores(config):
         raise ValueError(f"recon='wgmma' takes float16 records (exact as fp16 operands) and a window that is a "
                          f"multiple of {MM_DEPTH} up to {DK // 2}; got record_dtype={config.record_dtype!r}, window "
                          f"{config.window}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
     run = functools.partial(_launch, config, only_full=only_full, programs=programs, stages=stages, chunk=chunk,
-                            walk=walk, unroll=unroll, sum_lanes=sum_lanes, recon=recon, auto_barriers=auto_barriers,
+                            walk=walk, unroll=unroll, sum_lanes=sum_lanes, recon=recon, fit=fit,
+                            auto_barriers=auto_barriers,
                             interpret=interpret)
     return fold_vmap(run)(state)
 
 
-def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_lanes, recon, walk, auto_barriers,
+def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_lanes, recon, fit, walk, auto_barriers,
             interpret):
     """``leapquant_flush`` on checked options: the XLA prologue and the kernel's launch."""
     bsz, h, dk, dv = state.shape
@@ -624,7 +680,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
         per = -(-n // programs)
         st = min(stages, per)
         listed = listed_entries(per) if walk == "list" else 0
-        return per, st, smem_bytes(config, st, state.per_channel_decay, listed)
+        return per, st, smem_bytes(config, st, state.per_channel_decay, listed, fit)
 
     if programs is None:
         programs = default_programs(n, lambda q: layout(q)[-1])
@@ -689,9 +745,10 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
         state_smem = smem_union(interpret, _swizzled((dk, dv), f32, STATE_SWIZZLE, interpret),
                                 (plgpu.SMEM((dk // 2, dv), f32),
                                  _swizzled((2 * p, dk), jnp.float16, MM_SWIZZLE, interpret)))
-    scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem,
-               smem_union(interpret, plgpu.SMEM((r + p + 1, dk), f32), later,
-                          plgpu.SMEM((max(r, 1), WARPS, dk), f32))]
+    shared = [plgpu.SMEM((r + p + 1, dk), f32), later, plgpu.SMEM((max(r, 1), WARPS, dk), f32)]
+    if fit == "wgmma":      # _times_z_mma's rows of Y and of Z, used while no other member is
+        shared.append((plgpu.SMEM((FIT_COLS, dk), f32), _swizzled((FIT_COLS, dk), f32, STATE_SWIZZLE, interpret)))
+    scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem, smem_union(interpret, *shared)]
     if walk == "list":
         # A head's tiles as the pipeline's one stage has them, the program's row of the list after
         # the head's scalars, and a barrier per tile
@@ -705,7 +762,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
                              hk=state.key_heads, per=per, stages=stages, r=r, p=p,
                              per_channel=state.per_channel_decay, smoothing=config.smoothing,
                              fit_iters=config.fit_iters, warm_start=config.warm_start, chunk=chunk,
-                             bits=config.bits, unroll=unroll, sum_lanes=sum_lanes, recon=recon,
+                             bits=config.bits, unroll=unroll, sum_lanes=sum_lanes, recon=recon, fit=fit,
                              walk=walk, programs=programs, interpret=bool(interpret))
 
     def kernel(refs):
@@ -739,6 +796,6 @@ def mosaic_flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: b
     return 2 * ckpt + records + scalars
 
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "DEFAULT_SUM_LANES", "META_COLS", "RECONS", "default_programs",
-           "default_recon", "leapquant_flush", "meta_cols", "mosaic_flush_bytes", "smem_bytes", "takes_tensor_cores",
-           "unsupported_reason"]
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "DEFAULT_SUM_LANES", "FITS", "FIT_COLS", "META_COLS", "RECONS",
+           "default_programs", "default_recon", "leapquant_flush", "meta_cols", "mosaic_flush_bytes", "smem_bytes",
+           "takes_tensor_cores", "unsupported_reason"]

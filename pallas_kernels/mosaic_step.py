@@ -32,7 +32,7 @@ A rank ``r`` that is not a multiple of 4 ends on a group of four that overlaps t
 its rows already counted zeroed (``token_row_groups``): six tokens, the default below 8 bits.
 Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
 
-Defaults, the fastest measured (docs/performance.md): ``dot="rows"``; three programs per SM at 4 and 2
+Defaults (docs/performance.md gives what each was measured against): ``dot="rows"``; three programs per SM at 4 and 2
 bits where they fit, else two (``default_programs``); three heads in flight where the SM's programs
 still fit, else two (``default_stages``); GDN's records in parts of eight slots (``default_slot_copy``).
 Tested with JAX 0.10.2 (interpret mode, lowering on the CPU) and 0.11.2 (compiled: H200 and H100).
@@ -469,7 +469,8 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
     """Why this kernel cannot take ``config`` and ``state`` (``None`` when it can): integer codes
     at 8, 6, 4 or 2 bits, ``dk = dv = 128``, ``p`` a multiple of 4, ``r`` 0 or at least 4 (the
     Compensator Tokens go 4 rows at a time, ``token_row_groups``), key heads dividing ``H``; with
-    scalar (GDN) decays also ``B H`` a multiple of ``log_decay_heads``."""
+    scalar (GDN) decays also a head's ``p`` record log-decays a multiple of 16 bytes (the copy
+    engine's row stride) and ``B H`` a multiple of ``log_decay_heads``."""
     ckpt, buf = state.checkpoint, state.buffer
     if config.residual_format is not None or config.bits not in INT_WIDTHS:
         return f"the Mosaic GPU step reads 8-bit integer codes and packed 6-, 4- and 2-bit ones only " \
@@ -492,6 +493,9 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
         return f"pos must be [B] = ({b},), got {state.pos.shape}"
     if buf.g.shape not in ((b, h, p), (b, h, p, dk)):
         return f"buffer log-decays must be [B, H, p] or [B, H, p, dk], got {buf.g.shape}"
+    row = p * jnp.dtype(buf.g.dtype).itemsize
+    if not state.per_channel_decay and row % 16:
+        return f"window={p}: a head's record log-decays ({row} bytes of {buf.g.dtype}) must be a multiple of 16 bytes"
     grain = log_decay_heads(p, jnp.dtype(buf.g.dtype).itemsize)
     if not state.per_channel_decay and (b * h) % grain:
         return (f"B * H = {b * h}: with scalar (GDN) decays the Mosaic GPU step takes a multiple of {grain} "
@@ -513,7 +517,7 @@ def default_slot_copy(p: int, per_channel: bool = False) -> int:
     return DEFAULT_SLOT_COPY if p % DEFAULT_SLOT_COPY == 0 and not per_channel else p
 
 
-MAX_STAGES = 3       # heads in flight per program by default, where two programs per SM fit (default_stages)
+MAX_STAGES = 3       # heads in flight per program by default, where the launch's programs per SM fit (default_stages)
 
 
 def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, per: int, dot: str = DEFAULT_DOT,
@@ -575,10 +579,11 @@ def split_heads(n: int, programs: int, grain: int) -> tuple[int, int]:
 
 
 def default_programs(config: LeapQuantConfig, per_channel: bool, n: int, dot: str = DEFAULT_DOT,
-                     slot_copy: int | None = None) -> int:
+                     slot_copy: int | None = None, stages: int | None = None) -> int:
     """Programs of a launch over ``n`` heads where the caller leaves ``programs`` to the kernel, at
     most one per ``MIN_HEADS`` heads: three per SM at ``THREE_PER_SM_BITS`` bits and below where
-    three fit in an SM's shared memory with two heads in flight each (``smem_bytes``) and put at
+    three fit in an SM's shared memory with ``stages`` heads in flight each (two where ``None``;
+    ``smem_bytes``) and put at
     most ``THREE_PER_SM_GAIN`` times two's heads on the fullest SM (``split_heads`` in multiples of
     ``head_grain``), else two. Why: at 4 and 2 bits the step's arithmetic (more code parts a byte,
     six Compensator Tokens) outlasts its copies and a third program's warps hide it; at 8 and 6
@@ -588,7 +593,8 @@ def default_programs(config: LeapQuantConfig, per_channel: bool, n: int, dot: st
     if config.bits > THREE_PER_SM_BITS:
         return two
     _, per = split_heads(n, three, grain)
-    if per_sm(smem_bytes(config, 2, per_channel, per, dot, slot_copy), cross_warp_sums=dot == "fma") < 3:
+    smem = smem_bytes(config, stages or 2, per_channel, per, dot, slot_copy)
+    if per_sm(smem, cross_warp_sums=dot == "fma") < 3:
         return two
 
     def fullest(programs):      # heads on the SM with the most programs
@@ -666,7 +672,8 @@ def _launch(config, state, token, *, head, programs, stages, chunk, dot, slot_co
     n = bsz * h
     per_channel = state.per_channel_decay
     check_launch(programs, 1 if stages is None else stages)
-    programs = default_programs(config, per_channel, n, dot, slot_copy) if programs is None else programs
+    if programs is None:
+        programs = default_programs(config, per_channel, n, dot, slot_copy, stages)
     log_heads = log_decay_heads(p, jnp.dtype(buf.g.dtype).itemsize)    # the buffer's, whatever the config says
     programs, per = split_heads(n, programs, math.lcm(head_grain(config, per_channel), log_heads))
     if stages is None:

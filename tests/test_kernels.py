@@ -726,7 +726,7 @@ def test_mosaic_step_lowers_for_cuda(bits, kda):
 
 
 def test_mosaic_step_takes_three_heads_in_flight_where_two_programs_fit():
-    # Batch 512 x 32 heads on 132 SMs: 264 programs of 64 heads. Three heads in flight keep two
+    # Batch 512 x 32 heads on 132 SMs, two programs per SM: 256 of 64 heads. Three heads in flight keep two
     # programs per SM for GDN at every width and for KDA at 4 and 2 bits; KDA at 8 and 6 bits and
     # the tensor cores' tile would lose the second program with three, so they take two.
     fits = lambda c, stages, kda, dot="rows": two_per_sm(mosaic_step.smem_bytes(c, stages, kda, 64, dot), dot == "fma")
@@ -760,6 +760,7 @@ def test_mosaic_step_takes_three_programs_per_sm_at_four_bits_and_below(monkeypa
     c4 = LeapQuantConfig(bits=4, window=16)
     assert mosaic_step.default_programs(c4, True, n, "fma") == 264      # 2 KB of scratch a program: three no longer fit
     assert mosaic_step.default_programs(c4, True, 64) == 8              # small batches: at least MIN_HEADS a program
+    assert mosaic_step.default_programs(c4, True, n, stages=3) == 264   # three heads in flight: three no longer fit
     # Batch 594 splits evenly both ways (144 heads an SM); at batch 128 three would put 36 heads on the
     # fullest SM against two's 32 (12.5% more, above THREE_PER_SM_GAIN): two.
     assert mosaic_step.default_programs(c4, True, 594 * 32) == 396
@@ -781,7 +782,9 @@ def test_mosaic_step_rejects_what_it_cannot_run():
         (c8, state(c8, bsz=1, h=6), "scalar .GDN. decays .* a multiple of 8"),
         (LeapQuantConfig(bits=8, window=8, rank=2), state(LeapQuantConfig(bits=8, window=8, rank=2)),
          "rank=2: .* 0 or at least 4"),
-        (LeapQuantConfig(bits=8, window=4), state(LeapQuantConfig(bits=8, window=4)), "128-byte"),
+        # GDN's log-decay rows of 8 bytes: the copy engine's row stride is a multiple of 16 bytes, whatever B H
+        (LeapQuantConfig(bits=8, window=4), state(LeapQuantConfig(bits=8, window=4)), "multiple of 16 bytes"),
+        (LeapQuantConfig(bits=8, window=4), state(LeapQuantConfig(bits=8, window=4), bsz=4), "multiple of 16 bytes"),
     ]:
         assert mosaic_step.unsupported_reason(config, st) is not None
         with pytest.raises(ValueError, match=match):

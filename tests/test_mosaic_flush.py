@@ -283,6 +283,39 @@ def test_mosaic_flush_tensor_core_reconstruction(kda):
         assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
 
 
+@pytest.mark.parametrize("kda, bits", [(False, 8), (True, 4)], ids=["gdn-int8", "kda-int4"])
+def test_mosaic_flush_fit_on_the_tensor_cores(kda, bits):
+    # fit="wgmma": Y = S Z as TF32 products of the swizzled state by Z's rows, each accumulator stored
+    # transposed into Y's rows. In the interpreter Y meets through jnp.dot and the flush must match the
+    # reference (four and six Compensator Tokens, two fit rounds); lowered, the wgmma, the transposed
+    # store and the shared memory smem_bytes counts (Y's and Z's rows in memory the fit already shares).
+    from jax import export
+
+    config = LeapQuantConfig(bits=bits, window=16)
+    st, _ = live_state(config, jax.random.PRNGKey(64 + kda), 3, 2, 128, 128, kda, pos=[16, 11, 16], key_heads=1)
+    check_flush(config, st, flush=mosaic(programs=2, recon="wgmma", fit="wgmma"))
+    config2 = LeapQuantConfig(bits=bits, window=16, fit_iters=2)
+    check_flush(config2, st, flush=mosaic(programs=2, recon="wgmma", fit="wgmma"))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    state_shapes(config, 4, 4, 128, 128, kda, key_heads=2))
+    f = jax.jit(lambda s: mosaic_flush.leapquant_flush(config, s, only_full=True, programs=3, fit="wgmma",
+                                                       interpret=False))
+    with launch_smem() as sizes:
+        assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
+    if sizes is not None:
+        assert sizes[-1] == mosaic_flush.smem_bytes(config, 1, kda, mosaic_flush.listed_entries(6), "wgmma") + \
+            mosaic_shared.REDUCTION_SCRATCH
+        # no more than the fit on the CUDA cores takes: two programs per SM still fit
+        assert mosaic_flush.smem_bytes(config, 1, kda, 0, "wgmma") == mosaic_flush.smem_bytes(config, 1, kda, 0)
+    for opts, match in [(dict(fit="mma"), "fit='mma'"), (dict(fit="wgmma", recon="fma"), "recon='wgmma'")]:
+        with pytest.raises(ValueError, match=match):
+            traced(functools.partial(mosaic_flush.leapquant_flush, config, **opts), st)
+    wide = LeapQuantConfig(bits=8, window=16, rank=12)
+    with pytest.raises(ValueError, match="at most 8 Compensator Tokens"):
+        traced(functools.partial(mosaic_flush.leapquant_flush, wide, fit="wgmma"),
+               state_shapes(wide, 2, 2, 128, 128, False))
+
+
 def test_mosaic_flush_tensor_core_reconstruction_window_32():
     config = LeapQuantConfig(bits=8, window=32)
     st, _ = live_state(config, jax.random.PRNGKey(62), 1, 2, 128, 128, False, pos=[32])
