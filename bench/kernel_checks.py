@@ -472,24 +472,29 @@ def decoded_state_failures(row) -> list[str]:
 
 def check_decoded_state(log, bits_list=(8, 6, 4), kda_modes=(False, True), flush_impls=("split", "fused", "mosaic"),
                         *, batch=CRITERION_BATCH, window=16) -> list[dict]:
-    """The compiled flushes ``flush_impls`` (``run_flush`` names) under the decoded-state
-    criterion, 128 x 128 heads, window ``window``: three rows per flush, bit width and mode
-    (``CRITERION_INPUTS``); a flush that cannot take the config gives one row with ``skipped``
-    (its reason). Each row is logged as it comes."""
+    """The compiled flushes ``flush_impls`` under the decoded-state criterion, 128 x 128 heads,
+    window ``window``: three rows per flush, bit width and mode (``CRITERION_INPUTS``); a flush
+    that cannot take the config gives one row with ``skipped`` (its reason). A flush is a
+    ``run_flush`` name or a dict of ``run_flush`` options with its ``impl`` (the row's ``impl``
+    then names the options too). Each row is logged as it comes."""
     rows = []
     for kda in kda_modes:
         mode = "KDA" if kda else "GDN"
         for bits in bits_list:
             config = LeapQuantConfig(bits=bits, window=window, impl="pallas")
             cases = criterion_cases(config, kda, batch=batch)
-            for impl in flush_impls:
+            for entry in flush_impls:
+                options = dict(entry) if isinstance(entry, dict) else dict(impl=entry)
+                impl = options.pop("impl", "auto")
+                label = impl + "".join(f" {k}={v}" for k, v in sorted(options.items()))
                 why = mosaic_flush.unsupported_reason(config, cases[0]["state"]) if impl == "mosaic" else None
                 if why is not None:
-                    new = [dict(check="decoded-state criterion (flush)", mode=mode, bits=bits, impl=impl,
+                    new = [dict(check="decoded-state criterion (flush)", mode=mode, bits=bits, impl=label,
                                 inputs="-", skipped=why)]
                 else:
-                    new = decoded_state_rows(config, cases, lambda c, s, impl=impl: run_flush(c, s, impl),
-                                             mode=mode, impl=impl)
+                    new = decoded_state_rows(config, cases,
+                                             lambda c, s, impl=impl, o=options: run_flush(c, s, impl, **o),
+                                             mode=mode, impl=label)
                 for row in new:
                     log(row)
                 rows += new

@@ -8,7 +8,8 @@ flush with each of its reconstructions, ``recon``, at every width), the Pallas d
 tokens, and 64 tokens at ragged window positions through ``make_method("leapquant",
 impl="pallas")`` against ``impl="reference"``, and the split,
 fused and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and
-random heads at 8, 6, 4 and 2 bits), and ``fp32-w`` on its kernels (``-k fp32w``). The normal suite deselects them (``conftest``); selected without a
+random heads at 8, 6, 4 and 2 bits; the Mosaic GPU flush with ``fit="wgmma"`` at 8 and 4 bits),
+and ``fp32-w`` on its kernels (``-k fp32w``). The normal suite deselects them (``conftest``); selected without a
 GPU, they are skipped.
 """
 
@@ -108,6 +109,17 @@ def test_flushes_meet_the_decoded_state_criterion(impl, bits, kda):
     rows = check_decoded_state(lambda row: None, (bits,), (kda,), (impl,))
     if rows[0].get("skipped"):
         pytest.skip(rows[0]["skipped"])
+    assert len(rows) == 3
+    for row in rows:
+        assert row["passed"] and not decoded_state_failures(row), row
+
+
+@MODES
+@pytest.mark.parametrize("bits", [8, 4])
+def test_mosaic_flush_fit_on_the_tensor_cores_meets_the_decoded_state_criterion(bits, kda):
+    # fit="wgmma" (Y = S Z as TF32 products): judged, as reduced-precision flushes are, by the
+    # decoded-state criterion alone (TF32 moves the basis, so codes may move more than a step)
+    rows = check_decoded_state(lambda row: None, (bits,), (kda,), ({"impl": "mosaic", "fit": "wgmma"},))
     assert len(rows) == 3
     for row in rows:
         assert row["passed"] and not decoded_state_failures(row), row
