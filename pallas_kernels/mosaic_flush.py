@@ -622,7 +622,7 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     (the default): ``default_recon``, the tensor cores where they can run;
     ``fit``: the fit's ``Y = S Z`` on the CUDA cores (``"fma"``, the default) or the tensor cores
     (``"wgmma"``, ``_times_z_mma``: TF32 operands; with ``recon="wgmma"`` and at most ``FIT_COLS``
-    Compensator Tokens; compiled only through lowering on the CPU so far, not timed);
+    Compensator Tokens; docs/performance.md says what it has been checked and timed on);
     ``walk``: which heads a program copies in: ``"pipeline"``, its ``per`` consecutive heads of
     ``[B H]`` in an ``emit_pipeline`` (a head not flushed costs its copy); ``"list"`` (one stage
     only), the flushed heads alone, from a list XLA makes of them (program ``c`` takes entries
