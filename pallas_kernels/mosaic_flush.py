@@ -579,10 +579,9 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
-    if fit == "wgmma":       # _times_z_mma's Y rows and Z rows share that memory too
-        exchange = max(exchange, aligned(4 * FIT_COLS * DK, 4 * FIT_COLS * DK))
+    fit_rows = aligned(4 * FIT_COLS * DK, 4 * FIT_COLS * DK) if fit == "wgmma" else 0   # _times_z_mma's Y and Z
     barriers = 2 + (len(inputs) if listed else stages)
-    return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange)
+    return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange, fit_rows)
             + aligned(4 * DK * DK, 4 * max(r, 1) * DK) + BARRIER_BYTES * barriers)
 
 

@@ -237,11 +237,11 @@ def test_mosaic_flush_lowers_for_cuda(kda, stages, unroll, sum_lanes, walk):
     check_smem(sizes, config, stages, kda, mosaic_flush.listed_entries(6) if walk == "list" else 0)
 
 
-def check_smem(sizes, config, stages, kda, listed):
+def check_smem(sizes, config, stages, kda, listed, fit="fma"):
     # smem_bytes with the reductions' scratch (as two_per_sm counts it) is what the launch asks for.
     if sizes is None:
         pytest.skip("this JAX's Mosaic GPU sizes its launch elsewhere: smem_bytes not compared with the lowering")
-    assert sizes[-1] == mosaic_flush.smem_bytes(config, stages, kda, listed) + mosaic_shared.REDUCTION_SCRATCH
+    assert sizes[-1] == mosaic_flush.smem_bytes(config, stages, kda, listed, fit) + mosaic_shared.REDUCTION_SCRATCH
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -302,11 +302,8 @@ def test_mosaic_flush_fit_on_the_tensor_cores(kda, bits):
                                                        interpret=False))
     with launch_smem() as sizes:
         assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
-    if sizes is not None:
-        assert sizes[-1] == mosaic_flush.smem_bytes(config, 1, kda, mosaic_flush.listed_entries(6), "wgmma") + \
-            mosaic_shared.REDUCTION_SCRATCH
-        # no more than the fit on the CUDA cores takes: two programs per SM still fit
-        assert mosaic_flush.smem_bytes(config, 1, kda, 0, "wgmma") == mosaic_flush.smem_bytes(config, 1, kda, 0)
+    # no more than the fit on the CUDA cores takes: two programs per SM still fit
+    assert mosaic_flush.smem_bytes(config, 1, kda, 0, "wgmma") == mosaic_flush.smem_bytes(config, 1, kda, 0)
     for opts, match in [(dict(fit="mma"), "fit='mma'"), (dict(fit="wgmma", recon="fma"), "recon='wgmma'")]:
         with pytest.raises(ValueError, match=match):
             traced(functools.partial(mosaic_flush.leapquant_flush, config, **opts), st)
@@ -314,6 +311,7 @@ def test_mosaic_flush_fit_on_the_tensor_cores(kda, bits):
     with pytest.raises(ValueError, match="at most 8 Compensator Tokens"):
         traced(functools.partial(mosaic_flush.leapquant_flush, wide, fit="wgmma"),
                state_shapes(wide, 2, 2, 128, 128, False))
+    check_smem(sizes, config, 1, kda, mosaic_flush.listed_entries(6), "wgmma")
 
 
 def test_mosaic_flush_tensor_core_reconstruction_window_32():
