@@ -117,6 +117,7 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=(
                 impl = options.pop("impl", "auto")
                 if impl == "mosaic" and mosaic_flush.unsupported_reason(config, n_r) is not None:
                     continue
+                tf32 = tf32_fit(config, n_r, impl, options)
                 f_k = run_flush(config, copy_tree(n_r), impl, **options)
                 d_k = windowed.decode_checkpoint(config, f_k.checkpoint)
                 label = "" if impl == "auto" and not options else f" ({impl} flush{', ' if options else ''}" \
@@ -125,19 +126,31 @@ def check_single_ops(log, bits_list=(8,), kda_modes=(False, True), flush_impls=(
                            mode="KDA" if kda else "GDN",
                            o_rel_err=max(step_errs.values()), state_rel_err=rel(d_k, d_r), buffer_rel_err=buf_err,
                            **{f"o_err_{k}": v for k, v in step_errs.items()},
-                           reference_flush_err=rel(d_r, dense), pallas_flush_err=rel(d_k, dense),
+                           reference_flush_err=rel(d_r, dense), pallas_flush_err=rel(d_k, dense), tf32_fit=tf32,
                            finite=bool(jnp.all(jnp.isfinite(o_k)) and jnp.all(jnp.isfinite(d_k))))
                 rows.append(row)
                 log(row)
     return rows
 
 
+def tf32_fit(config, state, impl, options) -> bool:
+    """Whether the flush ``run_flush`` runs for ``impl`` and ``options`` fits its Compensator Tokens
+    with TF32 products (the Mosaic GPU flush's ``fit="wgmma"``)."""
+    if impl == "auto":
+        impl = "mosaic" if takes_mosaic("flush", config, state) else None
+    if impl != "mosaic":
+        return False
+    return (options.get("fit") or mosaic_flush.default_fit(config, options.get("recon"))) == "wgmma"
+
+
 def single_op_failures(row) -> list[str]:
     """What a ``check_single_ops`` row misses: finite; every step output within 1e-5 of the
     reference's (fp32 sums in another order); the records within 1e-3 (fp16 rounding of fp32
     values equal to ~1e-7); the flushed state as close to the exact one as the reference's (1%)
-    and within a tenth of that error of the reference's flushed state (codes may differ by one
-    step where a value sits on a rounding boundary)."""
+    and, for an fp32 fit, within a tenth of that error of the reference's flushed state (codes may
+    differ by one step where a value sits on a rounding boundary). A TF32 fit (``tf32_fit``) moves
+    the basis, so its codes may move further: as the NVlabs/kda requests allow for reduced
+    precision, ``check_decoded_state`` judges it instead."""
     out = []
     if not row["finite"]:
         out.append("non-finite output or state")
@@ -148,7 +161,7 @@ def single_op_failures(row) -> list[str]:
     if not row["pallas_flush_err"] <= 1.01 * row["reference_flush_err"] + 1e-6:
         out.append(f"flushed state error {row['pallas_flush_err']:.4e} > 1.01 x the reference's "
                    f"{row['reference_flush_err']:.4e}")
-    if not row["state_rel_err"] <= 0.1 * row["reference_flush_err"]:
+    if not row.get("tf32_fit") and not row["state_rel_err"] <= 0.1 * row["reference_flush_err"]:
         out.append(f"flushed state {row['state_rel_err']:.2e} from the reference's, over a tenth of its error "
                    f"{row['reference_flush_err']:.2e}")
     return out

@@ -4,7 +4,7 @@ The checks of ``bench.kernels`` (``bench.kernel_checks``, the same functions and
 their pass criteria: one step and one flush from the same state at ragged window positions (8, 6,
 4 and 2 bits, every width the kernels take; on Hopper the Mosaic GPU step and flush where ``auto``
 takes them; beside them the Mosaic GPU step with each of its code sums, ``dot``, and the Mosaic GPU
-flush with each of its reconstructions, ``recon``, at every width), the Pallas dense steps over 8
+flush with each of its reconstructions, ``recon``, and an fp32 fit at every width), the Pallas dense steps over 8
 tokens, and 64 tokens at ragged window positions through ``make_method("leapquant",
 impl="pallas")`` against ``impl="reference"``, and the split,
 fused and Mosaic GPU flushes under the decoded-state criterion (structured, second-window and
@@ -75,15 +75,15 @@ def test_mosaic_step_code_sums_match_reference(bits, kda):
 @MODES
 @pytest.mark.parametrize("bits", [8, 6, 4, 2])
 def test_mosaic_flush_matches_reference_compiled(bits, kda):
-    # both reconstructions (the records' part on the tensor cores or the CUDA cores), compiled, every
-    # sequence flushed or only the full windows (both walks); below 8 bits the packed codes read and
-    # written in registers and the default six Compensator Tokens (check_flush: stored codes within
-    # one step of the reference's, the decoded state as close to the exact one)
+    # both reconstructions (the records' part on the tensor cores or the CUDA cores) with the fit in
+    # fp32, compiled, every sequence flushed or only the full windows (both walks); below 8 bits the
+    # packed codes read and written in registers and the default six Compensator Tokens (check_flush:
+    # stored codes within one step of the reference's, the decoded state as close to the exact one)
     config = LeapQuantConfig(bits=bits, window=16)
     st, _ = mosaic_live_state("flush", config, 95 + bits + kda, [16, 5, 11, 16, 3, 16, 14, 0], kda)
     for recon in mosaic_flush.RECONS:
         for only_full, walk in ((False, "pipeline"), (True, "pipeline"), (True, "list")):
-            flush = functools.partial(mosaic_flush.leapquant_flush, recon=recon, walk=walk)
+            flush = functools.partial(mosaic_flush.leapquant_flush, recon=recon, fit="fma", walk=walk)
             check_flush(config, st, only_full=only_full, flush=flush)
 
 
@@ -117,8 +117,9 @@ def test_flushes_meet_the_decoded_state_criterion(impl, bits, kda):
 @MODES
 @pytest.mark.parametrize("bits", [8, 4])
 def test_mosaic_flush_fit_on_the_tensor_cores_meets_the_decoded_state_criterion(bits, kda):
-    # fit="wgmma" (Y = S Z as TF32 products): judged, as reduced-precision flushes are, by the
-    # decoded-state criterion alone (TF32 moves the basis, so codes may move more than a step)
+    # fit="wgmma" (Y = S Z as TF32 products, the default where it runs): judged, as reduced-precision
+    # flushes are, by the decoded-state criterion alone (TF32 moves the basis, so codes may move more
+    # than a step); test_flushes_meet_the_decoded_state_criterion runs it where it is the default
     rows = check_decoded_state(lambda row: None, (bits,), (kda,), ({"impl": "mosaic", "fit": "wgmma"},))
     assert len(rows) == 3
     for row in rows:

@@ -275,7 +275,7 @@ def test_mosaic_flush_tensor_core_reconstruction(kda):
 
     config = LeapQuantConfig(bits=8, window=16)
     st, _ = live_state(config, jax.random.PRNGKey(60 + kda), 3, 2, 128, 128, kda, pos=[16, 11, 0], key_heads=1)
-    check_flush(config, st, flush=mosaic(programs=2, recon="wgmma"))
+    check_flush(config, st, flush=mosaic(programs=2, recon="wgmma", fit="fma"))
     for cfg in (config, LeapQuantConfig(bits=8, window=32)):
         st = state_shapes(cfg, 2, 2, 128, 128, kda)
         f = jax.jit(lambda s, cfg=cfg: mosaic_flush.leapquant_flush(cfg, s, recon="wgmma", interpret=False))
@@ -302,6 +302,10 @@ def test_mosaic_flush_fit_on_the_tensor_cores(kda, bits):
                                                        interpret=False))
     with launch_smem() as sizes:
         assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
+    # the default where it runs: the tensor cores' reconstruction and at most 8 Compensator Tokens
+    assert mosaic_flush.default_fit(config) == "wgmma" and mosaic_flush.default_fit(config, "fma") == "fma"
+    assert mosaic_flush.default_fit(LeapQuantConfig(bits=8, window=16, rank=12)) == "fma"
+    assert mosaic_flush.default_fit(LeapQuantConfig(bits=8, window=16, record_dtype="bfloat16")) == "fma"
     # no more than the fit on the CUDA cores takes: two programs per SM still fit
     assert mosaic_flush.smem_bytes(config, 1, kda, 0, "wgmma") == mosaic_flush.smem_bytes(config, 1, kda, 0)
     for opts, match in [(dict(fit="mma"), "fit='mma'"), (dict(fit="wgmma", recon="fma"), "recon='wgmma'")]:
