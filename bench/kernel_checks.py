@@ -215,6 +215,8 @@ def ragged_method_row(seq, s0, mode, bits, offsets=RAGGED_OFFSETS):
     for impl in ("pallas", "reference"):
         m = make_method("leapquant", bits=bits, window=16, impl=impl)
         st = m.from_dense(s0, per_channel_decay=per_channel)
+        if impl == "pallas":
+            tf32 = tf32_fit(m.config, st, "auto", {})
         o, st = jax.jit(lambda st, seq: ragged_decode(m, st, seq, offsets))(st, seq)
         res[impl] = (o, m.to_dense(st))
     fp32 = make_method("fp32")
@@ -225,18 +227,19 @@ def ragged_method_row(seq, s0, mode, bits, offsets=RAGGED_OFFSETS):
                 state_rel_err=rel(res["pallas"][1], res["reference"][1]),
                 reference_o_err_vs_fp32=rel(res["reference"][0], o_ex_r),
                 pallas_o_err_vs_fp32=rel(res["pallas"][0], o_ex_r),
-                finite=bool(jnp.all(jnp.isfinite(res["pallas"][0]))))
+                finite=bool(jnp.all(jnp.isfinite(res["pallas"][0]))), tf32_fit=tf32)
 
 
 def ragged_failures(row) -> list[str]:
     """What a ``ragged_method_row`` misses: finite; the kernels' output error against fp32 within
-    1% of the reference's; kernels and reference apart by at most a quarter of the reference's
-    error (a code one step off at a rounding boundary carries on through the window)."""
+    1% of the reference's; with an fp32 fit, kernels and reference apart by at most a quarter of
+    the reference's error (a code one step off at a rounding boundary carries on through the
+    window). A TF32 fit (``tf32_fit``) moves codes further, so only the first two hold it."""
     ref = row["reference_o_err_vs_fp32"]
     out = [] if row["finite"] else ["non-finite output"]
     if not row["pallas_o_err_vs_fp32"] <= 1.01 * ref:
         out.append(f"output error vs fp32 {row['pallas_o_err_vs_fp32']:.4e} > 1.01 x the reference's {ref:.4e}")
-    if not row["o_rel_err"] <= 0.25 * ref:
+    if not row.get("tf32_fit") and not row["o_rel_err"] <= 0.25 * ref:
         out.append(f"output {row['o_rel_err']:.2e} from the reference's, over a quarter of its error {ref:.2e}")
     return out
 

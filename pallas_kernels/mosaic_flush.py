@@ -72,6 +72,7 @@ META_COLS = 4            # a head's scalars before GDN's record log-decays: flus
 RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
 FITS = ("fma", "wgmma")     # the fit's Y = S Z: CUDA-core FMAs or the tensor cores (TF32)
 FIT_COLS = 8                # fit="wgmma": the product's N, the most Compensator Tokens it takes
+FIT_MIN_BITS = 4            # default_fit: the narrowest codes a TF32 fit met the decoded-state criterion at
 WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
 LIST_MAX_HEADS = 2 ** 24    # walk="list": its head indices are fp32, exact up to here
 MM_DEPTH = 16            # the window's multiple for recon="wgmma": an fp16 wgmma's depth
@@ -558,11 +559,12 @@ def default_recon(config: LeapQuantConfig) -> str:
 
 def default_fit(config: LeapQuantConfig, recon: str | None = None) -> str:
     """``fit`` where the caller leaves it ``None`` (``recon`` as given, ``None``: ``default_recon``):
-    ``"wgmma"`` where it can run (``recon="wgmma"`` and at most ``FIT_COLS`` Compensator Tokens; 4
-    to 7% faster than ``"fma"`` and within the decoded-state criterion, docs/performance.md), else
-    ``"fma"``."""
+    ``"wgmma"`` where it can run (``recon="wgmma"``, at most ``FIT_COLS`` Compensator Tokens) from
+    ``FIT_MIN_BITS`` up (4 to 7% faster than ``"fma"`` and within the decoded-state criterion there;
+    at 2 bits GDN's missed it, docs/performance.md), else ``"fma"``."""
     recon = default_recon(config) if recon is None else recon
-    return "wgmma" if recon == "wgmma" and config.effective_rank <= FIT_COLS else "fma"
+    fits = recon == "wgmma" and config.effective_rank <= FIT_COLS and config.bits >= FIT_MIN_BITS
+    return "wgmma" if fits else "fma"
 
 
 def meta_cols(p: int, per_channel: bool) -> int:
@@ -807,6 +809,6 @@ def mosaic_flush_bytes(config: LeapQuantConfig, dk: int, dv: int, per_channel: b
     return 2 * ckpt + records + scalars
 
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "DEFAULT_SUM_LANES", "FITS", "FIT_COLS", "META_COLS", "RECONS",
-           "default_fit", "default_programs", "default_recon", "leapquant_flush", "meta_cols", "mosaic_flush_bytes",
-           "smem_bytes", "takes_tensor_cores", "unsupported_reason"]
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_STAGES", "DEFAULT_SUM_LANES", "FITS", "FIT_COLS", "FIT_MIN_BITS", "META_COLS",
+           "RECONS", "default_fit", "default_programs", "default_recon", "leapquant_flush", "meta_cols",
+           "mosaic_flush_bytes", "smem_bytes", "takes_tensor_cores", "unsupported_reason"]

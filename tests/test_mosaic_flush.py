@@ -305,6 +305,7 @@ def test_mosaic_flush_fit_on_the_tensor_cores(kda, bits):
     # the default where it runs: the tensor cores' reconstruction and at most 8 Compensator Tokens
     assert mosaic_flush.default_fit(config) == "wgmma" and mosaic_flush.default_fit(config, "fma") == "fma"
     assert mosaic_flush.default_fit(LeapQuantConfig(bits=8, window=16, rank=12)) == "fma"
+    assert mosaic_flush.default_fit(LeapQuantConfig(bits=2, window=16)) == "fma"
     assert mosaic_flush.default_fit(LeapQuantConfig(bits=8, window=16, record_dtype="bfloat16")) == "fma"
     # no more than the fit on the CUDA cores takes: two programs per SM still fit
     assert mosaic_flush.smem_bytes(config, 1, kda, 0, "wgmma") == mosaic_flush.smem_bytes(config, 1, kda, 0)
