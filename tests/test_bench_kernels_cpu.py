@@ -14,7 +14,7 @@ import pytest
 from bench import kernels as bk
 from bench import kernel_report, kernel_timing
 from bench.inputs import random_state, window_tokens
-from bench.kernel_checks import check_single_ops
+from bench.kernel_checks import check_single_ops, ragged_failures, single_op_failures, tf32_fit
 from leapquant_jax import windowed
 from leapquant_jax.state import LeapQuantConfig
 from pallas_kernels.leapquant_step import step_bytes
@@ -238,6 +238,25 @@ def test_flush_checks_take_the_mosaic_flush_with_options_and_configs():
     [row] = rows
     assert "mosaic flush, programs=4" in row["check"] and row["finite"]
     assert row["pallas_flush_err"] <= 1.05 * row["reference_flush_err"]
+    assert row["tf32_fit"] and not single_op_failures(row)
+
+
+def test_a_tf32_fit_is_judged_by_the_criterion_not_code_by_code():
+    # tf32_fit names the flushes whose fit runs Y = S Z in TF32 (the Mosaic GPU flush's default from
+    # 4 bits up); only for them the checks waive the clauses that compare codes with the reference's.
+    config, two = LeapQuantConfig(bits=8, window=16), LeapQuantConfig(bits=2, window=16)
+    s0 = random_state(jax.random.PRNGKey(0), 1, 2, 128, 128)
+    st = windowed.from_dense(config, s0)
+    assert tf32_fit(config, st, "mosaic", {}) and not tf32_fit(two, windowed.from_dense(two, s0), "mosaic", {})
+    assert not tf32_fit(config, st, "mosaic", {"fit": "fma"}) and not tf32_fit(config, st, "split", {})
+    assert not tf32_fit(config, st, "mosaic", {"recon": "fma"})
+    op = dict(finite=True, o_rel_err=1e-7, buffer_rel_err=0.0, reference_flush_err=5.4e-3, pallas_flush_err=5.4e-3,
+              state_rel_err=1.5e-3)
+    assert single_op_failures(op) and not single_op_failures(dict(op, tf32_fit=True))
+    assert single_op_failures(dict(op, tf32_fit=True, pallas_flush_err=5.6e-3))
+    ragged = dict(finite=True, reference_o_err_vs_fp32=3.89e-3, pallas_o_err_vs_fp32=3.89e-3, o_rel_err=1.3e-3)
+    assert ragged_failures(ragged) and not ragged_failures(dict(ragged, tf32_fit=True))
+    assert ragged_failures(dict(ragged, tf32_fit=True, pallas_o_err_vs_fp32=3.95e-3))
     config = LeapQuantConfig(bits=8, window=16)
     assert kernel_timing.impl_flush_bytes(config, 128, 128, True, "mosaic") < kernel_timing.impl_flush_bytes(config, 128, 128, True, "split")
 
