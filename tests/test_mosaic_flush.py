@@ -302,7 +302,7 @@ def test_mosaic_flush_fit_on_the_tensor_cores(kda, bits):
                                                        interpret=False))
     with launch_smem() as sizes:
         assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
-    # the default where it runs: the tensor cores' reconstruction and at most 8 Compensator Tokens
+    # the default where it runs: the tensor cores' reconstruction, at most 8 Compensator Tokens, 4 bits up
     assert mosaic_flush.default_fit(config) == "wgmma" and mosaic_flush.default_fit(config, "fma") == "fma"
     assert mosaic_flush.default_fit(LeapQuantConfig(bits=8, window=16, rank=12)) == "fma"
     assert mosaic_flush.default_fit(LeapQuantConfig(bits=2, window=16)) == "fma"
