@@ -6,11 +6,9 @@ reaches a slot at or past the reset ``pos``). Under ``vmap`` the mapped axis joi
 ``only_full`` the programs copy in only the flushed heads (``walk="list"``), so that a decode runs
 it on every step (``dispatch.SELF_SKIPPING``).
 
-Why: the split flush sends the fp32 state through device memory and the one-program-per-head
-Triton flush is latency-bound. Here each program keeps one head's fp32 state in shared memory
-(64 KB) and makes every pass over it there, while the copy engine (TMA) brings the next heads'
-checkpoints and records in: it reads them once and writes the checkpoint once
-(``mosaic_flush_bytes``).
+Why: the split flush sends the fp32 state through device memory and the Triton flush is
+latency-bound. Here a program keeps one head's fp32 state (64 KB) in shared memory for every pass
+while the copy engine (TMA) brings the next heads in: one read, one write (``mosaic_flush_bytes``).
 
 Structure: ``programs`` programs of one warpgroup walk ``per`` consecutive heads of ``[B H]`` in an
 ``emit_pipeline`` (``walk="list"``: the flushed heads only). Per head: (0) the decayed key rows

@@ -32,10 +32,11 @@ A rank ``r`` that is not a multiple of 4 ends on a group of four that overlaps t
 its rows already counted zeroed (``token_row_groups``): six tokens, the default below 8 bits.
 Rounding: fp32 throughout (the code products exact); the record rounded to the record dtype.
 
-Defaults (docs/performance.md gives what each was measured against): ``dot="rows"``; three programs per SM at 4 and 2
-bits where they fit, else two (``default_programs``); three heads in flight where the SM's programs
-still fit, else two (``default_stages``); GDN's records in parts of eight slots (``default_slot_copy``).
-Tested with JAX 0.10.2 (interpret mode, lowering on the CPU) and 0.11.2 (compiled: H200 and H100).
+Defaults (docs/performance.md gives what each was measured against): ``dot="rows"``; three
+programs per SM at 4 and 2 bits where they fit, else two (``default_programs``); three heads in
+flight where the SM's programs still fit, else two (``default_stages``); GDN's records in parts of
+eight slots (``default_slot_copy``). Tested with JAX 0.10.2 (interpret mode, lowering on the CPU)
+and 0.11.2 (compiled: H200 and H100).
 """
 
 from __future__ import annotations
@@ -583,9 +584,8 @@ def default_programs(config: LeapQuantConfig, per_channel: bool, n: int, dot: st
     """Programs of a launch over ``n`` heads where the caller leaves ``programs`` to the kernel, at
     most one per ``MIN_HEADS`` heads: three per SM at ``THREE_PER_SM_BITS`` bits and below where
     three fit in an SM's shared memory with ``stages`` heads in flight each (two where ``None``;
-    ``smem_bytes``) and put at
-    most ``THREE_PER_SM_GAIN`` times two's heads on the fullest SM (``split_heads`` in multiples of
-    ``head_grain``), else two. Why: at 4 and 2 bits the step's arithmetic (more code parts a byte,
+    ``smem_bytes``) and put at most ``THREE_PER_SM_GAIN`` times two's heads on the fullest SM
+    (``split_heads`` in multiples of ``head_grain``), else two. Why: at 4 and 2 bits the step's arithmetic (more code parts a byte,
     six Compensator Tokens) outlasts its copies and a third program's warps hide it; at 8 and 6
     bits a third program gained 1-2% (docs/performance.md)."""
     sms, grain = sm_count(), head_grain(config, per_channel)
