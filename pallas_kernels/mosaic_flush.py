@@ -67,7 +67,7 @@ DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumu
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
-RECONS = ("fma", "wgmma")   # the reconstruction's rank-(r + p) products: CUDA-core FMAs or the tensor cores
+RECONS = ("fma", "records", "wgmma")   # the reconstruction's rank-(r + p) products (leapquant_flush)
 FITS = ("fma", "wgmma")     # the fit's Y = S Z: CUDA-core FMAs or the tensor cores (TF32)
 FIT_COLS = 8                # fit="wgmma": the product's N, the most Compensator Tokens it takes
 FIT_MIN_BITS = 4            # default_fit: the narrowest codes a TF32 fit met the decoded-state criterion at
@@ -184,30 +184,59 @@ def _swizzle(dtype, swizzle):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _rank_part(t, kd_ref, s_ref, a16, *, r, p, lay):
-    """The records' part of the reconstruction, ``sum_j kd_(r+j),i u_jj'``, into ``s_ref [dk, dv]``
-    on the tensor cores, scaled by ``MM_SCALE / max |kd|``; returns that factor's inverse.
+def _rank_part(t, kd_ref, s_ref, a16, *, r, p, tokens, lay):
+    """The reconstruction's low-rank part, ``sum_m kd_mi ud_mj``, into ``s_ref [dk, dv]`` on the
+    tensor cores, scaled by ``MM_SCALE / max |kd|``; returns that factor's inverse. The records'
+    rows ``m = r + j`` always; with ``tokens`` the Compensator Tokens' rows ``m < r`` too
+    (``mm_rows``), else the caller adds theirs on the CUDA cores.
 
-    The records' decayed keys (``kd_ref`` rows ``r`` to ``r + p``, fp32) are scaled per head to a
-    largest magnitude of ``MM_SCALE``, so that fp16 neither overflows nor loses the small ones, and
-    split into two fp16 pieces (``hi``, ``lo = x - hi``: about 22 bits) stored in ``a16 [2 p, dk]``;
-    the records' fp16 values ``t["ru"] [p, dv]`` (copied in tiled and swizzled) are exact operands.
-    Two ``wgmma`` of depth ``p`` per half of the key rows (64 rows: a 64-register accumulator)
-    sum the exact products in fp32. The interpreter takes the same pieces through ``jnp.dot``."""
+    The decayed keys (``kd_ref`` rows, fp32) are scaled per head to a largest magnitude of
+    ``MM_SCALE``, so that fp16 neither overflows nor loses the small ones, and split into two fp16
+    pieces (``hi``, ``lo = x - hi``: about 22 bits) stored in ``a16 [mm_rows, dk]``: the records'
+    ``[hi; lo]`` (``2 p`` rows), then with ``tokens`` the tokens' ``[hi; lo]`` and their values
+    ``t["cu"]`` (``MM_DEPTH`` rows each, zero past ``r``). The fp16 values (the records' ``t["ru"]
+    [p, dv]``, copied in tiled and swizzled, and the tokens') are exact operands. Two ``wgmma`` of
+    depth ``p`` (and two of depth ``MM_DEPTH``) per half of the key rows (64 rows: a 64-register
+    accumulator) sum the exact products in fp32. The interpreter takes the same pieces through
+    ``jnp.dot``."""
     # Read in the layout of the pieces' conflict-free stores (the read itself is bank-conflicted: 16 rows once)
-    x = kd_ref[pl.ds(r, p)] if lay.interpret else plgpu.load(kd_ref.at[pl.ds(r, p)], (), layout=swizzle32_layout(p),
-                                                             optimized=False)
-    mx = jnp.maximum(jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0), MM_FLOOR)
-    xs = x * (MM_SCALE / mx)
-    hi = xs.astype(jnp.float16)
-    lo = (xs - hi.astype(f32)).astype(jnp.float16)
+    load = lambda rows, n: (kd_ref[pl.ds(rows, n)] if lay.interpret else     # noqa: E731
+                            plgpu.load(kd_ref.at[pl.ds(rows, n)], (), layout=swizzle32_layout(n), optimized=False))
+    x = load(r, p)
+    mx = jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0)
+    if tokens:
+        # The tokens' rows: the first MM_DEPTH rows of kd_ref (r <= MM_DEPTH <= r + p), zero past r
+        L = swizzle32_layout(MM_DEPTH)
+        row = (jnp.arange(MM_DEPTH)[:, None] if lay.interpret else
+               plgpu.broadcasted_iota(jnp.int32, (MM_DEPTH, DK), 0, layout=L))
+        xc = jnp.where(row < r, load(0, MM_DEPTH), 0.0)
+        mx = jnp.maximum(mx, jnp.max(jnp.max(jnp.abs(xc), axis=1), axis=0))
+        uc = lay.cast(jnp.zeros((MM_DEPTH, DK), jnp.float16), L)
+        for c in range(r):
+            v = t["cu"][c] if lay.interpret else lay.load(t["cu"].at[c], L.reduce(0))
+            uc = jnp.where(row == c, lay.cast(jax.lax.broadcast_in_dim(v, (MM_DEPTH, DK), (1,)), L), uc)
+    mx = jnp.maximum(mx, MM_FLOOR)
+
+    def pieces(x):
+        xs = x * (MM_SCALE / mx)
+        hi = xs.astype(jnp.float16)
+        return hi, (xs - hi.astype(f32)).astype(jnp.float16)
+    operands = [(pieces(x), t["ru"][...] if lay.interpret else t["ru"], 0)]
+    if tokens:
+        operands.append((pieces(xc), uc, 2 * p))
     if lay.interpret:
-        b = t["ru"][...].astype(f32)
         dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
-        s_ref[...] = dot(hi.astype(f32).T, b) + dot(lo.astype(f32).T, b)
+        s_ref[...] = sum(dot(a.astype(f32).T, b.astype(f32)) for ab, b, _ in operands for a in ab)
         return mx / MM_SCALE
-    a16[pl.ds(0, p)] = hi
-    a16[pl.ds(p, p)] = lo
+    products = []
+    for (hi, lo), b, at in operands:
+        n = hi.shape[0]
+        a16[pl.ds(at, n)] = hi
+        a16[pl.ds(at + n, n)] = lo
+        if at:      # the tokens' values after their pieces
+            a16[pl.ds(at + 2 * n, n)] = b
+            b = a16.at[pl.ds(at + 2 * n, n)]
+        products.append((at, n, b))
     plgpu.commit_smem()     # the generic-proxy stores are seen by the tensor cores' reads
     lay.sync()
     half = DK // 2
@@ -215,14 +244,26 @@ def _rank_part(t, kd_ref, s_ref, a16, *, r, p, lay):
         cols = pl.ds(h * half, half)
 
         def product(acc_ref, cols=cols):
-            for piece in range(2):
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(a16.at[pl.ds(piece * p, p), cols], (1, 0)), t["ru"])
+            for at, n, b in products:
+                for piece in range(2):
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(a16.at[pl.ds(at + piece * n, n), cols], (1, 0)), b)
             return acc_ref[...]
         acc = pl.run_scoped(product, plgpu.ACC((half, DK), f32))
         lay.sync()          # a16 lies in the state's second half: every warp's products have read it
         s_ref[cols] = acc
     lay.sync()
     return mx / MM_SCALE
+
+
+def mm_rows(p: int, r: int, recon: str) -> int:
+    """Rows of the tensor-core reconstruction's fp16 operands (``_rank_part``): the records' two
+    pieces (``2 p``), then with ``recon="wgmma"`` and Compensator Tokens the tokens' two pieces and
+    values (``MM_DEPTH`` rows each), where those fit in the state's second half (``p <= 40``,
+    ``r <= MM_DEPTH``); 0 with ``recon="fma"``."""
+    if recon == "fma":
+        return 0
+    tokens = 3 * MM_DEPTH if recon == "wgmma" and 0 < r <= MM_DEPTH and 2 * p + 3 * MM_DEPTH <= DK else 0
+    return 2 * p + tokens
 
 
 def _times_z_mma(zs, s_ref, yt, zt, *, r, lay):
@@ -296,9 +337,12 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
 
     # 1. S and the first round's Z = S^T Q_0.
     scale = lay.load(t["scale"], VCOL)
-    ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(r)]
-    if recon == "wgmma":    # the records' part on the tensor cores, the Compensator Tokens' below
-        unscale = _rank_part(t, kd_ref, s_ref, a16, r=r, p=p, lay=lay)
+    mm = recon != "fma"     # the records' part on the tensor cores (and the tokens', mm_rows), the rest below
+    tokens = mm_rows(p, r, recon) > 2 * p
+    fma_rank = 0 if tokens else r
+    ud = [lay.load(t["cu"].at[c], VCOL).astype(f32) for c in range(fma_rank)]
+    if mm:
+        unscale = _rank_part(t, kd_ref, s_ref, a16, r=r, p=p, tokens=tokens, lay=lay)
     else:
         ud += [lay.load(t["ru"].at[j], VCOL).astype(f32) for j in range(p)]
 
@@ -306,8 +350,8 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
         # Key rows kr's factors. With recon="fma" the r + p factor rows are loaded next to their
         # products, not all ahead (20 more vectors in registers).
         x = dict(f=lay.load(kd_ref.at[r + p, kr], CROW), q=[lay.load(start.at[c, kr], CROW) for c in range(r)])
-        if recon == "wgmma":
-            x.update(acc=lay.load(s_ref.at[kr], CH), kd=[lay.load(kd_ref.at[m, kr], CROW) for m in range(r)])
+        if mm:
+            x.update(acc=lay.load(s_ref.at[kr], CH), kd=[lay.load(kd_ref.at[m, kr], CROW) for m in range(fma_rank)])
         return x
 
     def build_fetch(k):
@@ -320,10 +364,10 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
             kr = key_rows(k, j)
             y = first if j == 0 else build_loads(kr)
             s = z * along(y["f"]) * across(scale)
-            if recon == "wgmma":
+            if mm:
                 s = y["acc"] * unscale + s
             for m, u in enumerate(ud):
-                kd = y["kd"][m] if recon == "wgmma" else lay.load(kd_ref.at[m, kr], CROW)
+                kd = y["kd"][m] if mm else lay.load(kd_ref.at[m, kr], CROW)
                 s = s + along(kd) * across(u)
             s_ref[kr] = s
             zacc = tuple(zacc[c] + s * along(y["q"][c]) for c in range(r))
@@ -436,7 +480,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
     the ``h`` heads)."""
     start_s, s_ref, (kd_ref, (fit_ref, slots), red, *tz) = scratch[:3]
     tz = tz[0] if tz else None
-    s_ref, a16 = (s_ref[0], s_ref[1][1]) if recon == "wgmma" else (s_ref, None)
+    s_ref, a16 = (s_ref[0], s_ref[1][1]) if recon != "fma" else (s_ref, None)
     slots = dict(zip(out_names, slots))
     c = jax.lax.axis_index("c")
     lay = Layouts(interpret)
@@ -490,7 +534,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
         zeros = (0,) * (x.ndim - 1)
         head = key_head if name in keyed else (lambda t: t)
         # recon="wgmma": the records' values are copied in as the tensor cores' operand
-        swizzled = name == "ru" and recon == "wgmma" and not interpret
+        swizzled = name == "ru" and recon != "fma" and not interpret
         return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (head(jnp.minimum(c * per + i, n - 1)),) + zeros,
                                transforms=_swizzle(x.dtype, MM_SWIZZLE) if swizzled else (),
                                delay_release=delay if name == "codes" else 0)
@@ -561,7 +605,7 @@ def default_fit(config: LeapQuantConfig, recon: str | None = None) -> str:
     ``FIT_MIN_BITS`` up (4 to 7% faster than ``"fma"`` and within the decoded-state criterion there;
     at 2 bits GDN's missed it, docs/performance.md), else ``"fma"``."""
     recon = default_recon(config) if recon is None else recon
-    fits = recon == "wgmma" and config.effective_rank <= FIT_COLS and config.bits >= FIT_MIN_BITS
+    fits = recon != "fma" and config.effective_rank <= FIT_COLS and config.bits >= FIT_MIN_BITS
     return "wgmma" if fits else "fma"
 
 
@@ -662,10 +706,10 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
         fit = default_fit(config, recon)
     if fit not in FITS:
         raise ValueError(f"fit={fit!r}: expected one of {FITS} or None")
-    if fit == "wgmma" and (recon != "wgmma" or config.effective_rank > FIT_COLS):
+    if fit == "wgmma" and (recon == "fma" or config.effective_rank > FIT_COLS):
         raise ValueError(f"fit='wgmma' reads the state the tensor-core reconstruction lays out (recon='wgmma', got "
                          f"{recon!r}) and takes at most {FIT_COLS} Compensator Tokens (got {config.effective_rank})")
-    if recon == "wgmma" and not takes_tensor_cores(config):
+    if recon != "fma" and not takes_tensor_cores(config):
         raise ValueError(f"recon='wgmma' takes float16 records (exact as fp16 operands) and a window that is a "
                          f"multiple of {MM_DEPTH} up to {DK // 2}; got record_dtype={config.record_dtype!r}, window "
                          f"{config.window}")
@@ -750,12 +794,12 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     # least 2 x 2, so that the exchange's first [WARPS, dk] (the column maxima's) lies in them.
     later = (plgpu.SMEM((2, max(r, 2), dk), f32), [plgpu.SMEM(*out_shapes[name]) for name in out_names])
     state_smem = plgpu.SMEM((dk, dv), f32)
-    if recon == "wgmma":
+    if recon != "fma":
         # The state tiled and swizzled, so that the accumulators' stores and the rows' loads meet
         # no bank conflicts; the decayed keys' fp16 pieces in its second half until the state is written.
         state_smem = smem_union(interpret, _swizzled((dk, dv), f32, STATE_SWIZZLE, interpret),
                                 (plgpu.SMEM((dk // 2, dv), f32),
-                                 _swizzled((2 * p, dk), jnp.float16, MM_SWIZZLE, interpret)))
+                                 _swizzled((mm_rows(p, r, recon), dk), jnp.float16, MM_SWIZZLE, interpret)))
     shared = [plgpu.SMEM((r + p + 1, dk), f32), later, plgpu.SMEM((max(r, 1), WARPS, dk), f32)]
     if fit == "wgmma":      # _times_z_mma's rows of Y and of Z, used while no other member is
         shared.append((plgpu.SMEM((FIT_COLS, dk), f32), _swizzled((FIT_COLS, dk), f32, STATE_SWIZZLE, interpret)))
@@ -763,7 +807,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
     if walk == "list":
         # A head's tiles as the pipeline's one stage has them, the program's row of the list after
         # the head's scalars, and a barrier per tile
-        swizzled = lambda name: name == "ru" and recon == "wgmma"   # noqa: E731
+        swizzled = lambda name: name == "ru" and recon != "fma"   # noqa: E731
         shape = lambda name: (cols + listed,) if name == "meta" else arrays[name].shape[1:]  # noqa: E731
         scratch.append([_swizzled(shape(name), arrays[name].dtype, MM_SWIZZLE, interpret)
                         if swizzled(name) else plgpu.SMEM(shape(name), arrays[name].dtype)
