@@ -68,7 +68,7 @@ DEFAULT_STAGES = 1       # heads in flight per program: one, so that two program
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
 RECONS = ("fma", "records", "wgmma")   # the reconstruction's rank-(r + p) products (leapquant_flush)
-FITS = ("fma", "wgmma")     # the fit's Y = S Z: CUDA-core FMAs or the tensor cores (TF32)
+FITS = ("fma", "y", "wgmma")    # the fit's products on the tensor cores: none, Y = S Z, Y and K^T U (leapquant_flush)
 FIT_COLS = 8                # fit="wgmma": the product's N, the most Compensator Tokens it takes
 FIT_MIN_BITS = 4            # default_fit: the narrowest codes a TF32 fit met the decoded-state criterion at
 WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
@@ -203,19 +203,19 @@ def _rank_part(t, kd_ref, s_ref, a16, *, r, p, tokens, lay):
     load = lambda rows, n: (kd_ref[pl.ds(rows, n)] if lay.interpret else     # noqa: E731
                             plgpu.load(kd_ref.at[pl.ds(rows, n)], (), layout=swizzle32_layout(n), optimized=False))
     x = load(r, p)
-    mx = jnp.max(jnp.max(jnp.abs(x), axis=1), axis=0)
+    col_max = jnp.max(jnp.abs(x), axis=0)  # the columns' maxima first: one exchange between the warps at the end
     if tokens:
         # The tokens' rows: the first MM_DEPTH rows of kd_ref (r <= MM_DEPTH <= r + p), zero past r
         L = swizzle32_layout(MM_DEPTH)
         row = (jnp.arange(MM_DEPTH)[:, None] if lay.interpret else
                plgpu.broadcasted_iota(jnp.int32, (MM_DEPTH, DK), 0, layout=L))
         xc = jnp.where(row < r, load(0, MM_DEPTH), 0.0)
-        mx = jnp.maximum(mx, jnp.max(jnp.max(jnp.abs(xc), axis=1), axis=0))
+        col_max = jnp.maximum(col_max, jnp.max(jnp.abs(xc), axis=0))
         uc = lay.cast(jnp.zeros((MM_DEPTH, DK), jnp.float16), L)
         for c in range(r):
             v = t["cu"][c] if lay.interpret else lay.load(t["cu"].at[c], L.reduce(0))
             uc = jnp.where(row == c, lay.cast(jax.lax.broadcast_in_dim(v, (MM_DEPTH, DK), (1,)), L), uc)
-    mx = jnp.maximum(mx, MM_FLOOR)
+    mx = jnp.maximum(jnp.max(col_max, axis=0), MM_FLOOR)
 
     def pieces(x):
         xs = x * (MM_SCALE / mx)
@@ -297,6 +297,61 @@ def _times_z_mma(zs, s_ref, yt, zt, *, r, lay):
         plgpu.transpose_ref(yt.at[:, pl.ds(h * half, half)], (1, 0))[...] = plgpu.layout_cast(
             acc, plgpu.Layout.WGMMA_TRANSPOSED)
     return yt
+
+
+def _residual_mma(s_ref, kf_ref, outs, ru, red, *, r, smoothing, lay):
+    """Pass (4) on the tensor cores: ``R = S - K^T U`` with ``S`` (``s_ref``, swizzled) as the
+    accumulator's start, ``-K^T`` (``kf_ref [r, dk]``: the fp16-rounded ``K`` as fp32, exact in
+    fp16) in registers by 64 key rows at a time and ``U`` (``outs["cu"]``, fp16) stored into the
+    first ``MM_DEPTH`` rows of ``ru`` (the records' values' tile, read by no later pass; rows past
+    ``r`` zero): exact products, fp32 sums. Then, as the CUDA-core pass, the rows' smoothing
+    scales into ``outs["smooth"]``, ``R / c`` over ``s_ref``; returns the columns' maxima ``[dv]``
+    in ``rows_layout(WARPS).reduce(0)``, met through ``red[0, 0]``."""
+    VCOL = rows_layout(WARPS).reduce(0)
+    half = DK // 2
+
+    def finish(acc, rows):
+        if smoothing:
+            cs = jnp.maximum(_sqrt(jnp.sum(jnp.abs(acc), axis=1) / DK), SMOOTH_FLOOR)
+            outs["smooth"][rows] = cs
+            acc = acc * jax.lax.broadcast_in_dim(1.0 / cs, acc.shape, (0,))
+        s_ref[rows] = acc
+        return jnp.abs(acc)
+
+    if lay.interpret:
+        k, u = kf_ref[pl.ds(0, r)], outs["cu"][...].astype(f32)
+        m = finish(s_ref[...] - jnp.dot(k.T, u, precision=jax.lax.Precision.HIGHEST), pl.ds(0, DK))
+        return jnp.max(m, axis=0)
+    L = swizzle32_layout(MM_DEPTH)
+    row = plgpu.broadcasted_iota(jnp.int32, (MM_DEPTH, DK), 0, layout=L)
+    ub = lay.cast(jnp.zeros((MM_DEPTH, DK), jnp.float16), L)
+    for c in range(r):
+        v = lay.load(outs["cu"].at[c], L.reduce(0))
+        ub = jnp.where(row == c, lay.cast(jax.lax.broadcast_in_dim(v, (MM_DEPTH, DK), (1,)), L), ub)
+    b = ru.at[pl.ds(0, MM_DEPTH)]
+    b[...] = ub
+    plgpu.commit_smem()     # the generic-proxy stores are seen by the tensor cores' reads
+    lay.sync()
+    W = plgpu.Layout.WGMMA
+    col = plgpu.broadcasted_iota(jnp.int32, (half, MM_DEPTH), 1, layout=W)
+    m = None
+    for h in range(2):
+        rows = pl.ds(h * half, half)
+        a = lay.cast(jnp.zeros((half, MM_DEPTH), jnp.float16), W)
+        for c in range(r):
+            kc = -lay.load(kf_ref.at[c, rows], W.reduce(1)).astype(jnp.float16)
+            a = jnp.where(col == c, jax.lax.broadcast_in_dim(kc, (half, MM_DEPTH), (0,)), a)
+        acc = pl.run_state(lambda acc_ref, a=a: plgpu.wgmma(acc_ref, a, b))(
+            plgpu.ACC.init(lay.load(s_ref.at[rows], W)))
+        mh = finish(acc, rows)
+        m = mh if m is None else jnp.maximum(m, mh)     # both halves' rows meet once
+    cmax = jnp.max(m, axis=0)
+    lay.sync()      # every thread is past its reads of kf_ref, whose first row red[0, 0] takes
+    red[0, 0] = cmax
+    lay.sync()
+    cmax = lay.load(red.at[0, 0], VCOL)
+    lay.sync()      # every warp has read red before its memory is written again
+    return cmax
 
 
 def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_channel, smoothing, fit_iters, chunk,
@@ -415,14 +470,14 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
         for it in range(fit_iters):
             if it:
                 zs = times_rows(lambda c, k: lay.load(fit_ref.at[1, c, rows(k)], CROW))
-            if fit == "wgmma":
+            if fit != "fma":
                 y_rows = _times_z_mma(zs, s_ref, *tz, r=r, lay=lay)
             else:
                 times_z(zs)
                 y_rows = fit_ref.at[0]
             lay.sync()
             y = [lay.load(y_rows.at[c], VCOL) for c in range(r)]
-            if fit == "wgmma":
+            if fit != "fma":
                 lay.sync()  # every thread has read Y, whose memory the basis takes
             basis = _cholesky_qr(y, r)
             for c in range(r):
@@ -458,9 +513,13 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
             s_ref[rows(k)] = s
         return jnp.maximum(cmax, jnp.abs(s))
 
-    cmax = loop(residual_loads, residual, zeros())
-    lay.sync()      # every thread is past its reads of fit_ref, whose first rows red[0] takes
-    new_scale = meet_warps([warp_parts(cmax, jnp.max)], red, lay=lay, combine=jnp.maximum)[0] / qmax_for_bits(bits)
+    if fit == "wgmma" and r:
+        cmax = _residual_mma(s_ref, fit_ref.at[0], outs, t["ru"], red, r=r, smoothing=smoothing, lay=lay)
+    else:
+        cmax = loop(residual_loads, residual, zeros())
+        lay.sync()      # every thread is past its reads of fit_ref, whose first rows red[0] takes
+        cmax = meet_warps([warp_parts(cmax, jnp.max)], red, lay=lay, combine=jnp.maximum)[0]
+    new_scale = cmax / qmax_for_bits(bits)
     outs["scale"][...] = new_scale
     inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
@@ -633,7 +692,7 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
-    fit_rows = aligned(4 * FIT_COLS * DK, 4 * FIT_COLS * DK) if fit == "wgmma" else 0   # _times_z_mma's Y and Z
+    fit_rows = aligned(4 * FIT_COLS * DK, 4 * FIT_COLS * DK) if fit != "fma" else 0   # _times_z_mma's Y and Z
     barriers = 2 + (len(inputs) if listed else stages)
     return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange, fit_rows)
             + aligned(4 * DK * DK, 4 * max(r, 1) * DK) + BARRIER_BYTES * barriers)
@@ -706,7 +765,7 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
         fit = default_fit(config, recon)
     if fit not in FITS:
         raise ValueError(f"fit={fit!r}: expected one of {FITS} or None")
-    if fit == "wgmma" and (recon == "fma" or config.effective_rank > FIT_COLS):
+    if fit != "fma" and (recon == "fma" or config.effective_rank > FIT_COLS):
         raise ValueError(f"fit='wgmma' reads the state the tensor-core reconstruction lays out (recon='wgmma', got "
                          f"{recon!r}) and takes at most {FIT_COLS} Compensator Tokens (got {config.effective_rank})")
     if recon != "fma" and not takes_tensor_cores(config):
@@ -801,7 +860,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
                                 (plgpu.SMEM((dk // 2, dv), f32),
                                  _swizzled((mm_rows(p, r, recon), dk), jnp.float16, MM_SWIZZLE, interpret)))
     shared = [plgpu.SMEM((r + p + 1, dk), f32), later, plgpu.SMEM((max(r, 1), WARPS, dk), f32)]
-    if fit == "wgmma":      # _times_z_mma's rows of Y and of Z, used while no other member is
+    if fit != "fma":      # _times_z_mma's rows of Y and of Z, used while no other member is
         shared.append((plgpu.SMEM((FIT_COLS, dk), f32), _swizzled((FIT_COLS, dk), f32, STATE_SWIZZLE, interpret)))
     scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem, smem_union(interpret, *shared)]
     if walk == "list":
