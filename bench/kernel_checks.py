@@ -140,7 +140,7 @@ def tf32_fit(config, state, impl, options) -> bool:
         impl = "mosaic" if takes_mosaic("flush", config, state) else None
     if impl != "mosaic":
         return False
-    return (options.get("fit") or mosaic_flush.default_fit(config, options.get("recon"))) != "fma"
+    return (options.get("fit") or mosaic_flush.default_fit(config, options.get("recon"))) == "wgmma"
 
 
 def single_op_failures(row) -> list[str]:

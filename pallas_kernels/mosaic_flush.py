@@ -25,7 +25,7 @@ Codes: int8 ``[dk, 128]`` at 8 bits; below, ``quantizers``' planar layout (uint8
 128]``). Passes (1) and (5) walk ``chunk`` byte rows of every plane at a time: (1) unpacks them in
 registers (``mosaic_shared.signed_code_parts``) into every code part's key rows, (5) rounds those
 rows (``_grid_codes``: one addition) and packs them into the same byte rows (``shared.store_codes``).
-On the tensor cores: ``recon="wgmma"``, the records' part of the reconstruction (``_rank_part``);
+On the tensor cores: ``recon="wgmma"``, the reconstruction's low-rank part (``_rank_part``);
 ``fit="wgmma"``, pass (2)'s ``Y = S Z`` (``_times_z_mma``, TF32 operands).
 
 Rounding: fp32 in the reference's order but for the summation order of the reconstruction and of
@@ -67,8 +67,8 @@ DEFAULT_CHUNK = 16       # key rows per register tile: 16 keeps the r fit accumu
 DEFAULT_STAGES = 1       # heads in flight per program: one, so that two programs fit on an SM
 DEFAULT_SUM_LANES = 8    # lanes a row of S spans in the fit's Y = S Z (mosaic_shared.row_sums_layout)
 META_COLS = 4            # a head's scalars before GDN's record log-decays: flushed or not, pos, 0, 0
-RECONS = ("fma", "records", "wgmma")   # the reconstruction's rank-(r + p) products (leapquant_flush)
-FITS = ("fma", "y", "wgmma")    # the fit's products on the tensor cores: none, Y = S Z, Y and K^T U (leapquant_flush)
+RECONS = ("fma", "records", "wgmma")   # where the reconstruction's rank-(r + p) products run (leapquant_flush)
+FITS = ("fma", "wgmma")     # the fit's Y = S Z: CUDA-core FMAs or the tensor cores (TF32)
 FIT_COLS = 8                # fit="wgmma": the product's N, the most Compensator Tokens it takes
 FIT_MIN_BITS = 4            # default_fit: the narrowest codes a TF32 fit met the decoded-state criterion at
 WALKS = ("pipeline", "list")  # which heads a program copies in: all of its own, or the flushed ones only
@@ -299,61 +299,6 @@ def _times_z_mma(zs, s_ref, yt, zt, *, r, lay):
     return yt
 
 
-def _residual_mma(s_ref, kf_ref, outs, ru, red, *, r, smoothing, lay):
-    """Pass (4) on the tensor cores: ``R = S - K^T U`` with ``S`` (``s_ref``, swizzled) as the
-    accumulator's start, ``-K^T`` (``kf_ref [r, dk]``: the fp16-rounded ``K`` as fp32, exact in
-    fp16) in registers by 64 key rows at a time and ``U`` (``outs["cu"]``, fp16) stored into the
-    first ``MM_DEPTH`` rows of ``ru`` (the records' values' tile, read by no later pass; rows past
-    ``r`` zero): exact products, fp32 sums. Then, as the CUDA-core pass, the rows' smoothing
-    scales into ``outs["smooth"]``, ``R / c`` over ``s_ref``; returns the columns' maxima ``[dv]``
-    in ``rows_layout(WARPS).reduce(0)``, met through ``red[0, 0]``."""
-    VCOL = rows_layout(WARPS).reduce(0)
-    half = DK // 2
-
-    def finish(acc, rows):
-        if smoothing:
-            cs = jnp.maximum(_sqrt(jnp.sum(jnp.abs(acc), axis=1) / DK), SMOOTH_FLOOR)
-            outs["smooth"][rows] = cs
-            acc = acc * jax.lax.broadcast_in_dim(1.0 / cs, acc.shape, (0,))
-        s_ref[rows] = acc
-        return jnp.abs(acc)
-
-    if lay.interpret:
-        k, u = kf_ref[pl.ds(0, r)], outs["cu"][...].astype(f32)
-        m = finish(s_ref[...] - jnp.dot(k.T, u, precision=jax.lax.Precision.HIGHEST), pl.ds(0, DK))
-        return jnp.max(m, axis=0)
-    L = swizzle32_layout(MM_DEPTH)
-    row = plgpu.broadcasted_iota(jnp.int32, (MM_DEPTH, DK), 0, layout=L)
-    ub = lay.cast(jnp.zeros((MM_DEPTH, DK), jnp.float16), L)
-    for c in range(r):
-        v = lay.load(outs["cu"].at[c], L.reduce(0))
-        ub = jnp.where(row == c, lay.cast(jax.lax.broadcast_in_dim(v, (MM_DEPTH, DK), (1,)), L), ub)
-    b = ru.at[pl.ds(0, MM_DEPTH)]
-    b[...] = ub
-    plgpu.commit_smem()     # the generic-proxy stores are seen by the tensor cores' reads
-    lay.sync()
-    W = plgpu.Layout.WGMMA
-    col = plgpu.broadcasted_iota(jnp.int32, (half, MM_DEPTH), 1, layout=W)
-    m = None
-    for h in range(2):
-        rows = pl.ds(h * half, half)
-        a = lay.cast(jnp.zeros((half, MM_DEPTH), jnp.float16), W)
-        for c in range(r):
-            kc = -lay.load(kf_ref.at[c, rows], W.reduce(1)).astype(jnp.float16)
-            a = jnp.where(col == c, jax.lax.broadcast_in_dim(kc, (half, MM_DEPTH), (0,)), a)
-        acc = pl.run_state(lambda acc_ref, a=a: plgpu.wgmma(acc_ref, a, b))(
-            plgpu.ACC.init(lay.load(s_ref.at[rows], W)))
-        mh = finish(acc, rows)
-        m = mh if m is None else jnp.maximum(m, mh)     # both halves' rows meet once
-    cmax = jnp.max(m, axis=0)
-    lay.sync()      # every thread is past its reads of kf_ref, whose first row red[0, 0] takes
-    red[0, 0] = cmax
-    lay.sync()
-    cmax = lay.load(red.at[0, 0], VCOL)
-    lay.sync()      # every warp has read red before its memory is written again
-    return cmax
-
-
 def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_channel, smoothing, fit_iters, chunk,
                 bits, unroll, sum_lanes, recon, a16, fit, tz, lay):
     """One head's flush from its shared-memory tiles ``t`` (a dict of refs) into the output
@@ -470,14 +415,14 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
         for it in range(fit_iters):
             if it:
                 zs = times_rows(lambda c, k: lay.load(fit_ref.at[1, c, rows(k)], CROW))
-            if fit != "fma":
+            if fit == "wgmma":
                 y_rows = _times_z_mma(zs, s_ref, *tz, r=r, lay=lay)
             else:
                 times_z(zs)
                 y_rows = fit_ref.at[0]
             lay.sync()
             y = [lay.load(y_rows.at[c], VCOL) for c in range(r)]
-            if fit != "fma":
+            if fit == "wgmma":
                 lay.sync()  # every thread has read Y, whose memory the basis takes
             basis = _cholesky_qr(y, r)
             for c in range(r):
@@ -513,13 +458,9 @@ def _head_flush(meta, t, outs, s_ref, fit_ref, kd_ref, red, start, *, r, p, per_
             s_ref[rows(k)] = s
         return jnp.maximum(cmax, jnp.abs(s))
 
-    if fit == "wgmma" and r:
-        cmax = _residual_mma(s_ref, fit_ref.at[0], outs, t["ru"], red, r=r, smoothing=smoothing, lay=lay)
-    else:
-        cmax = loop(residual_loads, residual, zeros())
-        lay.sync()      # every thread is past its reads of fit_ref, whose first rows red[0] takes
-        cmax = meet_warps([warp_parts(cmax, jnp.max)], red, lay=lay, combine=jnp.maximum)[0]
-    new_scale = cmax / qmax_for_bits(bits)
+    cmax = loop(residual_loads, residual, zeros())
+    lay.sync()      # every thread is past its reads of fit_ref, whose first rows red[0] takes
+    new_scale = meet_warps([warp_parts(cmax, jnp.max)], red, lay=lay, combine=jnp.maximum)[0] / qmax_for_bits(bits)
     outs["scale"][...] = new_scale
     inv = across(1.0 / jnp.where(new_scale > 0, new_scale, 1.0))
 
@@ -592,7 +533,7 @@ def _program(refs, scratch, *, names, keyed, out_names, n, h, hk, per, stages, r
     def spec(name, x):
         zeros = (0,) * (x.ndim - 1)
         head = key_head if name in keyed else (lambda t: t)
-        # recon="wgmma": the records' values are copied in as the tensor cores' operand
+        # recon on the tensor cores: the records' values are copied in as their operand
         swizzled = name == "ru" and recon != "fma" and not interpret
         return plgpu.BlockSpec((None,) + x.shape[1:], lambda i: (head(jnp.minimum(c * per + i, n - 1)),) + zeros,
                                transforms=_swizzle(x.dtype, MM_SWIZZLE) if swizzled else (),
@@ -647,22 +588,23 @@ def unsupported_reason(config: LeapQuantConfig, state: LeapQuantState) -> str | 
 
 
 def takes_tensor_cores(config: LeapQuantConfig) -> bool:
-    """Whether ``recon="wgmma"`` can take ``config``: float16 records (exact fp16 operands) and a
-    window that is a multiple of ``MM_DEPTH`` up to 64 (its operands fit in half the state's memory)."""
+    """Whether the tensor cores' reconstruction (``recon`` ``"records"`` or ``"wgmma"``) can take
+    ``config``: float16 records (exact fp16 operands) and a window that is a multiple of ``MM_DEPTH``
+    up to 64 (its operands fit in half the state's memory)."""
     return config.record_dtype == "float16" and config.window % MM_DEPTH == 0 and config.window <= DK // 2
 
 
 def default_recon(config: LeapQuantConfig) -> str:
     """``recon`` where the caller leaves it ``None``: ``"wgmma"`` where it can run (a little faster
-    than ``"fma"``, docs/performance.md), else ``"fma"``."""
+    than ``"records"``, which is a little faster than ``"fma"``, docs/performance.md), else ``"fma"``."""
     return "wgmma" if takes_tensor_cores(config) else "fma"
 
 
 def default_fit(config: LeapQuantConfig, recon: str | None = None) -> str:
     """``fit`` where the caller leaves it ``None`` (``recon`` as given, ``None``: ``default_recon``):
-    ``"wgmma"`` where it can run (``recon="wgmma"``, at most ``FIT_COLS`` Compensator Tokens) from
-    ``FIT_MIN_BITS`` up (4 to 7% faster than ``"fma"`` and within the decoded-state criterion there;
-    at 2 bits GDN's missed it, docs/performance.md), else ``"fma"``."""
+    ``"wgmma"`` where it can run (the tensor cores' reconstruction, at most ``FIT_COLS`` Compensator
+    Tokens) from ``FIT_MIN_BITS`` up (4 to 7% faster than ``"fma"`` and within the decoded-state
+    criterion there; at 2 bits GDN's missed it, docs/performance.md), else ``"fma"``."""
     recon = default_recon(config) if recon is None else recon
     fits = recon != "fma" and config.effective_rank <= FIT_COLS and config.bits >= FIT_MIN_BITS
     return "wgmma" if fits else "fma"
@@ -692,7 +634,7 @@ def smem_bytes(config: LeapQuantConfig, stages: int, per_channel: bool, listed: 
     inputs += [4 * r * DK] if config.warm_start else []
     later = aligned(2 * 4 * max(r, 2) * DK, 4 * DK, *([4 * DK] if config.smoothing else []), *comps)
     exchange = aligned(4 * max(r, 1) * WARPS * DK)
-    fit_rows = aligned(4 * FIT_COLS * DK, 4 * FIT_COLS * DK) if fit != "fma" else 0   # _times_z_mma's Y and Z
+    fit_rows = aligned(4 * FIT_COLS * DK, 4 * FIT_COLS * DK) if fit == "wgmma" else 0   # _times_z_mma's Y and Z
     barriers = 2 + (len(inputs) if listed else stages)
     return (aligned(*(stages * x for x in inputs)) + max(aligned(4 * (r + p + 1) * DK), later, exchange, fit_rows)
             + aligned(4 * DK * DK, 4 * max(r, 1) * DK) + BARRIER_BYTES * barriers)
@@ -729,12 +671,13 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
     ``sum_lanes``: lanes a row of ``S`` spans in the fit's ``Y = S Z``, which sums along rows: 8
     (``mosaic_shared.row_sums_layout``, ``chunk`` a multiple of 16) or 32 (the rows layout of the
     other passes);
-    ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``) or, for the
-    records' part, the tensor cores (``"wgmma"``, ``_rank_part``: ``takes_tensor_cores``); ``None``
-    (the default): ``default_recon``, the tensor cores where they can run;
+    ``recon``: the reconstruction's rank-(r + p) products on the CUDA cores (``"fma"``) or the
+    tensor cores (``_rank_part``, where ``takes_tensor_cores``): the records' part alone
+    (``"records"``) or with the Compensator Tokens' where their operands fit (``"wgmma"``,
+    ``mm_rows``); ``None`` (the default): ``default_recon``, the tensor cores where they can run;
     ``fit``: the fit's ``Y = S Z`` on the CUDA cores (``"fma"``) or the tensor cores (``"wgmma"``,
-    ``_times_z_mma``: TF32 operands; with ``recon="wgmma"`` and at most ``FIT_COLS`` Compensator
-    Tokens); ``None`` (the default): ``default_fit``, the tensor cores where they can run;
+    ``_times_z_mma``: TF32 operands; with the tensor cores' reconstruction and at most ``FIT_COLS``
+    Compensator Tokens); ``None`` (the default): ``default_fit``, the tensor cores where they can run;
     ``walk``: which heads a program copies in: ``"pipeline"``, its ``per`` consecutive heads of
     ``[B H]`` in an ``emit_pipeline`` (a head not flushed costs its copy); ``"list"`` (one stage
     only), the flushed heads alone, from a list XLA makes of them (program ``c`` takes entries
@@ -765,11 +708,12 @@ def leapquant_flush(config: LeapQuantConfig, state: LeapQuantState, *, only_full
         fit = default_fit(config, recon)
     if fit not in FITS:
         raise ValueError(f"fit={fit!r}: expected one of {FITS} or None")
-    if fit != "fma" and (recon == "fma" or config.effective_rank > FIT_COLS):
-        raise ValueError(f"fit='wgmma' reads the state the tensor-core reconstruction lays out (recon='wgmma', got "
-                         f"{recon!r}) and takes at most {FIT_COLS} Compensator Tokens (got {config.effective_rank})")
+    if fit == "wgmma" and (recon == "fma" or config.effective_rank > FIT_COLS):
+        raise ValueError(f"fit='wgmma' reads the state the tensor-core reconstruction lays out (recon='wgmma' or "
+                         f"'records', got {recon!r}) and takes at most {FIT_COLS} Compensator Tokens "
+                         f"(got {config.effective_rank})")
     if recon != "fma" and not takes_tensor_cores(config):
-        raise ValueError(f"recon='wgmma' takes float16 records (exact as fp16 operands) and a window that is a "
+        raise ValueError(f"recon={recon!r} takes float16 records (exact as fp16 operands) and a window that is a "
                          f"multiple of {MM_DEPTH} up to {DK // 2}; got record_dtype={config.record_dtype!r}, window "
                          f"{config.window}")
     interpret = resolve_interpret(interpret, "the Mosaic GPU flush")
@@ -860,7 +804,7 @@ def _launch(config, state, *, only_full, programs, stages, chunk, unroll, sum_la
                                 (plgpu.SMEM((dk // 2, dv), f32),
                                  _swizzled((mm_rows(p, r, recon), dk), jnp.float16, MM_SWIZZLE, interpret)))
     shared = [plgpu.SMEM((r + p + 1, dk), f32), later, plgpu.SMEM((max(r, 1), WARPS, dk), f32)]
-    if fit != "fma":      # _times_z_mma's rows of Y and of Z, used while no other member is
+    if fit == "wgmma":      # _times_z_mma's rows of Y and of Z, used while no other member is
         shared.append((plgpu.SMEM((FIT_COLS, dk), f32), _swizzled((FIT_COLS, dk), f32, STATE_SWIZZLE, interpret)))
     scratch = [plgpu.SMEM((max(r, 1), dk), f32), state_smem, smem_union(interpret, *shared)]
     if walk == "list":

@@ -65,7 +65,7 @@ def test_mosaic_flush_other_configs(options):
 ], ids=["int6-gdn", "int6-kda-fma-chunk-32", "int4-gdn-fma-two-stages", "int4-kda", "int2-gdn-fma", "int2-kda"])
 def test_mosaic_flush_packed_codes_match_reference(bits, kda, opts):
     # The old codes unpacked and the new ones packed in registers, quantizers' planar layout; the
-    # default six Compensator Tokens (recon: the records' part on the tensor cores by default at
+    # default six Compensator Tokens (recon: the low-rank part on the tensor cores by default at
     # p = 16, else on the CUDA cores).
     config = LeapQuantConfig(bits=bits, window=16)
     assert config.effective_rank == 6
@@ -266,19 +266,25 @@ def test_mosaic_flush_lowers_packed_codes_for_cuda(bits, kda):
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_mosaic_flush_tensor_core_reconstruction(kda):
-    # recon="wgmma": the records' part of the reconstruction on the tensor cores from fp16 pieces
-    # of the scaled decayed keys. In the interpreter the same pieces meet through jnp.dot (ragged
-    # positions, dead slots, a head with no live record, GVA); lowered, the wgmma, its swizzled
-    # operands (the records' values copied in swizzled) and the swizzled state's loads and stores,
-    # each checked free of bank conflicts where the lowering is asked to.
+    # recon="wgmma" / "records": the reconstruction's low-rank part (or the records' alone) on the
+    # tensor cores from fp16 pieces of the scaled decayed keys. In the interpreter the same pieces
+    # meet through jnp.dot (ragged positions, dead slots, a head with no live record, GVA); lowered,
+    # the wgmma, its swizzled operands (the records' values copied in swizzled, the tokens' stored)
+    # and the swizzled state's loads and stores, each checked free of bank conflicts where the
+    # lowering is asked to.
     from jax import export
 
     config = LeapQuantConfig(bits=8, window=16)
     st, _ = live_state(config, jax.random.PRNGKey(60 + kda), 3, 2, 128, 128, kda, pos=[16, 11, 0], key_heads=1)
-    check_flush(config, st, flush=mosaic(programs=2, recon="wgmma", fit="fma"))
+    # the Compensator Tokens' part with the records' (GDN) or on the CUDA cores (KDA)
+    recon = "records" if kda else "wgmma"
+    check_flush(config, st, flush=mosaic(programs=2, recon=recon, fit="fma"))
+    # the tokens join the product where their operands fit in the state's second half: up to a window of 40
+    assert [mosaic_flush.mm_rows(p, 4, "wgmma") for p in (16, 32, 48)] == [80, 112, 96]
+    assert mosaic_flush.mm_rows(16, 4, "records") == 32 and mosaic_flush.mm_rows(16, 0, "wgmma") == 32
     for cfg in (config, LeapQuantConfig(bits=8, window=32)):
         st = state_shapes(cfg, 2, 2, 128, 128, kda)
-        f = jax.jit(lambda s, cfg=cfg: mosaic_flush.leapquant_flush(cfg, s, recon="wgmma", interpret=False))
+        f = jax.jit(lambda s, cfg=cfg: mosaic_flush.leapquant_flush(cfg, s, recon=recon, interpret=False))
         shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
         assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(shapes).mlir_module()
 
