@@ -585,9 +585,9 @@ def default_programs(config: LeapQuantConfig, per_channel: bool, n: int, dot: st
     most one per ``MIN_HEADS`` heads: three per SM at ``THREE_PER_SM_BITS`` bits and below where
     three fit in an SM's shared memory with ``stages`` heads in flight each (two where ``None``;
     ``smem_bytes``) and put at most ``THREE_PER_SM_GAIN`` times two's heads on the fullest SM
-    (``split_heads`` in multiples of ``head_grain``), else two. Why: at 4 and 2 bits the step's arithmetic (more code parts a byte,
-    six Compensator Tokens) outlasts its copies and a third program's warps hide it; at 8 and 6
-    bits a third program gained 1-2% (docs/performance.md)."""
+    (``split_heads`` in multiples of ``head_grain``), else two. Why: at 4 and 2 bits the step's
+    arithmetic (more code parts a byte, six Compensator Tokens) outlasts its copies and a third
+    program's warps hide it; at 8 and 6 bits a third program gained 1-2% (docs/performance.md)."""
     sms, grain = sm_count(), head_grain(config, per_channel)
     two, three = (max(1, min(k * sms, n // MIN_HEADS)) for k in (2, 3))
     if config.bits > THREE_PER_SM_BITS:
