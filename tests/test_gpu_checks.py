@@ -76,9 +76,10 @@ def test_mosaic_step_code_sums_match_reference(bits, kda):
 @pytest.mark.parametrize("bits", [8, 6, 4, 2])
 def test_mosaic_flush_matches_reference_compiled(bits, kda):
     # every reconstruction (the low-rank part on the tensor cores, the records' part alone there, or
-    # the CUDA cores) with the fit in fp32, compiled, every sequence flushed or only the full windows (both walks); below 8 bits the
-    # packed codes read and written in registers and the default six Compensator Tokens (check_flush:
-    # stored codes within one step of the reference's, the decoded state as close to the exact one)
+    # the CUDA cores) with the fit in fp32, compiled, every sequence flushed or only the full windows
+    # (both walks); below 8 bits the packed codes read and written in registers and the default six
+    # Compensator Tokens (check_flush: stored codes within one step of the reference's, the decoded
+    # state as close to the exact one)
     config = LeapQuantConfig(bits=bits, window=16)
     st, _ = mosaic_live_state("flush", config, 95 + bits + kda, [16, 5, 11, 16, 3, 16, 14, 0], kda)
     for recon in mosaic_flush.RECONS:
